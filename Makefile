@@ -1,0 +1,65 @@
+# The two commands a new user runs:
+#   make demo   set up .venv, build and install wuliang, run the demo
+#   make test   set up .venv, build and install, run lint and every test
+# Needs only Python >= 3.10 and a C++20 compiler; CMake, ninja, pybind11 and
+# the rest come from PyPI into .venv.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CPP_SOURCES := $(shell find ps_server/csrc -name '*.cc' -o -name '*.h')
+PY_SOURCES := $(shell find wuliang ps_server tests benchmarks -name '*.py' 2>/dev/null)
+SANITIZERS := thread address
+
+.PHONY: demo test install lint format cpp-test py-test bench bench-quick clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+
+# Reinstalls when the build description or any C++ source changes.
+$(VENV)/.installed: $(BIN)/python pyproject.toml CMakeLists.txt ps_server/csrc/CMakeLists.txt $(CPP_SOURCES)
+	$(BIN)/python -m pip install -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/wuliang demo
+
+test: install lint cpp-test py-test
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/clang-format --dry-run --Werror $(CPP_SOURCES)
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+	$(BIN)/clang-format -i $(CPP_SOURCES)
+
+# The engine's C++ tests, built and run under ThreadSanitizer and
+# AddressSanitizer (+UBSan).
+cpp-test: install
+	@set -e; for san in $(SANITIZERS); do \
+	  $(BIN)/cmake -S . -B build/$$san -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(BIN))/ninja \
+	    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DWULIANG_PYTHON=OFF -DWULIANG_TESTS=ON \
+	    -DWULIANG_SANITIZE=$$san > /dev/null; \
+	  $(BIN)/cmake --build build/$$san; \
+	  echo "== C++ tests under $$san sanitizer"; \
+	  (cd build/$$san && TSAN_OPTIONS=halt_on_error=1 ASAN_OPTIONS=detect_leaks=1 \
+	    UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 $(abspath $(BIN))/ctest --output-on-failure); \
+	done
+
+py-test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python benchmarks/ps_bench.py
+
+bench-quick: install
+	$(BIN)/python benchmarks/ps_bench.py --quick
+
+clean:
+	rm -rf build $(VENV)

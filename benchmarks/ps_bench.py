@@ -1,0 +1,199 @@
+"""Parameter-server engine benchmark: wuliang's engine vs a naive engine.
+
+Both engines hold the same table (N rows, dim 16, Adagrad, fp32) and are
+driven from one Python thread with batches of 100K keys drawn from a uniform
+and a Zipf(1.1) stream over the table's keys:
+
+* wuliang: the sharded engine (``--shards``, default 2 threads);
+* naive:   ``std::unordered_map`` behind one mutex, same row layout,
+           initializer and optimizer code, compiled in the same extension.
+
+pull = training pull (counts the sighting), push = Adagrad update with
+duplicate keys summed. Engines run one after the other so that each has the
+whole machine. The last line printed is one JSON object.
+
+    python benchmarks/ps_bench.py            # 16M rows
+    python benchmarks/ps_bench.py --quick    # 2M rows
+    python benchmarks/ps_bench.py --rows 50000000 --skip-naive
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from wuliang.ps_server import Adagrad, Engine, TableSpec, _engine
+
+DIM = 16
+META_BYTES = 24  # count, last-update step and time, version
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def table_keys(index: np.ndarray) -> np.ndarray:
+    """Key of row i: an odd-multiplier scramble, so keys look like hashes."""
+    return index.astype(np.uint64) * GOLDEN
+
+
+def zipf_indices(rng: np.random.Generator, n: int, rows: int, alpha: float) -> np.ndarray:
+    out = np.empty(0, dtype=np.int64)
+    while len(out) < n:
+        draw = rng.zipf(alpha, size=2 * n)
+        out = np.concatenate([out, draw[draw <= rows] - 1])
+    return out[:n]
+
+
+def make_streams(rows: int, batch: int, batches: int, seed: int) -> dict[str, list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    uniform = rng.integers(0, rows, size=batch * batches)
+    zipf = rng.permutation(rows)[zipf_indices(rng, batch * batches, rows, 1.1)]
+    return {
+        name: [table_keys(idx[i * batch : (i + 1) * batch]) for i in range(batches)]
+        for name, idx in (("uniform", uniform), ("zipf", zipf))
+    }
+
+
+def time_calls(fn: Callable[[np.ndarray], object], batches: list[np.ndarray], repeats: int) -> float:
+    """Best keys/s over `repeats` passes through the batches."""
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for keys in batches:
+            fn(keys)
+        elapsed = time.perf_counter() - t0
+        best = max(best, sum(len(k) for k in batches) / elapsed)
+    return best
+
+
+def run_engine(
+    name: str,
+    pull: Callable[[np.ndarray, np.ndarray], object],
+    push: Callable[[np.ndarray, np.ndarray], object],
+    rows: int,
+    streams: dict[str, list[np.ndarray]],
+    repeats: int,
+) -> dict[str, float]:
+    batch = len(streams["uniform"][0])
+    out = np.empty((batch, DIM), dtype=np.float32)
+    grads = np.random.default_rng(1).standard_normal((batch, DIM), dtype=np.float32) * 0.01
+    rss0 = rss_bytes()
+    t0 = time.perf_counter()
+    fill = 1 << 20
+    fill_out = np.empty((fill, DIM), dtype=np.float32)
+    for start in range(0, rows, fill):
+        keys = table_keys(np.arange(start, min(rows, start + fill)))
+        pull(keys, fill_out[: len(keys)])
+    fill_s = time.perf_counter() - t0
+    result = {"fill_rows_per_s": rows / fill_s, "rss_bytes": rss_bytes() - rss0}
+    for stream, batches in streams.items():
+        result[f"{stream}_pull"] = time_calls(lambda k: pull(k, out), batches, repeats)
+        result[f"{stream}_push"] = time_calls(lambda k: push(k, grads), batches, repeats)
+    print(
+        f"{name:8s} fill {result['fill_rows_per_s'] / 1e6:5.2f}M rows/s | "
+        + " | ".join(
+            f"{s} pull {result[f'{s}_pull'] / 1e6:5.1f}M push {result[f'{s}_push'] / 1e6:5.1f}M keys/s"
+            for s in streams
+        ),
+        flush=True,
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=16_000_000)
+    parser.add_argument("--quick", action="store_true", help="2M rows, fewer batches")
+    parser.add_argument("--batch", type=int, default=100_000)
+    parser.add_argument("--batches", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--skip-naive", action="store_true", help="only the wuliang engine")
+    args = parser.parse_args()
+    if args.quick:
+        args.rows, args.batches, args.repeats = 2_000_000, 10, 2
+
+    spec = TableSpec("bench", DIM, optimizer=Adagrad(learning_rate=0.05))
+    streams = make_streams(args.rows, args.batch, args.batches, seed=0)
+    print(
+        f"table: {args.rows:,} rows, dim {DIM}, Adagrad; {args.batches} batches of "
+        f"{args.batch:,} keys per stream",
+        flush=True,
+    )
+
+    engine = Engine(num_shards=args.shards)
+    engine.create_table(spec)
+    ours = run_engine(
+        f"wuliang/{args.shards}",
+        lambda k, out: engine.pull("bench", k, out=out),
+        lambda k, g: engine.push("bench", k, g),
+        args.rows,
+        streams,
+        args.repeats,
+    )
+    stats = engine.stats("bench")
+    engine.close()
+    del engine
+    gc.collect()
+
+    naive: dict[str, float] = {}
+    naive_bytes = 0
+    if not args.skip_naive:
+        baseline = _engine.NaiveEngine(spec.to_native())
+        naive = run_engine(
+            "naive",
+            lambda k, out: baseline.pull(k, True, out),
+            lambda k, g: baseline.push(k, g),
+            args.rows,
+            streams,
+            args.repeats,
+        )
+        naive_bytes = baseline.bytes()
+        del baseline
+
+    raw = 8 + 4 * DIM + 4 * spec.state_dim + META_BYTES
+    result = {
+        "rows": stats["rows"],
+        "dim": DIM,
+        "shards": args.shards,
+        "batch": args.batch,
+        "pull_keys_per_s": round(ours["uniform_pull"]),
+        "push_keys_per_s": round(ours["uniform_push"]),
+        "zipf_pull_keys_per_s": round(ours["zipf_pull"]),
+        "zipf_push_keys_per_s": round(ours["zipf_push"]),
+        "fill_rows_per_s": round(ours["fill_rows_per_s"]),
+        "bytes_per_row": round(stats["bytes"] / stats["rows"], 1),
+        "raw_bytes_per_row": raw,
+        "bytes_ratio": round(stats["bytes"] / stats["rows"] / raw, 3),
+        "table_bytes": stats["bytes"],
+        "rss_bytes": ours["rss_bytes"],
+    }
+    if naive:
+        result.update(
+            naive_pull_keys_per_s=round(naive["uniform_pull"]),
+            naive_push_keys_per_s=round(naive["uniform_push"]),
+            naive_zipf_pull_keys_per_s=round(naive["zipf_pull"]),
+            naive_zipf_push_keys_per_s=round(naive["zipf_push"]),
+            pull_speedup=round(ours["uniform_pull"] / naive["uniform_pull"], 2),
+            push_speedup=round(ours["uniform_push"] / naive["uniform_push"], 2),
+            zipf_pull_speedup=round(ours["zipf_pull"] / naive["zipf_pull"], 2),
+            zipf_push_speedup=round(ours["zipf_push"] / naive["zipf_push"], 2),
+            naive_bytes_per_row=round(naive_bytes / args.rows, 1),
+            naive_rss_bytes=naive["rss_bytes"],
+        )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+// Python bindings of the engine: type conversion only. Every batch call
+// releases the GIL; keys are read in place from contiguous int64/uint64
+// arrays. Argument checking with friendly messages happens in
+// wuliang/ps_server/engine.py; the checks here only keep memory safe.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <string>
+
+#include "wuliang/ps/engine.h"
+#include "wuliang/ps/hash.h"
+#include "wuliang/ps/naive_engine.h"
+
+namespace py = pybind11;
+using namespace pybind11::literals;
+using namespace wuliang::ps;
+
+namespace {
+
+struct KeyArray {
+  const uint64_t* data;
+  size_t size;
+};
+
+KeyArray Keys(const py::array& keys, const char* what = "keys") {
+  const py::dtype dt = keys.dtype();
+  if (dt.itemsize() != 8 || (dt.kind() != 'i' && dt.kind() != 'u')) {
+    throw py::type_error(std::string(what) + " must be int64 or uint64, got " +
+                         std::string(py::str(dt)));
+  }
+  if (keys.ndim() != 1) throw py::value_error(std::string(what) + " must be 1-D");
+  if (!(keys.flags() & py::array::c_style)) {
+    throw py::value_error(std::string(what) + " must be C-contiguous");
+  }
+  return {static_cast<const uint64_t*>(keys.data()), static_cast<size_t>(keys.shape(0))};
+}
+
+// A column argument: None, or a C-contiguous array of exactly dtype T with
+// rows * width values. Never converts, so the pointer stays valid while the
+// caller holds obj.
+template <class T>
+T* Column(const py::object& obj, size_t rows, size_t width, const char* name) {
+  if (obj.is_none()) return nullptr;
+  if (!py::isinstance<py::array>(obj)) throw py::type_error(std::string(name) + " must be a numpy array");
+  const auto arr = py::reinterpret_borrow<py::array>(obj);
+  const py::dtype want = py::dtype::of<T>();
+  if (arr.dtype().num() != want.num() || !(arr.flags() & py::array::c_style)) {
+    throw py::type_error(std::string(name) + " must be a C-contiguous " + std::string(py::str(want)) +
+                         " array, got " + std::string(py::str(arr.dtype())));
+  }
+  if (static_cast<size_t>(arr.size()) != rows * width) {
+    throw py::value_error(std::string(name) + " has " + std::to_string(arr.size()) +
+                          " values, expected " + std::to_string(rows * width));
+  }
+  return const_cast<T*>(static_cast<const T*>(arr.data()));
+}
+
+py::dict StatsDict(const TableStats& t) {
+  return py::dict("rows"_a = t.rows, "bytes"_a = t.bytes(), "row_bytes"_a = t.row_bytes,
+                  "index_bytes"_a = t.index_bytes, "pending_keys"_a = t.pending_keys,
+                  "pending_bytes"_a = t.pending_bytes, "removed_log"_a = t.removed_log,
+                  "pulled_keys"_a = t.pulled_keys, "pull_misses"_a = t.pull_misses,
+                  "pushed_keys"_a = t.pushed_keys, "inserted"_a = t.inserted,
+                  "admitted"_a = t.admitted, "dropped_pending"_a = t.dropped_pending,
+                  "dropped_nan"_a = t.dropped_nan, "pending_forgotten"_a = t.pending_forgotten,
+                  "erased"_a = t.erased, "evicted_ttl"_a = t.evicted_ttl,
+                  "evicted_min_count"_a = t.evicted_min_count, "evicted_lfu"_a = t.evicted_lfu,
+                  "rows_moved"_a = t.rows_moved, "chunks_released"_a = t.chunks_released);
+}
+
+py::array_t<float> PullInto(int dim, size_t n, const py::object& out) {
+  if (out.is_none()) return py::array_t<float>({n, static_cast<size_t>(dim)});
+  Column<float>(out, n, dim, "out");
+  auto arr = py::reinterpret_borrow<py::array_t<float>>(out);
+  if (!arr.writeable()) throw py::value_error("out must be writeable");
+  return arr;
+}
+
+void BindSpecs(py::module_& m) {
+  py::enum_<OptimizerKind>(m, "OptimizerKind")
+      .value("SGD", OptimizerKind::kSgd)
+      .value("ADAGRAD", OptimizerKind::kAdagrad)
+      .value("ADAM", OptimizerKind::kAdam)
+      .value("FTRL", OptimizerKind::kFtrl);
+  py::enum_<InitKind>(m, "InitKind")
+      .value("NORMAL", InitKind::kNormal)
+      .value("TRUNCATED_NORMAL", InitKind::kTruncatedNormal)
+      .value("UNIFORM", InitKind::kUniform)
+      .value("ZEROS", InitKind::kZeros)
+      .value("CONSTANT", InitKind::kConstant);
+  py::enum_<NanPolicy>(m, "NanPolicy").value("DROP", NanPolicy::kDrop).value("RAISE", NanPolicy::kRaise);
+
+  py::class_<OptimizerSpec>(m, "OptimizerSpec")
+      .def(py::init<>())
+      .def_readwrite("kind", &OptimizerSpec::kind)
+      .def_readwrite("learning_rate", &OptimizerSpec::learning_rate)
+      .def_readwrite("initial_accumulator", &OptimizerSpec::initial_accumulator)
+      .def_readwrite("epsilon", &OptimizerSpec::epsilon)
+      .def_readwrite("beta1", &OptimizerSpec::beta1)
+      .def_readwrite("beta2", &OptimizerSpec::beta2)
+      .def_readwrite("beta", &OptimizerSpec::beta)
+      .def_readwrite("l1", &OptimizerSpec::l1)
+      .def_readwrite("l2", &OptimizerSpec::l2)
+      .def_readwrite("clip_norm", &OptimizerSpec::clip_norm);
+  py::class_<InitSpec>(m, "InitSpec")
+      .def(py::init<>())
+      .def_readwrite("kind", &InitSpec::kind)
+      .def_readwrite("mean", &InitSpec::mean)
+      .def_readwrite("stddev", &InitSpec::stddev)
+      .def_readwrite("minval", &InitSpec::minval)
+      .def_readwrite("maxval", &InitSpec::maxval)
+      .def_readwrite("value", &InitSpec::value);
+  py::class_<AdmissionSpec>(m, "AdmissionSpec")
+      .def(py::init<>())
+      .def_readwrite("min_count", &AdmissionSpec::min_count)
+      .def_readwrite("pending_capacity", &AdmissionSpec::pending_capacity);
+  py::class_<EvictionSpec>(m, "EvictionSpec")
+      .def(py::init<>())
+      .def_readwrite("ttl_steps", &EvictionSpec::ttl_steps)
+      .def_readwrite("ttl_seconds", &EvictionSpec::ttl_seconds)
+      .def_readwrite("min_count", &EvictionSpec::min_count)
+      .def_readwrite("max_rows", &EvictionSpec::max_rows);
+  py::class_<TableSpec>(m, "TableSpec")
+      .def(py::init<>())
+      .def_readwrite("name", &TableSpec::name)
+      .def_readwrite("dim", &TableSpec::dim)
+      .def_readwrite("optimizer", &TableSpec::optimizer)
+      .def_readwrite("initializer", &TableSpec::initializer)
+      .def_readwrite("seed", &TableSpec::seed)
+      .def_readwrite("admission", &TableSpec::admission)
+      .def_readwrite("eviction", &TableSpec::eviction)
+      .def_readwrite("nan_policy", &TableSpec::nan_policy);
+  m.def("state_dim", &StateDim, "kind"_a, "dim"_a);
+}
+
+void BindEngine(py::module_& m) {
+  py::class_<ExportCursor>(m, "ExportCursor")
+      .def(py::init<>())
+      .def_readonly("shard", &ExportCursor::shard)
+      .def_readonly("slot", &ExportCursor::slot)
+      .def_readonly("done", &ExportCursor::done);
+
+  using Release = py::call_guard<py::gil_scoped_release>;
+  py::class_<Engine>(m, "Engine")
+      .def(py::init([](int num_shards) {
+             EngineOptions options;
+             options.num_shards = num_shards;
+             return std::make_unique<Engine>(options);
+           }),
+           "num_shards"_a)
+      .def_property_readonly("num_shards", &Engine::num_shards)
+      .def("create_table", &Engine::CreateTable, "spec"_a, Release())
+      .def("drop_table", &Engine::DropTable, "name"_a, Release())
+      .def("table_id", &Engine::TableId, "name"_a)
+      .def("spec", &Engine::Spec, "table"_a, py::return_value_policy::copy)
+      .def("table_names", &Engine::TableNames)
+      .def(
+          "pull",
+          [](Engine& e, int table, const py::array& keys, bool train, const py::object& out) {
+            const KeyArray k = Keys(keys);
+            py::array_t<float> result = PullInto(e.Spec(table).dim, k.size, out);
+            float* dst = result.mutable_data();
+            py::gil_scoped_release release;
+            e.Pull(table, k.data, k.size, dst, train);
+            return result;
+          },
+          "table"_a, "keys"_a, "train"_a = true, "out"_a = py::none())
+      .def(
+          "push",
+          [](Engine& e, int table, const py::array& keys, const py::object& grads, bool unique) {
+            const KeyArray k = Keys(keys);
+            const float* g = Column<float>(grads, k.size, e.Spec(table).dim, "grads");
+            py::gil_scoped_release release;
+            const PushResult r = e.Push(table, k.data, k.size, g, unique);
+            py::gil_scoped_acquire acquire;
+            return py::dict("applied"_a = r.applied, "dropped_nan"_a = r.dropped_nan,
+                            "dropped_pending"_a = r.dropped_pending, "duplicates"_a = r.duplicates);
+          },
+          "table"_a, "keys"_a, "grads"_a, "unique"_a = false)
+      .def(
+          "erase",
+          [](Engine& e, int table, const py::array& keys) {
+            const KeyArray k = Keys(keys);
+            py::gil_scoped_release release;
+            return e.Erase(table, k.data, k.size);
+          },
+          "table"_a, "keys"_a)
+      .def(
+          "contains",
+          [](Engine& e, int table, const py::array& keys) {
+            const KeyArray k = Keys(keys);
+            py::array_t<bool> out(k.size);
+            auto* dst = reinterpret_cast<uint8_t*>(out.mutable_data());
+            py::gil_scoped_release release;
+            e.Contains(table, k.data, k.size, dst);
+            return out;
+          },
+          "table"_a, "keys"_a)
+      .def(
+          "evict",
+          [](Engine& e, int table) {
+            EvictResult r;
+            {
+              py::gil_scoped_release release;
+              r = e.Evict(table);
+            }
+            return py::dict("ttl"_a = r.ttl, "min_count"_a = r.min_count, "lfu"_a = r.lfu,
+                            "total"_a = r.total());
+          },
+          "table"_a)
+      .def(
+          "stats",
+          [](Engine& e, int table) {
+            TableStats t;
+            {
+              py::gil_scoped_release release;
+              t = e.Stats(table);
+            }
+            return StatsDict(t);
+          },
+          "table"_a)
+      .def(
+          "export_chunk",
+          [](Engine& e, int table, uint64_t since, size_t max_rows, ExportCursor& cursor) {
+            const TableSpec& spec = e.Spec(table);
+            const size_t state_dim = StateDim(spec.optimizer.kind, spec.dim);
+            py::array_t<uint64_t> keys(max_rows);
+            py::array_t<float> weights({max_rows, static_cast<size_t>(spec.dim)});
+            py::array_t<float> state({max_rows, state_dim});
+            py::array_t<uint32_t> counts(max_rows), times(max_rows);
+            py::array_t<uint64_t> steps(max_rows), versions(max_rows);
+            RowColumns out{keys.mutable_data(),  weights.mutable_data(), state.mutable_data(),
+                           counts.mutable_data(), steps.mutable_data(),  times.mutable_data(),
+                           versions.mutable_data()};
+            size_t n;
+            {
+              py::gil_scoped_release release;
+              n = e.Export(table, since, max_rows, &cursor, out);
+            }
+            const py::slice head(0, static_cast<py::ssize_t>(n), 1);
+            return py::dict("keys"_a = keys[head], "weights"_a = weights[head],
+                            "state"_a = state[head], "counts"_a = counts[head],
+                            "steps"_a = steps[head], "times"_a = times[head],
+                            "versions"_a = versions[head]);
+          },
+          "table"_a, "since"_a, "max_rows"_a, "cursor"_a)
+      .def(
+          "removed_keys",
+          [](Engine& e, int table, uint64_t since) {
+            std::vector<uint64_t> keys;
+            {
+              py::gil_scoped_release release;
+              keys = e.RemovedKeys(table, since);
+            }
+            py::array_t<uint64_t> out(keys.size());
+            if (!keys.empty()) std::memcpy(out.mutable_data(), keys.data(), keys.size() * 8);
+            return out;
+          },
+          "table"_a, "since"_a)
+      .def("trim_removed", &Engine::TrimRemoved, "table"_a, "upto"_a, Release())
+      .def(
+          "load",
+          [](Engine& e, int table, const py::array& keys, const py::object& weights,
+             const py::object& state, const py::object& counts, const py::object& steps,
+             const py::object& times, const py::object& versions) {
+            const KeyArray k = Keys(keys);
+            const TableSpec& spec = e.Spec(table);
+            const size_t n = k.size;
+            RowColumns rows;
+            rows.keys = const_cast<uint64_t*>(k.data);
+            rows.weights = Column<float>(weights, n, spec.dim, "weights");
+            rows.state =
+                Column<float>(state, n, StateDim(spec.optimizer.kind, spec.dim), "state");
+            rows.counts = Column<uint32_t>(counts, n, 1, "counts");
+            rows.steps = Column<uint64_t>(steps, n, 1, "steps");
+            rows.times = Column<uint32_t>(times, n, 1, "times");
+            rows.versions = Column<uint64_t>(versions, n, 1, "versions");
+            py::gil_scoped_release release;
+            e.Load(table, n, rows);
+          },
+          "table"_a, "keys"_a, "weights"_a, "state"_a = py::none(), "counts"_a = py::none(),
+          "steps"_a = py::none(), "times"_a = py::none(), "versions"_a = py::none())
+      .def_property("step", &Engine::step, &Engine::SetStep)
+      .def_property_readonly("version", &Engine::version)
+      .def("advance_version", &Engine::AdvanceVersion);
+}
+
+void BindNaive(py::module_& m) {
+  py::class_<NaiveEngine>(m, "NaiveEngine")
+      .def(py::init<const TableSpec&>(), "spec"_a)
+      .def(
+          "pull",
+          [](NaiveEngine& e, const py::array& keys, bool train, const py::object& out) {
+            const KeyArray k = Keys(keys);
+            py::array_t<float> result = PullInto(e.dim(), k.size, out);
+            float* dst = result.mutable_data();
+            py::gil_scoped_release release;
+            e.Pull(k.data, k.size, dst, train);
+            return result;
+          },
+          "keys"_a, "train"_a = true, "out"_a = py::none())
+      .def(
+          "push",
+          [](NaiveEngine& e, const py::array& keys, const py::object& grads) {
+            const KeyArray k = Keys(keys);
+            const float* g = Column<float>(grads, k.size, e.dim(), "grads");
+            py::gil_scoped_release release;
+            e.Push(k.data, k.size, g);
+          },
+          "keys"_a, "grads"_a)
+      .def_property_readonly("dim", &NaiveEngine::dim)
+      .def("rows", &NaiveEngine::rows)
+      .def("bytes", &NaiveEngine::bytes);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_engine, m) {
+  m.doc() = "wuliang parameter-server engine (C++)";
+  BindSpecs(m);
+  BindEngine(m);
+  BindNaive(m);
+  m.def(
+      "shard_of",
+      [](const py::array& keys, uint32_t num_shards) {
+        const KeyArray k = Keys(keys);
+        if (num_shards == 0) throw py::value_error("num_shards must be >= 1");
+        py::array_t<uint32_t> out(k.size);
+        uint32_t* dst = out.mutable_data();
+        py::gil_scoped_release release;
+        ShardOfBatch(k.data, k.size, num_shards, dst);
+        return out;
+      },
+      "keys"_a, "num_shards"_a);
+}

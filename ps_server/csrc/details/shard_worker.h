@@ -1,0 +1,49 @@
+// One worker thread per shard, fed by a lock-free multi-producer queue.
+//
+// Producers (any thread) Enqueue tasks; the worker runs them in FIFO order.
+// The queue is Vyukov's intrusive MPSC list; an atomic "ticket" counter with
+// C++20 atomic wait/notify puts an idle worker to sleep without a mutex.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <thread>
+
+namespace wuliang::ps::details {
+
+struct Task {
+  std::atomic<Task*> next{nullptr};
+  void (*run)(Task* self) = nullptr;  // must not throw
+};
+
+class MpscQueue {
+ public:
+  MpscQueue() : head_(&stub_), tail_(&stub_) {}
+  void Push(Task* task);  // any thread
+  Task* Pop();            // consumer only; nullptr when empty (or mid-push)
+
+ private:
+  std::atomic<Task*> head_;  // most recently pushed
+  Task* tail_;               // next to pop
+  Task stub_;
+};
+
+class ShardWorker {
+ public:
+  ShardWorker();
+  ~ShardWorker();  // runs the tasks already queued, then joins
+  ShardWorker(const ShardWorker&) = delete;
+  ShardWorker& operator=(const ShardWorker&) = delete;
+
+  void Enqueue(Task* task);
+
+ private:
+  void Loop();
+
+  MpscQueue queue_;
+  std::atomic<uint32_t> tickets_{0};  // bumped after every push
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+}  // namespace wuliang::ps::details

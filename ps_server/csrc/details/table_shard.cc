@@ -1,0 +1,427 @@
+#include "details/table_shard.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "details/initializer.h"
+#include "details/optimizers.h"
+#include "wuliang/ps/hash.h"
+
+namespace wuliang::ps::details {
+namespace {
+
+#ifndef WL_SLOTS_AHEAD
+#define WL_SLOTS_AHEAD 32
+#define WL_ROWS_AHEAD 16
+#endif
+constexpr size_t kSlotsAhead = WL_SLOTS_AHEAD;  // prefetch distance of index probes
+constexpr size_t kRowsAhead = WL_ROWS_AHEAD;  // prefetch distance of row reads
+
+// Copies n floats. Whole 64-byte blocks are fixed-size moves (inlined); a
+// plain loop would be turned into a libc memmove call per row.
+inline void CopyFloats(float* __restrict dst, const float* __restrict src, int n) {
+  int j = 0;
+  for (; j + 16 <= n; j += 16) std::memcpy(dst + j, src + j, 64);
+  for (; j + 4 <= n; j += 4) std::memcpy(dst + j, src + j, 16);
+  for (; j < n; ++j) dst[j] = src[j];
+}
+
+// Prefetches each cache line of [p, p + bytes) once, to read or to write.
+template <bool kWrite>
+void PrefetchBytes(const char* p, size_t bytes) {
+  const auto first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
+  const auto last = reinterpret_cast<uintptr_t>(p + bytes - 1) & ~uintptr_t{63};
+  for (uintptr_t line = first; line <= last; line += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(line), kWrite);
+  }
+}
+
+}  // namespace
+
+TableShard::TableShard(const TableDef& def)
+    : spec_(def.spec),
+      layout_(def.layout),
+      pool_(def.layout.hot_stride, def.layout.cold_stride),
+      pending_(def.spec.admission.pending_capacity) {}
+
+TableShard::~TableShard() = default;
+
+Slice TableShard::Select(const ShardBatch& b) {
+  if (!b.filter) {
+    const Slice s{b.keys, b.order, b.begin, b.end};
+    hashes_.resize(s.size());
+    for (size_t k = 0; k < s.size(); ++k) hashes_[k] = Mix64(s.key(k));
+    return s;
+  }
+  hashes_.resize(b.n);
+  order_.resize(b.n);
+  size_t m = 0;
+  for (size_t i = 0; i < b.n; ++i) {
+    const uint64_t h = Mix64(b.keys[i]);
+    hashes_[m] = h;
+    order_[m] = static_cast<uint32_t>(i);
+    m += ShardOfHash(h, b.num_shards) == b.shard;
+  }
+  hashes_.resize(m);
+  return Slice{b.keys, order_.data(), 0, m};
+}
+
+char* TableShard::CreateRow(uint64_t key, uint64_t hash, const Clock& clock, uint32_t count) {
+  char* row = pool_.Allocate();
+  char* cold = pool_.Cold(row);
+  RowMeta* meta = RowLayout::Meta(cold);
+  meta->update_step = clock.step;
+  meta->version = clock.version;
+  meta->update_time = clock.now;
+  meta->count = count;
+  InitializeWeights(spec_.initializer, spec_.seed, key, layout_.dim, RowLayout::Weights(row));
+  InitState(spec_.optimizer, layout_.dim, RowLayout::State(cold));
+  try {
+    *index_.InsertNew(key, hash) = row;
+  } catch (...) {
+    pool_.Free(row);
+    throw;
+  }
+  ++counters_.inserted;
+  return row;
+}
+
+// A new row's count is the sightings before this one; the push of this
+// batch adds the current one.
+char* TableShard::Admit(uint64_t key, uint64_t hash, const Clock& clock) {
+  const uint32_t min_count = spec_.admission.min_count;
+  if (min_count <= 1) return CreateRow(key, hash, clock, 0);
+  const uint32_t seen = pending_.Observe(key, hash);
+  if (seen < min_count) return nullptr;
+  pending_.Forget(key, hash);
+  ++counters_.admitted;
+  return CreateRow(key, hash, clock, seen - 1);
+}
+
+void TableShard::RemoveRow(uint64_t key, uint64_t hash, const Clock& clock) {
+  char* row = index_.Erase(key, hash);
+  if (row == nullptr) return;
+  pool_.Free(row);
+  removed_.emplace_back(key, clock.version);
+}
+
+char* TableShard::Resolve(const Slice& s, size_t k, Create create, const Clock& clock) {
+  const uint64_t key = s.key(k);
+  char** found = index_.Find(key, hashes_[k]);
+  if (found != nullptr) return *found;
+  switch (create) {
+    case Create::kNever:
+      return nullptr;
+    case Create::kAdmit:
+      return Admit(key, hashes_[k], clock);
+    case Create::kAlways:
+      return CreateRow(key, hashes_[k], clock, 0);
+  }
+  return nullptr;
+}
+
+// A two-stage software pipeline over the slice: index slots are prefetched
+// kSlotsAhead + kRowsAhead keys ahead, rows are resolved (found or created)
+// and prefetched kRowsAhead keys ahead, and visit(k, row) runs last.
+template <class Visit>
+void TableShard::Pipeline(const Slice& s, Create create, const Clock& clock, bool cold,
+                          Visit&& visit) {
+  const auto prefetch = [&](char* row) {
+    if (row == nullptr) return;
+    if (cold) {  // an update: hot and cold parts are written
+      PrefetchBytes<true>(row, layout_.hot_stride);
+      PrefetchBytes<true>(pool_.Cold(row), layout_.cold_stride);
+    } else {
+      PrefetchBytes<false>(row, layout_.hot_stride);
+    }
+  };
+  const size_t n = s.size();
+  constexpr size_t kAhead = kSlotsAhead + kRowsAhead;
+  for (size_t k = 0; k < std::min(n, kAhead); ++k) index_.Prefetch(hashes_[k]);
+  char* ring[kRowsAhead];
+  for (size_t k = 0; k < std::min(n, kRowsAhead); ++k) {
+    ring[k] = Resolve(s, k, create, clock);
+    prefetch(ring[k]);
+  }
+  for (size_t k = 0; k < n; ++k) {
+    if (k + kAhead < n) index_.Prefetch(hashes_[k + kAhead]);
+    char* row = ring[k % kRowsAhead];
+    if (k + kRowsAhead < n) {
+      char* ahead = Resolve(s, k + kRowsAhead, create, clock);
+      prefetch(ahead);
+      ring[k % kRowsAhead] = ahead;
+    }
+    visit(k, row);
+  }
+}
+
+void TableShard::Pull(const ShardBatch& batch, float* out, bool train, const Clock& clock) {
+  const Slice s = Select(batch);
+  const int dim = layout_.dim;
+  uint64_t misses = 0;
+  // Read-only for existing rows (counts advance on push), so pulled rows
+  // stay clean in cache and cost no write-back.
+  Pipeline(s, train ? Create::kAdmit : Create::kNever, clock, /*cold=*/false,
+           [&](size_t k, char* row) {
+             float* dst = out + s.pos(k) * dim;
+             if (row != nullptr) {
+               CopyFloats(dst, RowLayout::Weights(row), dim);
+             } else {
+               InitializeWeights(spec_.initializer, spec_.seed, s.key(k), dim, dst);
+               ++misses;
+             }
+           });
+  counters_.pulled_keys += s.size();
+  counters_.pull_misses += misses;
+}
+
+const std::vector<int32_t>& TableShard::GroupDuplicates(const Slice& s, const float* grads,
+                                                        uint64_t* duplicates) {
+  groups_.clear();
+  const size_t n = s.size();
+  if (n < 2) return groups_;
+  size_t capacity = 1;
+  while (capacity < 2 * n) capacity <<= 1;
+  const size_t mask = capacity - 1;
+  dedup_.assign(capacity, 0);  // k + 1 of the first occurrence, 0 = empty
+  std::vector<std::pair<uint32_t, uint32_t>> repeats;  // (k, first k)
+  for (size_t k = 0; k < n; ++k) {
+    const uint64_t h = hashes_[k];  // Mix64 is a bijection: equal hash <=> equal key
+    for (size_t i = h & mask;; i = (i + 1) & mask) {
+      const uint32_t e = dedup_[i];
+      if (e == 0) {
+        dedup_[i] = static_cast<uint32_t>(k + 1);
+        break;
+      }
+      if (hashes_[e - 1] == h) {
+        repeats.emplace_back(static_cast<uint32_t>(k), e - 1);
+        break;
+      }
+    }
+  }
+  if (repeats.empty()) return groups_;
+  *duplicates += repeats.size();
+  const int dim = layout_.dim;
+  groups_.assign(n, -1);
+  sums_.clear();
+  for (const auto& [k, first] : repeats) {
+    int32_t& group = groups_[first];
+    if (group < 0) {
+      group = static_cast<int32_t>(sums_.size() / dim);
+      const float* g = grads + s.pos(first) * dim;
+      sums_.insert(sums_.end(), g, g + dim);
+    }
+    groups_[k] = -2;
+    const float* g = grads + s.pos(k) * dim;
+    float* sum = sums_.data() + static_cast<size_t>(group) * dim;
+    for (int j = 0; j < dim; ++j) sum[j] += g[j];
+  }
+  return groups_;
+}
+
+void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, const Clock& clock,
+                      PushResult* result) {
+  const Slice s = Select(batch);
+  const std::vector<int32_t>* groups = nullptr;
+  if (!unique) {
+    const auto& g = GroupDuplicates(s, grads, &result->duplicates);
+    if (!g.empty()) groups = &g;
+  }
+  const OptimizerSpec& opt = spec_.optimizer;
+  const int dim = layout_.dim;
+  const Create create = spec_.admission.min_count <= 1 ? Create::kAdmit : Create::kNever;
+  Pipeline(s, create, clock, /*cold=*/true, [&](size_t k, char* row) {
+    if (row == nullptr) {
+      ++result->dropped_pending;
+      return;
+    }
+    const float* g = grads + s.pos(k) * dim;
+    if (groups != nullptr) {
+      const int32_t group = (*groups)[k];
+      if (group == -2) return;
+      if (group >= 0) g = sums_.data() + static_cast<size_t>(group) * dim;
+    }
+    if (!AllFinite(g, dim)) {
+      ++result->dropped_nan;
+      return;
+    }
+    char* cold = pool_.Cold(row);
+    ApplyUpdate(opt, dim, RowLayout::Weights(row), RowLayout::State(cold), g,
+                ClipScale(opt, g, dim));
+    RowMeta* meta = RowLayout::Meta(cold);
+    meta->update_step = clock.step;
+    meta->update_time = clock.now;
+    meta->version = clock.version;
+    BumpCount(meta);
+    ++result->applied;
+  });
+  counters_.pushed_keys += s.size();
+  counters_.dropped_pending += result->dropped_pending;
+  counters_.dropped_nan += result->dropped_nan;
+}
+
+uint64_t TableShard::Erase(const ShardBatch& batch, const Clock& clock) {
+  const Slice s = Select(batch);
+  const uint64_t before = index_.size();
+  for (size_t k = 0; k < s.size(); ++k) {
+    RemoveRow(s.key(k), hashes_[k], clock);
+    if (spec_.admission.min_count > 1) pending_.Forget(s.key(k), hashes_[k]);
+  }
+  const uint64_t erased = before - index_.size();
+  counters_.erased += erased;
+  return erased;
+}
+
+void TableShard::Contains(const ShardBatch& batch, uint8_t* out) {
+  const Slice s = Select(batch);
+  for (size_t k = 0; k < s.size(); ++k) {
+    out[s.pos(k)] = index_.Find(s.key(k), hashes_[k]) != nullptr ? 1 : 0;
+  }
+}
+
+void TableShard::Load(const ShardBatch& batch, const RowColumns& cols, const Clock& clock) {
+  const Slice s = Select(batch);
+  const int dim = layout_.dim;
+  const int state_dim = layout_.state_dim;
+  Pipeline(s, Create::kAlways, clock, /*cold=*/true, [&](size_t k, char* row) {
+    const size_t p = s.pos(k);
+    char* cold = pool_.Cold(row);
+    CopyFloats(RowLayout::Weights(row), cols.weights + p * dim, dim);
+    if (cols.state != nullptr) {
+      CopyFloats(RowLayout::State(cold), cols.state + p * state_dim, state_dim);
+    } else {
+      InitState(spec_.optimizer, dim, RowLayout::State(cold));
+    }
+    RowMeta* meta = RowLayout::Meta(cold);
+    meta->count = cols.counts != nullptr ? cols.counts[p] : 0;
+    meta->update_step = cols.steps != nullptr ? cols.steps[p] : clock.step;
+    meta->update_time = cols.times != nullptr ? cols.times[p] : clock.now;
+    meta->version = cols.versions != nullptr ? cols.versions[p] : clock.version;
+  });
+}
+
+void TableShard::EvictByAge(const Clock& clock, EvictResult* result) {
+  const EvictionSpec& e = spec_.eviction;
+  std::vector<uint64_t> expired, rare;
+  index_.ForEach([&](uint64_t key, char* row) {
+    const RowMeta* m = RowLayout::Meta(pool_.Cold(row));
+    const bool old_by_steps =
+        e.ttl_steps != 0 && clock.step > m->update_step && clock.step - m->update_step > e.ttl_steps;
+    const bool old_by_time = e.ttl_seconds != 0 && clock.now > m->update_time &&
+                             clock.now - m->update_time > e.ttl_seconds;
+    if (old_by_steps || old_by_time) {
+      expired.push_back(key);
+    } else if (e.min_count != 0 && m->count < e.min_count && m->update_step < prev_evict_step_) {
+      rare.push_back(key);
+    }
+  });
+  prev_evict_step_ = clock.step;
+  for (uint64_t key : expired) RemoveRow(key, Mix64(key), clock);
+  for (uint64_t key : rare) RemoveRow(key, Mix64(key), clock);
+  result->ttl += expired.size();
+  result->min_count += rare.size();
+  counters_.evicted_ttl += expired.size();
+  counters_.evicted_min_count += rare.size();
+}
+
+void TableShard::CountHistogram(std::vector<uint64_t>* histogram) const {
+  index_.ForEach([&](uint64_t, char* row) {
+    const uint32_t count = RowLayout::Meta(pool_.Cold(row))->count;
+    ++(*histogram)[std::min<size_t>(count, kHistogramBuckets - 1)];
+  });
+}
+
+void TableShard::EvictLeastFrequent(uint32_t threshold, uint64_t quota_at_threshold,
+                                    const Clock& clock, EvictResult* result) {
+  std::vector<uint64_t> victims;
+  std::vector<std::pair<uint64_t, uint64_t>> at_threshold;  // (update step, key)
+  index_.ForEach([&](uint64_t key, char* row) {
+    const RowMeta* m = RowLayout::Meta(pool_.Cold(row));
+    const size_t bucket = std::min<size_t>(m->count, kHistogramBuckets - 1);
+    if (bucket < threshold) {
+      victims.push_back(key);
+    } else if (bucket == threshold && quota_at_threshold > 0) {
+      at_threshold.emplace_back(m->update_step, key);
+    }
+  });
+  const size_t quota = std::min<size_t>(quota_at_threshold, at_threshold.size());
+  std::nth_element(at_threshold.begin(), at_threshold.begin() + quota, at_threshold.end());
+  for (size_t i = 0; i < quota; ++i) victims.push_back(at_threshold[i].second);
+  for (uint64_t key : victims) RemoveRow(key, Mix64(key), clock);
+  result->lfu += victims.size();
+  counters_.evicted_lfu += victims.size();
+}
+
+void TableShard::Compact() {
+  if (pool_.BeginCompaction(0.75)) {
+    index_.ForEach([&](uint64_t, char*& row) {
+      if (pool_.IsDraining(row)) {
+        row = pool_.Relocate(row);
+        ++counters_.rows_moved;
+      }
+    });
+    pool_.EndCompaction();
+  }
+  index_.MaybeShrink();
+}
+
+size_t TableShard::Export(uint64_t since, size_t max_rows, uint64_t* slot, const RowColumns& out,
+                          size_t offset, bool* done) const {
+  const size_t capacity = index_.capacity();
+  const int dim = layout_.dim;
+  const int state_dim = layout_.state_dim;
+  size_t written = 0;
+  size_t i = *slot;
+  for (; i < capacity && written < max_rows; ++i) {
+    if (i + kRowsAhead < capacity) {
+      const auto& ahead = index_.slot(i + kRowsAhead);
+      if (index_.Occupied(ahead)) {
+        PrefetchBytes<false>(ahead.value, layout_.hot_stride);
+        PrefetchBytes<false>(pool_.Cold(ahead.value), layout_.cold_stride);
+      }
+    }
+    const auto& entry = index_.slot(i);
+    if (!index_.Occupied(entry)) continue;
+    char* row = entry.value;
+    char* cold = pool_.Cold(row);
+    const RowMeta* meta = RowLayout::Meta(cold);
+    if (meta->version <= since) continue;
+    const size_t o = offset + written;
+    if (out.keys != nullptr) out.keys[o] = entry.key;
+    if (out.weights != nullptr) CopyFloats(out.weights + o * dim, RowLayout::Weights(row), dim);
+    if (out.state != nullptr) CopyFloats(out.state + o * state_dim, RowLayout::State(cold), state_dim);
+    if (out.counts != nullptr) out.counts[o] = meta->count;
+    if (out.steps != nullptr) out.steps[o] = meta->update_step;
+    if (out.times != nullptr) out.times[o] = meta->update_time;
+    if (out.versions != nullptr) out.versions[o] = meta->version;
+    ++written;
+  }
+  *slot = i;
+  *done = i >= capacity;
+  return written;
+}
+
+void TableShard::RemovedSince(uint64_t since, std::vector<uint64_t>* keys) const {
+  for (const auto& [key, version] : removed_) {
+    if (version > since) keys->push_back(key);
+  }
+}
+
+void TableShard::TrimRemoved(uint64_t upto) {
+  std::erase_if(removed_, [upto](const auto& r) { return r.second <= upto; });
+}
+
+TableStats TableShard::Snapshot() const {
+  TableStats t = counters_;
+  t.rows = index_.size();
+  t.row_bytes = pool_.bytes();
+  t.index_bytes = index_.bytes();
+  t.pending_keys = pending_.size();
+  t.pending_bytes = pending_.bytes();
+  t.removed_log = removed_.size();
+  t.pending_forgotten = pending_.forgotten();
+  t.chunks_released = pool_.chunks_released();
+  return t;
+}
+
+}  // namespace wuliang::ps::details

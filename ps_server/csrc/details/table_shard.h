@@ -1,0 +1,131 @@
+// One table's rows on one shard: hash index + memory pool + admission
+// counters + removal log. Owner thread only (see engine.h); nothing here is
+// synchronised.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "details/hash_map.h"
+#include "details/memory_pool.h"
+#include "details/pending_counter.h"
+#include "details/row_layout.h"
+#include "wuliang/ps/engine.h"
+#include "wuliang/ps/table_spec.h"
+
+namespace wuliang::ps::details {
+
+// The keys of a batch that belong to one shard: positions order[begin, end)
+// of keys (or begin..end themselves when order is null).
+struct Slice {
+  const uint64_t* keys;
+  const uint32_t* order;
+  size_t begin;
+  size_t end;
+
+  size_t size() const { return end - begin; }
+  size_t pos(size_t k) const { return order != nullptr ? order[begin + k] : begin + k; }
+  uint64_t key(size_t k) const { return keys[pos(k)]; }
+};
+
+// A batch as the engine hands it to one shard. Either the caller split the
+// keys (order grouped by shard, this shard owns order[begin, end); order null
+// means keys[begin, end)), or `filter` asks the shard to scan all n keys and
+// keep its own, which parallelises the split when shards <= cores.
+struct ShardBatch {
+  const uint64_t* keys;
+  size_t n;
+  const uint32_t* order;
+  size_t begin;
+  size_t end;
+  bool filter;
+  uint32_t shard;
+  uint32_t num_shards;
+};
+
+// When a batch happens.
+struct Clock {
+  uint64_t step;
+  uint32_t now;  // unix seconds
+  uint64_t version;
+};
+
+struct TableDef {
+  TableSpec spec;
+  RowLayout layout;
+  int id = -1;
+  std::vector<class TableShard*> shards;  // set/cleared by the owner threads
+};
+
+// Rows with count == kHistogramBuckets - 1 stand for all larger counts.
+constexpr size_t kHistogramBuckets = 1 << 16;
+
+class TableShard {
+ public:
+  explicit TableShard(const TableDef& def);
+  ~TableShard();
+  TableShard(const TableShard&) = delete;
+  TableShard& operator=(const TableShard&) = delete;
+
+  void Pull(const ShardBatch& batch, float* out, bool train, const Clock& clock);
+  void Push(const ShardBatch& batch, const float* grads, bool unique, const Clock& clock,
+            PushResult* result);
+  uint64_t Erase(const ShardBatch& batch, const Clock& clock);
+  void Contains(const ShardBatch& batch, uint8_t* out);
+  void Load(const ShardBatch& batch, const RowColumns& rows, const Clock& clock);
+
+  // Eviction: TTL and min-count first, then (engine-wide LFU) the rows with
+  // count below `threshold` and `quota_at_threshold` of the oldest rows with
+  // count == threshold. Compact() then gives memory back.
+  void EvictByAge(const Clock& clock, EvictResult* result);
+  void CountHistogram(std::vector<uint64_t>* histogram) const;  // += counts
+  void EvictLeastFrequent(uint32_t threshold, uint64_t quota_at_threshold, const Clock& clock,
+                          EvictResult* result);
+  void Compact();
+
+  // Chunked export from slot *slot; returns rows written, sets *done.
+  size_t Export(uint64_t since, size_t max_rows, uint64_t* slot, const RowColumns& out,
+                size_t offset, bool* done) const;
+  uint64_t generation() const { return index_.generation(); }
+  void RemovedSince(uint64_t since, std::vector<uint64_t>* keys) const;
+  void TrimRemoved(uint64_t upto);
+
+  TableStats Snapshot() const;
+  size_t rows() const { return index_.size(); }
+
+ private:
+  char* CreateRow(uint64_t key, uint64_t hash, const Clock& clock, uint32_t count);
+  char* Admit(uint64_t key, uint64_t hash, const Clock& clock);
+  void RemoveRow(uint64_t key, uint64_t hash, const Clock& clock);
+  // This shard's keys of the batch; fills hashes_ (and order_ if filtering).
+  Slice Select(const ShardBatch& batch);
+  enum class Create { kNever, kAdmit, kAlways };
+  // The row of key k of the slice (hashes_ filled), created as `create` says.
+  char* Resolve(const Slice& s, size_t k, Create create, const Clock& clock);
+  template <class Visit>
+  void Pipeline(const Slice& s, Create create, const Clock& clock, bool cold, Visit&& visit);
+  // Finds repeated keys; returns per-key group (-1 plain, -2 repeat, >= 0
+  // index of the summed gradient in sums_), empty when there are none.
+  const std::vector<int32_t>& GroupDuplicates(const Slice& s, const float* grads,
+                                              uint64_t* duplicates);
+
+  const TableSpec& spec_;
+  const RowLayout& layout_;
+  OpenHashMap<char*> index_;
+  MemoryPool pool_;
+  PendingCounter pending_;
+  std::vector<std::pair<uint64_t, uint64_t>> removed_;  // (key, version)
+  uint64_t prev_evict_step_ = 0;
+  TableStats counters_;  // only the counter fields are used
+
+  // Per-batch scratch, reused.
+  std::vector<uint64_t> hashes_;  // Mix64 of the slice's keys, by k
+  std::vector<uint32_t> order_;   // positions kept by a filtering Select
+  std::vector<uint32_t> dedup_;
+  std::vector<int32_t> groups_;
+  std::vector<float> sums_;
+};
+
+}  // namespace wuliang::ps::details

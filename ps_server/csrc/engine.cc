@@ -1,0 +1,493 @@
+#include "wuliang/ps/engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <ctime>
+#include <latch>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+
+#include "details/shard_worker.h"
+#include "details/table_shard.h"
+#include "wuliang/ps/hash.h"
+
+namespace wuliang::ps {
+
+using details::Clock;
+using details::Plan;
+using details::ShardBatch;
+using details::TableDef;
+using details::TableShard;
+
+namespace details {
+
+// How a batch's keys split over shards.
+struct Plan {
+  const uint64_t* keys = nullptr;
+  size_t n = 0;
+  bool filter = false;              // each shard selects its own keys
+  const uint32_t* order = nullptr;  // else: positions grouped by shard (null = identity)
+  std::vector<size_t> offsets;      // (S + 1,) shard s owns order[offsets[s], offsets[s+1])
+
+  ShardBatch For(int s) const {
+    const auto num_shards = static_cast<uint32_t>(offsets.size() - 1);
+    return ShardBatch{keys,   n,      order,     offsets[s], offsets[s + 1],
+                      filter, static_cast<uint32_t>(s), num_shards};
+  }
+};
+
+namespace {
+
+struct FnTask : Task {
+  const std::function<void(int)>* fn = nullptr;
+  int shard = 0;
+  std::latch* latch = nullptr;
+  std::string* error = nullptr;
+};
+
+void RunFnTask(Task* task) {
+  auto* t = static_cast<FnTask*>(task);
+  try {
+    (*t->fn)(t->shard);
+  } catch (const std::exception& e) {
+    *t->error = e.what();
+  } catch (...) {
+    *t->error = "unknown error";
+  }
+  t->latch->count_down();  // t may be gone after this
+}
+
+}  // namespace
+}  // namespace details
+
+TableStats& TableStats::operator+=(const TableStats& o) {
+  rows += o.rows;
+  row_bytes += o.row_bytes;
+  index_bytes += o.index_bytes;
+  pending_keys += o.pending_keys;
+  pending_bytes += o.pending_bytes;
+  removed_log += o.removed_log;
+  pulled_keys += o.pulled_keys;
+  pull_misses += o.pull_misses;
+  pushed_keys += o.pushed_keys;
+  inserted += o.inserted;
+  admitted += o.admitted;
+  dropped_pending += o.dropped_pending;
+  dropped_nan += o.dropped_nan;
+  pending_forgotten += o.pending_forgotten;
+  erased += o.erased;
+  evicted_ttl += o.evicted_ttl;
+  evicted_min_count += o.evicted_min_count;
+  evicted_lfu += o.evicted_lfu;
+  rows_moved += o.rows_moved;
+  chunks_released += o.chunks_released;
+  return *this;
+}
+
+int StateDim(OptimizerKind kind, int dim) {
+  switch (kind) {
+    case OptimizerKind::kSgd:
+      return 0;
+    case OptimizerKind::kAdagrad:
+      return dim;
+    case OptimizerKind::kAdam:
+      return 2 * dim + 1;  // m, v, per-row step
+    case OptimizerKind::kFtrl:
+      return 2 * dim;  // z, n
+  }
+  return 0;
+}
+
+namespace {
+
+void Require(bool ok, const TableSpec& spec, const std::string& what) {
+  if (!ok) throw std::invalid_argument("table '" + spec.name + "': " + what);
+}
+
+bool Finite(float x) { return std::isfinite(x); }
+
+}  // namespace
+
+void ValidateSpec(const TableSpec& spec) {
+  if (spec.name.empty()) throw std::invalid_argument("table name must not be empty");
+  Require(spec.dim >= 1 && spec.dim <= 65536, spec,
+          "dim must be in [1, 65536], got " + std::to_string(spec.dim));
+  const OptimizerSpec& o = spec.optimizer;
+  Require(Finite(o.learning_rate) && o.learning_rate > 0, spec, "learning_rate must be > 0");
+  Require(Finite(o.initial_accumulator) && o.initial_accumulator >= 0, spec,
+          "initial_accumulator must be >= 0");
+  Require(Finite(o.epsilon) && o.epsilon >= 0, spec, "epsilon must be >= 0");
+  Require(o.beta1 >= 0 && o.beta1 < 1, spec, "beta1 must be in [0, 1)");
+  Require(o.beta2 >= 0 && o.beta2 < 1, spec, "beta2 must be in [0, 1)");
+  Require(Finite(o.beta) && o.beta >= 0, spec, "beta must be >= 0");
+  Require(Finite(o.l1) && o.l1 >= 0, spec, "l1 must be >= 0");
+  Require(Finite(o.l2) && o.l2 >= 0, spec, "l2 must be >= 0");
+  Require(Finite(o.clip_norm) && o.clip_norm >= 0, spec, "clip_norm must be >= 0");
+  if (o.kind == OptimizerKind::kAdagrad) {
+    Require(o.initial_accumulator > 0 || o.epsilon > 0, spec,
+            "adagrad needs initial_accumulator > 0 or epsilon > 0");
+  }
+  const InitSpec& i = spec.initializer;
+  Require(Finite(i.mean) && Finite(i.stddev) && i.stddev >= 0, spec,
+          "initializer stddev must be >= 0");
+  Require(Finite(i.minval) && Finite(i.maxval) && i.minval <= i.maxval, spec,
+          "initializer minval must be <= maxval");
+  Require(Finite(i.value), spec, "initializer value must be finite");
+  Require(spec.admission.min_count >= 1, spec, "admission min_count must be >= 1");
+  Require(spec.admission.pending_capacity >= 1, spec, "admission pending_capacity must be >= 1");
+}
+
+void ShardOfBatch(const uint64_t* keys, size_t n, uint32_t num_shards, uint32_t* shards) {
+  for (size_t i = 0; i < n; ++i) shards[i] = ShardOf(keys[i], num_shards);
+}
+
+Engine::Engine(const EngineOptions& options) : num_shards_(options.num_shards) {
+  if (num_shards_ < 1 || num_shards_ > 1024) {
+    throw std::invalid_argument("num_shards must be in [1, 1024], got " +
+                                std::to_string(num_shards_));
+  }
+  workers_.reserve(num_shards_);
+  for (int s = 0; s < num_shards_; ++s) workers_.push_back(std::make_unique<details::ShardWorker>());
+}
+
+Engine::~Engine() {
+  for (int id = 0; id < next_table_id_.load(); ++id) {
+    TableDef* def = tables_[id].load(std::memory_order_acquire);
+    if (def != nullptr) DropTable(def->spec.name);
+  }
+  workers_.clear();  // joins
+}
+
+void Engine::RunOnShards(const std::function<void(int)>& fn, const Plan* plan) {
+  std::vector<int> active;
+  for (int s = 0; s < num_shards_; ++s) {
+    if (plan == nullptr || plan->filter || plan->offsets[s + 1] > plan->offsets[s]) {
+      active.push_back(s);
+    }
+  }
+  RunOn(active, fn);
+}
+
+void Engine::RunOn(const std::vector<int>& active, const std::function<void(int)>& fn) {
+  if (active.empty()) return;
+  std::vector<details::FnTask> tasks(active.size());
+  std::vector<std::string> errors(active.size());
+  std::latch latch(static_cast<std::ptrdiff_t>(active.size()));
+  for (size_t i = 0; i < active.size(); ++i) {
+    details::FnTask& t = tasks[i];
+    t.run = details::RunFnTask;
+    t.fn = &fn;
+    t.shard = active[i];
+    t.latch = &latch;
+    t.error = &errors[i];
+    workers_[active[i]]->Enqueue(&t);
+  }
+  latch.wait();
+  for (const std::string& e : errors) {
+    if (!e.empty()) throw std::runtime_error(e);
+  }
+}
+
+void Engine::PlanBatch(const uint64_t* keys, size_t n, Plan* plan) const {
+  if (n > UINT32_MAX) throw std::invalid_argument("batch of " + std::to_string(n) + " keys is too large");
+  const auto shards = static_cast<uint32_t>(num_shards_);
+  plan->keys = keys;
+  plan->n = n;
+  plan->offsets.assign(shards + 1, 0);
+  if (shards == 1 || n == 0) {
+    std::fill(plan->offsets.begin() + 1, plan->offsets.end(), n);
+    return;
+  }
+  // While every shard has a core, shards filtering the whole batch in
+  // parallel beat one caller thread sorting it.
+  if (shards <= 2 * std::max(1u, std::thread::hardware_concurrency())) {
+    plan->filter = true;
+    return;
+  }
+  thread_local std::vector<uint32_t> order;
+  thread_local std::vector<uint16_t> shard_of;
+  order.resize(n);
+  shard_of.resize(n);
+  std::vector<size_t>& offsets = plan->offsets;
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t s = ShardOf(keys[i], shards);
+    shard_of[i] = static_cast<uint16_t>(s);
+    ++offsets[s + 1];
+  }
+  for (uint32_t s = 0; s < shards; ++s) offsets[s + 1] += offsets[s];
+  std::vector<size_t> next(offsets.begin(), offsets.end() - 1);
+  for (size_t i = 0; i < n; ++i) order[next[shard_of[i]]++] = static_cast<uint32_t>(i);
+  plan->order = order.data();
+}
+
+TableDef* Engine::Def(int table) const {
+  TableDef* def = nullptr;
+  if (table >= 0 && table < kMaxTables) def = tables_[table].load(std::memory_order_acquire);
+  if (def == nullptr) throw std::out_of_range("no table with id " + std::to_string(table));
+  return def;
+}
+
+namespace {
+
+TableShard* ShardOfDef(const TableDef* def, int s) {
+  TableShard* shard = def->shards[s];
+  if (shard == nullptr) throw std::out_of_range("table '" + def->spec.name + "' was dropped");
+  return shard;
+}
+
+Clock Now(uint64_t step, uint64_t version) {
+  return Clock{step, static_cast<uint32_t>(std::time(nullptr)), version};
+}
+
+}  // namespace
+
+int Engine::CreateTable(const TableSpec& spec) {
+  ValidateSpec(spec);
+  std::lock_guard<std::mutex> lock(create_mutex_);
+  for (const std::string& name : TableNames()) {
+    if (name == spec.name) throw std::invalid_argument("table '" + spec.name + "' already exists");
+  }
+  const int id = next_table_id_.load();
+  if (id >= kMaxTables) throw std::length_error("too many tables created in this engine");
+  auto def = std::make_unique<TableDef>();
+  def->spec = spec;
+  def->layout = details::RowLayout(spec.dim, StateDim(spec.optimizer.kind, spec.dim));
+  def->id = id;
+  for (int s = 0; s < num_shards_; ++s) def->shards.push_back(new TableShard(*def));
+  tables_[id].store(def.get(), std::memory_order_release);
+  all_defs_.push_back(std::move(def));
+  next_table_id_.store(id + 1);
+  return id;
+}
+
+void Engine::DropTable(const std::string& name) {
+  std::lock_guard<std::mutex> lock(create_mutex_);
+  const int id = TableId(name);
+  TableDef* def = tables_[id].exchange(nullptr, std::memory_order_acq_rel);
+  // Tasks already queued for this table run first; later ones see nullptr.
+  RunOnShards([def](int s) {
+    delete def->shards[s];
+    def->shards[s] = nullptr;
+  });
+}
+
+int Engine::TableId(const std::string& name) const {
+  const int n = next_table_id_.load();
+  for (int id = 0; id < n; ++id) {
+    const TableDef* def = tables_[id].load(std::memory_order_acquire);
+    if (def != nullptr && def->spec.name == name) return id;
+  }
+  std::ostringstream msg;
+  msg << "unknown table '" << name << "' (tables:";
+  const std::vector<std::string> names = TableNames();
+  for (size_t i = 0; i < names.size(); ++i) msg << (i ? ", " : " ") << names[i];
+  if (names.empty()) msg << " none";
+  msg << ")";
+  throw std::out_of_range(msg.str());
+}
+
+const TableSpec& Engine::Spec(int table) const { return Def(table)->spec; }
+
+std::vector<std::string> Engine::TableNames() const {
+  std::vector<std::string> names;
+  const int n = next_table_id_.load();
+  for (int id = 0; id < n; ++id) {
+    const TableDef* def = tables_[id].load(std::memory_order_acquire);
+    if (def != nullptr) names.push_back(def->spec.name);
+  }
+  return names;
+}
+
+void Engine::Pull(int table, const uint64_t* keys, size_t n, float* out, bool train) {
+  TableDef* def = Def(table);
+  Plan plan;
+  PlanBatch(keys, n, &plan);
+  const Clock clock = Now(step(), version());
+  RunOnShards(
+      [&](int s) { ShardOfDef(def, s)->Pull(plan.For(s), out, train, clock); }, &plan);
+}
+
+PushResult Engine::Push(int table, const uint64_t* keys, size_t n, const float* grads,
+                        bool keys_unique) {
+  TableDef* def = Def(table);
+  const int dim = def->spec.dim;
+  if (def->spec.nan_policy == NanPolicy::kRaise) {
+    for (size_t i = 0; i < n; ++i) {
+      for (int j = 0; j < dim; ++j) {
+        if (!std::isfinite(grads[i * dim + j])) {
+          throw std::invalid_argument("table '" + def->spec.name + "': gradient row " +
+                                      std::to_string(i) + " (key " + std::to_string(keys[i]) +
+                                      ") is not finite");
+        }
+      }
+    }
+  }
+  Plan plan;
+  PlanBatch(keys, n, &plan);
+  const Clock clock = Now(step(), version());
+  std::vector<PushResult> results(num_shards_);
+  RunOnShards(
+      [&](int s) {
+        ShardOfDef(def, s)->Push(plan.For(s), grads, keys_unique, clock, &results[s]);
+      },
+      &plan);
+  PushResult total;
+  for (const PushResult& r : results) {
+    total.applied += r.applied;
+    total.dropped_nan += r.dropped_nan;
+    total.dropped_pending += r.dropped_pending;
+    total.duplicates += r.duplicates;
+  }
+  return total;
+}
+
+uint64_t Engine::Erase(int table, const uint64_t* keys, size_t n) {
+  TableDef* def = Def(table);
+  Plan plan;
+  PlanBatch(keys, n, &plan);
+  const Clock clock = Now(step(), version());
+  std::vector<uint64_t> erased(num_shards_, 0);
+  RunOnShards([&](int s) { erased[s] = ShardOfDef(def, s)->Erase(plan.For(s), clock); },
+              &plan);
+  uint64_t total = 0;
+  for (uint64_t e : erased) total += e;
+  return total;
+}
+
+void Engine::Contains(int table, const uint64_t* keys, size_t n, uint8_t* out) {
+  TableDef* def = Def(table);
+  Plan plan;
+  PlanBatch(keys, n, &plan);
+  RunOnShards([&](int s) { ShardOfDef(def, s)->Contains(plan.For(s), out); }, &plan);
+}
+
+void Engine::Load(int table, size_t n, const RowColumns& rows) {
+  TableDef* def = Def(table);
+  if (n > 0 && (rows.keys == nullptr || rows.weights == nullptr)) {
+    throw std::invalid_argument("load into '" + def->spec.name + "' needs keys and weights");
+  }
+  Plan plan;
+  PlanBatch(rows.keys, n, &plan);
+  const Clock clock = Now(step(), version());
+  RunOnShards([&](int s) { ShardOfDef(def, s)->Load(plan.For(s), rows, clock); },
+              &plan);
+}
+
+EvictResult Engine::Evict(int table) {
+  if (table >= 0) return EvictTable(Def(table));
+  EvictResult total;
+  for (int id = 0; id < next_table_id_.load(); ++id) {
+    TableDef* def = tables_[id].load(std::memory_order_acquire);
+    if (def == nullptr) continue;
+    const EvictResult r = EvictTable(def);
+    total.ttl += r.ttl;
+    total.min_count += r.min_count;
+    total.lfu += r.lfu;
+  }
+  return total;
+}
+
+EvictResult Engine::EvictTable(TableDef* def) {
+  const Clock clock = Now(step(), version());
+  std::vector<EvictResult> per_shard(num_shards_);
+  RunOnShards([&](int s) { ShardOfDef(def, s)->EvictByAge(clock, &per_shard[s]); });
+
+  const uint64_t max_rows = def->spec.eviction.max_rows;
+  if (max_rows > 0) {
+    std::vector<std::vector<uint64_t>> hist(num_shards_);
+    RunOnShards([&](int s) {
+      hist[s].assign(details::kHistogramBuckets, 0);
+      ShardOfDef(def, s)->CountHistogram(&hist[s]);
+    });
+    std::vector<uint64_t> merged(details::kHistogramBuckets, 0);
+    uint64_t rows = 0;
+    for (const auto& h : hist) {
+      for (size_t c = 0; c < h.size(); ++c) merged[c] += h[c];
+    }
+    for (uint64_t m : merged) rows += m;
+    if (rows > max_rows) {
+      // Evict every count below `threshold`, and `need` rows at it.
+      const uint64_t excess = rows - max_rows;
+      uint32_t threshold = 0;
+      uint64_t below = 0;
+      while (below + merged[threshold] < excess) below += merged[threshold++];
+      const uint64_t need = excess - below;
+      // Split `need` over shards in proportion to their rows at threshold.
+      std::vector<uint64_t> quota(num_shards_, 0);
+      uint64_t given = 0;
+      for (int s = 0; s < num_shards_; ++s) {
+        quota[s] = need * hist[s][threshold] / merged[threshold];
+        given += quota[s];
+      }
+      for (int s = 0; given < need; s = (s + 1) % num_shards_) {
+        if (quota[s] < hist[s][threshold]) {
+          ++quota[s];
+          ++given;
+        }
+      }
+      RunOnShards([&](int s) {
+        ShardOfDef(def, s)->EvictLeastFrequent(threshold, quota[s], clock, &per_shard[s]);
+      });
+    }
+  }
+  RunOnShards([&](int s) { ShardOfDef(def, s)->Compact(); });
+  EvictResult total;
+  for (const EvictResult& r : per_shard) {
+    total.ttl += r.ttl;
+    total.min_count += r.min_count;
+    total.lfu += r.lfu;
+  }
+  return total;
+}
+
+TableStats Engine::Stats(int table) {
+  TableDef* def = Def(table);
+  std::vector<TableStats> per_shard(num_shards_);
+  RunOnShards([&](int s) { per_shard[s] = ShardOfDef(def, s)->Snapshot(); });
+  TableStats total;
+  for (const TableStats& t : per_shard) total += t;
+  return total;
+}
+
+size_t Engine::Export(int table, uint64_t since, size_t max_rows, ExportCursor* cursor,
+                      const RowColumns& out) {
+  TableDef* def = Def(table);
+  size_t written = 0;
+  while (!cursor->done && written < max_rows) {
+    const int s = cursor->shard;
+    bool shard_done = false;
+    RunOn({s}, [&](int) {
+      TableShard* t = ShardOfDef(def, s);
+      if (cursor->slot == 0) {
+        cursor->generation = t->generation();
+      } else if (t->generation() != cursor->generation) {
+        throw std::runtime_error("table '" + def->spec.name + "' shard " + std::to_string(s) +
+                                 " changed during export (rows removed or index resized); "
+                                 "pause training while exporting");
+      }
+      written += t->Export(since, max_rows - written, &cursor->slot, out, written, &shard_done);
+    });
+    if (shard_done) {
+      cursor->slot = 0;
+      if (++cursor->shard == num_shards_) cursor->done = true;
+    }
+  }
+  return written;
+}
+
+std::vector<uint64_t> Engine::RemovedKeys(int table, uint64_t since) {
+  TableDef* def = Def(table);
+  std::vector<std::vector<uint64_t>> per_shard(num_shards_);
+  RunOnShards([&](int s) { ShardOfDef(def, s)->RemovedSince(since, &per_shard[s]); });
+  std::vector<uint64_t> keys;
+  for (const auto& k : per_shard) keys.insert(keys.end(), k.begin(), k.end());
+  return keys;
+}
+
+void Engine::TrimRemoved(int table, uint64_t upto) {
+  TableDef* def = Def(table);
+  RunOnShards([&](int s) { ShardOfDef(def, s)->TrimRemoved(upto); });
+}
+
+}  // namespace wuliang::ps

@@ -1,0 +1,195 @@
+// The embedding engine: tables of uint64 key -> [meta | weights | state] rows.
+//
+// Concurrency contract
+// --------------------
+// * An engine has S shards. Key k lives in shard ShardOf(k, S), and shard s's
+//   data (hash map, memory pool, counters) is only ever touched by worker
+//   thread s. Nothing on the pull/push path takes a mutex.
+// * Every public method may be called from any number of threads at once.
+//   A batch call splits its keys by shard, enqueues one task per shard on a
+//   lock-free queue and waits on a latch; the calling thread does no table
+//   work itself. Tasks of one shard run in the order they were enqueued.
+// * Create/DropTable are serialised among themselves by a mutex (never taken
+//   on the data path); tables are published with release/acquire atomics.
+// * Readers that are not the owner (stats, export) also run as tasks on the
+//   owner thread, so each shard is seen at a single point in time.
+//
+// Versions and steps
+// ------------------
+// Every modification stamps the row with the engine's current `version`;
+// AdvanceVersion() starts a new one. Export(since=v) yields the rows modified
+// after v and RemovedKeys(since=v) the keys erased or evicted after v.
+// Pushes stamp rows with the current global step (SetStep) and wall time.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "wuliang/ps/table_spec.h"
+
+namespace wuliang::ps {
+
+namespace details {
+class ShardWorker;
+struct TableDef;
+struct Plan;
+}  // namespace details
+
+struct EngineOptions {
+  int num_shards = 2;  // worker threads; shard count of every table
+};
+
+// Column buffers of n rows, used by Export (written) and Load (read).
+// Null pointers are skipped (Export) or take defaults (Load).
+struct RowColumns {
+  uint64_t* keys = nullptr;      // (n,)
+  float* weights = nullptr;      // (n, dim)
+  float* state = nullptr;        // (n, state_dim)
+  uint32_t* counts = nullptr;    // (n,)
+  uint64_t* steps = nullptr;     // (n,) last update step
+  uint32_t* times = nullptr;     // (n,) last update time, unix seconds
+  uint64_t* versions = nullptr;  // (n,) version of the last modification
+};
+
+struct PushResult {
+  uint64_t applied = 0;          // row updates applied
+  uint64_t dropped_nan = 0;      // non-finite gradient rows dropped
+  uint64_t dropped_pending = 0;  // keys not admitted yet: update dropped
+  uint64_t duplicates = 0;       // keys repeated in the batch (summed)
+};
+
+struct EvictResult {
+  uint64_t ttl = 0;        // rows older than the TTL
+  uint64_t min_count = 0;  // rows seen fewer than min_count times
+  uint64_t lfu = 0;        // rows over max_rows, least frequent first
+  uint64_t total() const { return ttl + min_count + lfu; }
+};
+
+// A snapshot of one table, summed over shards.
+struct TableStats {
+  uint64_t rows = 0;
+  uint64_t row_bytes = 0;      // memory pool chunks
+  uint64_t index_bytes = 0;    // hash map slots
+  uint64_t pending_keys = 0;   // seen but not admitted yet
+  uint64_t pending_bytes = 0;  // admission counters
+  uint64_t removed_log = 0;    // removed keys kept for delta export
+  uint64_t bytes() const { return row_bytes + index_bytes + pending_bytes; }
+  // Counters since creation.
+  uint64_t pulled_keys = 0;
+  uint64_t pull_misses = 0;  // pulls answered with the initial vector
+  uint64_t pushed_keys = 0;
+  uint64_t inserted = 0;
+  uint64_t admitted = 0;  // inserted after waiting for admission
+  uint64_t dropped_pending = 0;
+  uint64_t dropped_nan = 0;
+  uint64_t pending_forgotten = 0;  // pending counts dropped to stay bounded
+  uint64_t erased = 0;
+  uint64_t evicted_ttl = 0;
+  uint64_t evicted_min_count = 0;
+  uint64_t evicted_lfu = 0;
+  uint64_t rows_moved = 0;  // by memory compaction
+  uint64_t chunks_released = 0;
+
+  TableStats& operator+=(const TableStats& other);
+};
+
+// Position of a chunked export: shard and slot to resume from.
+struct ExportCursor {
+  int shard = 0;
+  uint64_t slot = 0;
+  uint64_t generation = 0;  // of the shard's index when the shard started
+  bool done = false;
+};
+
+class Engine {
+ public:
+  explicit Engine(const EngineOptions& options = {});
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  int num_shards() const { return num_shards_; }
+
+  // Returns the table id. Throws std::invalid_argument for a bad spec or a
+  // name that is taken.
+  int CreateTable(const TableSpec& spec);
+  // Frees every row. Throws std::out_of_range for an unknown table.
+  void DropTable(const std::string& name);
+  // Throws std::out_of_range("unknown table 'x' (tables: a, b)").
+  int TableId(const std::string& name) const;
+  const TableSpec& Spec(int table) const;
+  std::vector<std::string> TableNames() const;
+
+  // out[i] = weights of keys[i]. train=true counts the sighting and creates
+  // (or admits) the row; train=false is a pure lookup. Absent keys read as
+  // their initial vector.
+  void Pull(int table, const uint64_t* keys, size_t n,
+            float* out,  // (n, dim)
+            bool train);
+  // Applies the table's optimizer. Duplicate keys have their gradients
+  // summed first (skipped when keys_unique is promised).
+  PushResult Push(int table, const uint64_t* keys, size_t n,
+                  const float* grads,  // (n, dim)
+                  bool keys_unique = false);
+  // Removes rows; returns how many existed.
+  uint64_t Erase(int table, const uint64_t* keys, size_t n);
+  // Writes 1 for keys that have a row, else 0.
+  void Contains(int table, const uint64_t* keys, size_t n,
+                uint8_t* out);  // (n,)
+  // Applies the table's EvictionSpec now (all tables if table < 0).
+  EvictResult Evict(int table);
+  TableStats Stats(int table);
+
+  // Writes up to max_rows rows with version > since into `out` and advances
+  // the cursor; returns the number written. Throws std::runtime_error if the
+  // shard's index was rehashed or had rows removed since the cursor started
+  // on it (pause training while exporting).
+  size_t Export(int table, uint64_t since, size_t max_rows, ExportCursor* cursor,
+                const RowColumns& out);
+  // Keys erased or evicted after version `since` (a key may reappear later
+  // as a row; apply removals before rows).
+  std::vector<uint64_t> RemovedKeys(int table, uint64_t since);
+  // Forgets removal records with version <= upto.
+  void TrimRemoved(int table, uint64_t upto);
+  // Inserts or overwrites rows exactly. keys and weights are required; state
+  // defaults to the optimizer's initial state, counts to 0, steps/times to
+  // now and versions to the current version.
+  void Load(int table, size_t n, const RowColumns& rows);
+
+  uint64_t step() const { return step_.load(std::memory_order_relaxed); }
+  void SetStep(uint64_t step) { step_.store(step, std::memory_order_relaxed); }
+  uint64_t version() const { return version_.load(std::memory_order_acquire); }
+  // Starts a new version and returns it.
+  uint64_t AdvanceVersion() { return version_.fetch_add(1, std::memory_order_acq_rel) + 1; }
+
+ private:
+  // Table ids are never reused, so a stale id cannot reach another table.
+  static constexpr int kMaxTables = 1 << 14;
+
+  details::TableDef* Def(int table) const;
+  // Splits keys by shard (counting sort); order lives in a thread-local buffer.
+  void PlanBatch(const uint64_t* keys, size_t n, details::Plan* plan) const;
+  // Runs fn(s) on worker s for every shard with keys in plan (every shard if
+  // plan is null), waits, and rethrows the first error.
+  void RunOnShards(const std::function<void(int)>& fn, const details::Plan* plan = nullptr);
+  void RunOn(const std::vector<int>& shards, const std::function<void(int)>& fn);
+  EvictResult EvictTable(details::TableDef* def);
+
+  int num_shards_;
+  std::vector<std::unique_ptr<details::ShardWorker>> workers_;
+  std::array<std::atomic<details::TableDef*>, kMaxTables> tables_{};
+  std::atomic<int> next_table_id_{0};
+  std::vector<std::unique_ptr<details::TableDef>> all_defs_;  // owns defs
+  mutable std::mutex create_mutex_;                             // not on the data path
+  std::atomic<uint64_t> step_{0};
+  std::atomic<uint64_t> version_{1};
+};
+
+}  // namespace wuliang::ps

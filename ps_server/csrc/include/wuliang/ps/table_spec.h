@@ -1,0 +1,78 @@
+// What a table is: dimension, optimizer, initializer, admission and eviction.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace wuliang::ps {
+
+enum class OptimizerKind : uint8_t { kSgd, kAdagrad, kAdam, kFtrl };
+
+// Hyper-parameters of the optimizer applied on the engine. Fields that an
+// optimizer does not use are ignored.
+struct OptimizerSpec {
+  OptimizerKind kind = OptimizerKind::kAdagrad;
+  float learning_rate = 0.01f;       // all (FTRL: alpha)
+  float initial_accumulator = 0.1f;  // Adagrad, FTRL: start of the g^2 sum
+  float epsilon = 1e-7f;             // Adagrad, Adam
+  float beta1 = 0.9f;                // Adam
+  float beta2 = 0.999f;              // Adam
+  float beta = 0.0f;                 // FTRL (McMahan et al. 2013)
+  float l1 = 0.0f;                   // FTRL
+  float l2 = 0.0f;                   // FTRL (paper's lambda2, not TF's 2*l2)
+  float clip_norm = 0.0f;            // > 0: clip each row's gradient L2 norm
+};
+
+// Floats of optimizer state per row.
+int StateDim(OptimizerKind kind, int dim);
+
+enum class InitKind : uint8_t {
+  kNormal,
+  kTruncatedNormal,  // redraws values beyond 2 stddev
+  kUniform,
+  kZeros,
+  kConstant,
+};
+
+// Initial vectors are a pure function of (table seed, key, InitSpec).
+struct InitSpec {
+  InitKind kind = InitKind::kTruncatedNormal;
+  float mean = 0.0f;     // normal, truncated normal
+  float stddev = 0.05f;  // normal, truncated normal
+  float minval = -0.05f;  // uniform
+  float maxval = 0.05f;   // uniform
+  float value = 0.0f;     // constant
+};
+
+// A key gets a row on its min_count-th sighting in a training pull. Until
+// then it reads as its initial vector and updates to it are dropped.
+struct AdmissionSpec {
+  uint32_t min_count = 1;                 // 1: admit at first sight
+  uint32_t pending_capacity = 1u << 20;   // pending keys per shard (bounded)
+};
+
+// Applied by Engine::Evict. Zero disables a criterion.
+struct EvictionSpec {
+  uint64_t ttl_steps = 0;    // last update older than this many steps
+  uint64_t ttl_seconds = 0;  // last update older than this many seconds
+  uint32_t min_count = 0;    // fewer sightings than this
+  uint64_t max_rows = 0;     // keep at most this many rows (least frequent go)
+};
+
+enum class NanPolicy : uint8_t { kDrop, kRaise };
+
+struct TableSpec {
+  std::string name;
+  int dim = 0;
+  OptimizerSpec optimizer;
+  InitSpec initializer;
+  uint64_t seed = 0;
+  AdmissionSpec admission;
+  EvictionSpec eviction;
+  NanPolicy nan_policy = NanPolicy::kDrop;  // non-finite gradient rows
+};
+
+// Throws std::invalid_argument naming the bad field.
+void ValidateSpec(const TableSpec& spec);
+
+}  // namespace wuliang::ps

@@ -1,0 +1,280 @@
+// C++ tests of the engine internals and of Engine under concurrency. Built
+// and run under ThreadSanitizer and AddressSanitizer by `make test`.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "details/hash_map.h"
+#include "details/memory_pool.h"
+#include "details/pending_counter.h"
+#include "wuliang/ps/engine.h"
+#include "wuliang/ps/hash.h"
+
+using namespace wuliang::ps;
+
+#define CHECK(cond)                                                            \
+  do {                                                                         \
+    if (!(cond)) {                                                             \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      std::abort();                                                            \
+    }                                                                          \
+  } while (0)
+
+namespace {
+
+TableSpec SgdSpec(const std::string& name, int dim) {
+  TableSpec spec;
+  spec.name = name;
+  spec.dim = dim;
+  spec.optimizer.kind = OptimizerKind::kSgd;
+  spec.optimizer.learning_rate = 1.0f;
+  spec.initializer.kind = InitKind::kZeros;
+  return spec;
+}
+
+void TestHashMapMatchesReference() {
+  details::OpenHashMap<uint64_t> map;
+  std::unordered_map<uint64_t, uint64_t> ref;
+  std::mt19937_64 rng(1);
+  for (int i = 0; i < 200000; ++i) {
+    const uint64_t key = rng() % 5000;  // small key space: many erases hit
+    const uint64_t hash = Mix64(key);
+    if (rng() % 3 == 0) {
+      const uint64_t old = map.Erase(key, hash);
+      auto it = ref.find(key);
+      CHECK(old == (it == ref.end() ? 0 : it->second));
+      if (it != ref.end()) ref.erase(it);
+    } else if (uint64_t* v = map.Find(key, hash)) {
+      CHECK(ref.count(key) == 1 && ref[key] == *v);
+      *v += 1;
+      ref[key] += 1;
+    } else {
+      CHECK(ref.count(key) == 0);
+      *map.InsertNew(key, hash) = 1;
+      ref[key] = 1;
+    }
+  }
+  CHECK(map.size() == ref.size());
+  size_t seen = 0;
+  map.ForEach([&](uint64_t key, uint64_t value) {
+    CHECK(ref.at(key) == value);
+    ++seen;
+  });
+  CHECK(seen == ref.size());
+  // Extreme keys are ordinary keys.
+  map.Erase(0, Mix64(0));
+  *map.InsertNew(0, Mix64(0)) = 7;
+  *map.InsertNew(~0ULL, Mix64(~0ULL)) = 9;
+  CHECK(*map.Find(0, Mix64(0)) == 7 && *map.Find(~0ULL, Mix64(~0ULL)) == 9);
+  const uint64_t generation = map.generation();
+  map.Erase(0, Mix64(0));
+  CHECK(map.generation() != generation);
+}
+
+void TestHashMapShrinks() {
+  details::OpenHashMap<uint64_t> map;
+  for (uint64_t k = 1; k <= 100000; ++k) *map.InsertNew(k, Mix64(k)) = k;
+  const size_t big = map.bytes();
+  for (uint64_t k = 1; k <= 99000; ++k) CHECK(map.Erase(k, Mix64(k)) == k);
+  map.MaybeShrink();
+  CHECK(map.bytes() < big / 8);
+  for (uint64_t k = 99001; k <= 100000; ++k) CHECK(*map.Find(k, Mix64(k)) == k);
+}
+
+void TestPoolReleasesChunks() {
+  details::MemoryPool pool(64, 88);
+  std::vector<char*> rows;
+  for (int i = 0; i < 100000; ++i) {
+    rows.push_back(pool.Allocate());
+    std::fill(rows.back(), rows.back() + 64, static_cast<char>(i));
+  }
+  const size_t chunks = pool.chunks();
+  CHECK(chunks == (100000 + pool.rows_per_chunk() - 1) / pool.rows_per_chunk());
+  // Free every other row: nothing can be released without compaction.
+  std::vector<char*> kept;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (i % 2) {
+      pool.Free(rows[i]);
+    } else {
+      kept.push_back(rows[i]);
+    }
+  }
+  CHECK(pool.chunks() == chunks);
+  CHECK(pool.BeginCompaction(0.75));
+  size_t moved = 0;
+  for (char*& row : kept) {
+    if (pool.IsDraining(row)) {
+      const char tag = row[0];
+      row = pool.Relocate(row);
+      CHECK(row[0] == tag && row[63] == tag);
+      ++moved;
+    }
+  }
+  pool.EndCompaction();
+  CHECK(moved > 0);
+  CHECK(pool.chunks() <= chunks / 2 + 1);
+  CHECK(pool.rows() == kept.size());
+  for (char* row : kept) pool.Free(row);
+  CHECK(pool.rows() == 0 && pool.chunks() <= 1);
+}
+
+void TestPendingCounterIsBounded() {
+  details::PendingCounter pending(1000);
+  for (uint64_t k = 0; k < 100000; ++k) pending.Observe(k, Mix64(k));
+  CHECK(pending.size() <= 1000);
+  CHECK(pending.forgotten() >= 99000);
+  // A key seen often survives the decay of one-off keys.
+  for (int i = 0; i < 50; ++i) pending.Observe(424242, Mix64(424242));
+  for (uint64_t k = 1000000; k < 1003000; ++k) pending.Observe(k, Mix64(k));
+  CHECK(pending.Observe(424242, Mix64(424242)) > 1);
+}
+
+// Several threads push +1 gradients for overlapping keys; with SGD, lr 1 and
+// zero init every row must end at exactly -(number of pushes of its key).
+void TestConcurrentPushesAreExact() {
+  Engine engine(EngineOptions{3});
+  const int table = engine.CreateTable(SgdSpec("t", 4));
+  constexpr int kThreads = 4, kRounds = 50, kKeys = 2000;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<uint64_t> keys(kKeys);
+      for (int i = 0; i < kKeys; ++i) keys[i] = static_cast<uint64_t>(i) * 7919;
+      std::vector<float> grads(kKeys * 4, 1.0f);
+      std::vector<float> out(kKeys * 4);
+      for (int r = 0; r < kRounds; ++r) {
+        engine.Pull(table, keys.data(), keys.size(), out.data(), true);
+        engine.Push(table, keys.data(), keys.size(), grads.data(), t % 2 == 0);
+        if (t == 0 && r % 10 == 0) engine.Stats(table);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  std::vector<uint64_t> keys(kKeys);
+  for (int i = 0; i < kKeys; ++i) keys[i] = static_cast<uint64_t>(i) * 7919;
+  std::vector<float> out(kKeys * 4);
+  engine.Pull(table, keys.data(), keys.size(), out.data(), false);
+  for (float v : out) CHECK(v == -static_cast<float>(kThreads * kRounds));
+  const TableStats stats = engine.Stats(table);
+  CHECK(stats.rows == kKeys);
+  CHECK(stats.pushed_keys == uint64_t{kThreads} * kRounds * kKeys);
+}
+
+void TestDuplicatesAreSummed() {
+  Engine engine(EngineOptions{2});
+  TableSpec spec = SgdSpec("t", 2);
+  spec.optimizer.kind = OptimizerKind::kAdagrad;
+  spec.optimizer.initial_accumulator = 0.1f;
+  const int table = engine.CreateTable(spec);
+  Engine single(EngineOptions{1});
+  const int ref = single.CreateTable(spec);
+  const uint64_t keys[] = {5, 9, 5, 5};
+  const float grads[] = {1, 2, 3, 4, 5, 6, 7, 8};
+  const PushResult r = engine.Push(table, keys, 4, grads);
+  CHECK(r.duplicates == 2 && r.applied == 2);
+  const uint64_t summed_keys[] = {5, 9};
+  const float summed[] = {1 + 5 + 7, 2 + 6 + 8, 3, 4};
+  single.Push(ref, summed_keys, 2, summed);
+  float a[4], b[4];
+  engine.Pull(table, summed_keys, 2, a, false);
+  single.Pull(ref, summed_keys, 2, b, false);
+  for (int i = 0; i < 4; ++i) CHECK(a[i] == b[i]);
+}
+
+// Export while other threads pull (inserts only); evict during growth.
+void TestExportLoadAndEvictUnderLoad() {
+  Engine engine(EngineOptions{2});
+  TableSpec spec = SgdSpec("t", 8);
+  spec.eviction.max_rows = 5000;
+  const int table = engine.CreateTable(spec);
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    std::mt19937_64 rng(7);
+    std::vector<uint64_t> keys(512);
+    std::vector<float> out(512 * 8), grads(512 * 8, 0.5f);
+    while (!stop.load()) {
+      for (auto& k : keys) k = rng() % 20000;
+      engine.Pull(table, keys.data(), keys.size(), out.data(), true);
+      engine.Push(table, keys.data(), keys.size(), grads.data());
+    }
+  });
+  for (int i = 0; i < 20; ++i) {
+    engine.Evict(table);
+    std::this_thread::yield();
+  }
+  stop.store(true);
+  writer.join();
+  engine.Evict(table);
+  CHECK(engine.Stats(table).rows <= 5000);
+
+  // Export everything, load into a 3-shard engine, compare pulls.
+  const TableStats stats = engine.Stats(table);
+  std::vector<uint64_t> keys(stats.rows);
+  std::vector<float> weights(stats.rows * 8);
+  std::vector<uint32_t> counts(stats.rows);
+  RowColumns cols;
+  cols.keys = keys.data();
+  cols.weights = weights.data();
+  cols.counts = counts.data();
+  ExportCursor cursor;
+  size_t total = 0;
+  while (!cursor.done) {
+    RowColumns at = cols;
+    at.keys += total;
+    at.weights += total * 8;
+    at.counts += total;
+    total += engine.Export(table, 0, 700, &cursor, at);
+  }
+  CHECK(total == stats.rows);
+  Engine other(EngineOptions{3});
+  const int t2 = other.CreateTable(spec);
+  other.Load(t2, total, cols);
+  std::vector<float> a(total * 8), b(total * 8);
+  engine.Pull(table, keys.data(), total, a.data(), false);
+  other.Pull(t2, keys.data(), total, b.data(), false);
+  CHECK(a == b);
+  CHECK(other.Stats(t2).rows == total);
+}
+
+void TestDropWhileOthersRun() {
+  Engine engine(EngineOptions{2});
+  engine.CreateTable(SgdSpec("keep", 4));
+  for (int round = 0; round < 20; ++round) {
+    const std::string name = "tmp" + std::to_string(round);
+    const int id = engine.CreateTable(SgdSpec(name, 4));
+    std::thread user([&, id] {
+      std::vector<uint64_t> keys(100);
+      for (int i = 0; i < 100; ++i) keys[i] = i;
+      std::vector<float> out(400);
+      try {
+        for (int i = 0; i < 50; ++i) engine.Pull(id, keys.data(), keys.size(), out.data(), true);
+      } catch (const std::exception&) {
+        // the table was dropped under us: an error, never a crash
+      }
+    });
+    engine.DropTable(name);
+    user.join();
+  }
+  CHECK(engine.TableNames() == std::vector<std::string>{"keep"});
+}
+
+}  // namespace
+
+int main() {
+  TestHashMapMatchesReference();
+  TestHashMapShrinks();
+  TestPoolReleasesChunks();
+  TestPendingCounterIsBounded();
+  TestConcurrentPushesAreExact();
+  TestDuplicatesAreSummed();
+  TestExportLoadAndEvictUnderLoad();
+  TestDropWhileOthersRun();
+  std::puts("engine_test: all passed");
+  return 0;
+}

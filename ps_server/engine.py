@@ -1,0 +1,302 @@
+"""The embedded parameter-server engine, as Python sees it.
+
+``Engine`` wraps the C++ engine (``_engine.Engine``): it names tables instead
+of numbering them, checks every argument and turns mistakes into clear
+exceptions, and releases the GIL inside every batch call, so many Python
+threads can pull and push at once. Arrays are passed without copies when they
+are already contiguous and of the right dtype.
+
+Semantics in one place:
+
+* ``pull(table, keys)``: rows as float32 ``[n, dim]``. In training mode
+  (default) a pull counts one sighting of each key and creates the row of a
+  new key once admission allows; ``train=False`` is a pure lookup. Keys without
+  a row read as their initial vector.
+* ``push(table, keys, grads)``: applies the table's optimizer. Duplicate keys
+  in one push have their gradients summed and are updated once; non-finite
+  gradient rows are dropped and counted (or raise, per table). Pushes to keys
+  still waiting for admission are dropped and counted.
+* Keys are uint64; int64 arrays are reinterpreted (-1 is 2**64 - 1).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from wuliang.ps_server import _engine
+from wuliang.ps_server.spec import TableSpec
+
+
+class UnknownTableError(KeyError):
+    """A table name the engine does not have."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class PushResult:
+    applied: int  # row updates applied
+    dropped_nan: int  # gradient rows with NaN or Inf, skipped
+    dropped_pending: int  # keys not admitted yet, skipped
+    duplicates: int  # repeated keys, summed into their first occurrence
+
+
+@dataclass(frozen=True)
+class RowChunk:
+    """Rows of one table, as exported by ``Engine.export``."""
+
+    keys: np.ndarray  # uint64 [n]
+    weights: np.ndarray  # float32 [n, dim]
+    state: np.ndarray  # float32 [n, state_dim] optimizer state
+    counts: np.ndarray  # uint32 [n] training sightings
+    steps: np.ndarray  # uint64 [n] step of the last update
+    times: np.ndarray  # uint32 [n] unix time of the last update
+    versions: np.ndarray  # uint64 [n] version of the last modification
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+KeyArray = np.ndarray | Sequence[int]
+
+
+def as_keys(keys: Any, what: str = "keys") -> np.ndarray:
+    """Returns keys as a contiguous 1-D int64/uint64 array (no copy if already)."""
+    if not isinstance(keys, np.ndarray):
+        keys = np.asarray(keys)
+        if keys.size == 0:
+            keys = keys.astype(np.uint64)
+    if keys.dtype != np.int64 and keys.dtype != np.uint64:
+        raise TypeError(f"{what} must be an int64 or uint64 array, got dtype {keys.dtype}")
+    if keys.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {keys.shape}")
+    return np.ascontiguousarray(keys)
+
+
+def _as_float32(values: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
+    if not isinstance(values, np.ndarray):
+        raise TypeError(f"{what} must be a numpy float32 array, got {type(values).__name__}")
+    if values.dtype != np.float32:
+        raise TypeError(f"{what} must be float32, got dtype {values.dtype}")
+    if values.shape != shape:
+        raise ValueError(f"{what} has shape {values.shape}, expected {shape}")
+    return np.ascontiguousarray(values)
+
+
+def _as_column(values: Any, dtype: type, shape: tuple[int, ...], what: str) -> np.ndarray | None:
+    if values is None:
+        return None
+    array = np.ascontiguousarray(values, dtype=dtype)
+    if array.shape != shape:
+        raise ValueError(f"{what} has shape {array.shape}, expected {shape}")
+    return array
+
+
+class Engine:
+    """Embedding tables held in this process by a sharded C++ engine.
+
+    Args:
+        num_shards: worker threads; each owns 1/num_shards of every table's
+            keys. Use about the number of cores left over by the trainer.
+    """
+
+    def __init__(self, num_shards: int = 2) -> None:
+        if not isinstance(num_shards, int) or not 1 <= num_shards <= 1024:
+            raise ValueError(f"num_shards must be an int in [1, 1024], got {num_shards!r}")
+        self._native: _engine.Engine | None = _engine.Engine(num_shards)
+        self._specs: dict[str, TableSpec] = {}
+        self._ids: dict[str, int] = {}
+        self._lock = threading.Lock()  # create/drop only
+
+    # -- lifecycle -----------------------------------------------------------
+
+    @property
+    def native(self) -> _engine.Engine:
+        if self._native is None:
+            raise RuntimeError("engine is closed")
+        return self._native
+
+    def close(self) -> None:
+        """Frees every table and stops the shard threads."""
+        self._native = None
+        self._specs.clear()
+        self._ids.clear()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def num_shards(self) -> int:
+        return self.native.num_shards
+
+    @property
+    def step(self) -> int:
+        """Global training step, stamped on every updated row."""
+        return self.native.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        if not isinstance(value, int | np.integer) or value < 0:
+            raise ValueError(f"step must be a non-negative int, got {value!r}")
+        self.native.step = int(value)
+
+    @property
+    def version(self) -> int:
+        """Current version, stamped on every modified row (for delta export)."""
+        return self.native.version
+
+    def advance_version(self) -> int:
+        """Starts a new version and returns it; rows changed later carry it."""
+        return self.native.advance_version()
+
+    # -- tables --------------------------------------------------------------
+
+    def create_table(self, spec: TableSpec) -> None:
+        if not isinstance(spec, TableSpec):
+            raise TypeError(f"create_table takes a TableSpec, got {type(spec).__name__}")
+        with self._lock:
+            if spec.name in self._specs:
+                raise ValueError(f"table {spec.name!r} already exists")
+            self._ids[spec.name] = self.native.create_table(spec.to_native())
+            self._specs[spec.name] = spec
+
+    def drop_table(self, name: str) -> None:
+        with self._lock:
+            self._id(name)
+            self.native.drop_table(name)
+            del self._specs[name], self._ids[name]
+
+    def tables(self) -> list[str]:
+        return list(self._specs)
+
+    def spec(self, name: str) -> TableSpec:
+        self._id(name)
+        return self._specs[name]
+
+    def _id(self, name: str) -> int:
+        if self._native is None:
+            raise RuntimeError("engine is closed")
+        try:
+            return self._ids[name]
+        except KeyError:
+            known = ", ".join(sorted(self._ids)) or "none"
+            raise UnknownTableError(f"unknown table {name!r} (tables: {known})") from None
+
+    # -- batch calls ---------------------------------------------------------
+
+    def pull(
+        self,
+        table: str,
+        keys: KeyArray,
+        *,
+        train: bool = True,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Rows of keys as float32 ``[len(keys), dim]`` (into ``out`` if given)."""
+        tid = self._id(table)
+        keys = as_keys(keys)
+        if out is not None:
+            out = _as_float32(out, (len(keys), self._specs[table].dim), "out")
+        return self.native.pull(tid, keys, train, out)
+
+    def push(
+        self, table: str, keys: KeyArray, grads: np.ndarray, *, unique: bool = False
+    ) -> PushResult:
+        """Applies the optimizer to the rows of keys with float32 grads ``[n, dim]``.
+
+        ``unique=True`` promises that keys has no repeats and skips the check.
+        """
+        tid = self._id(table)
+        keys = as_keys(keys)
+        spec = self._specs[table]
+        grads = _as_float32(grads, (len(keys), spec.dim), f"grads for table {table!r}")
+        return PushResult(**self.native.push(tid, keys, grads, unique))
+
+    def erase(self, table: str, keys: KeyArray) -> int:
+        """Removes rows; returns how many existed."""
+        return self.native.erase(self._id(table), as_keys(keys))
+
+    def contains(self, table: str, keys: KeyArray) -> np.ndarray:
+        """Bool array: which keys have a row."""
+        return self.native.contains(self._id(table), as_keys(keys))
+
+    def evict(self, table: str | None = None) -> dict[str, int]:
+        """Applies the eviction policy of one table (or all) now."""
+        return self.native.evict(-1 if table is None else self._id(table))
+
+    def stats(self, table: str | None = None) -> dict[str, Any]:
+        """Rows, bytes and counters of one table, or of every table by name."""
+        if table is not None:
+            return self.native.stats(self._id(table))
+        return {name: self.native.stats(tid) for name, tid in list(self._ids.items())}
+
+    # -- export and load -----------------------------------------------------
+
+    def export(self, table: str, since: int = 0, chunk_rows: int = 65536) -> Iterator[RowChunk]:
+        """Yields the rows modified after version ``since`` (0: all rows).
+
+        Each shard is read on its own thread, chunk by chunk. Raises
+        RuntimeError if rows are removed or the index is resized while a
+        shard is being read: pause training (and eviction) while exporting.
+        """
+        tid = self._id(table)
+        if chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows!r}")
+        cursor = _engine.ExportCursor()
+        while not cursor.done:
+            chunk = self.native.export_chunk(tid, since, chunk_rows, cursor)
+            if len(chunk["keys"]):
+                yield RowChunk(**chunk)
+
+    def removed_keys(self, table: str, since: int = 0) -> np.ndarray:
+        """Keys erased or evicted after version ``since`` (uint64)."""
+        return self.native.removed_keys(self._id(table), since)
+
+    def trim_removed(self, table: str, upto: int) -> None:
+        """Forgets removal records of versions <= upto (after exporting them)."""
+        self.native.trim_removed(self._id(table), upto)
+
+    def load(
+        self,
+        table: str,
+        keys: KeyArray,
+        weights: np.ndarray,
+        state: np.ndarray | None = None,
+        counts: np.ndarray | None = None,
+        steps: np.ndarray | None = None,
+        times: np.ndarray | None = None,
+        versions: np.ndarray | None = None,
+    ) -> None:
+        """Inserts or overwrites rows exactly (e.g. from a RowChunk).
+
+        Missing columns default to the optimizer's initial state, count 0,
+        the current step and time, and the current version.
+        """
+        tid = self._id(table)
+        spec = self._specs[table]
+        keys = as_keys(keys)
+        n = len(keys)
+        self.native.load(
+            tid,
+            keys,
+            _as_float32(weights, (n, spec.dim), "weights"),
+            None if state is None else _as_float32(state, (n, spec.state_dim), "state"),
+            _as_column(counts, np.uint32, (n,), "counts"),
+            _as_column(steps, np.uint64, (n,), "steps"),
+            _as_column(times, np.uint32, (n,), "times"),
+            _as_column(versions, np.uint64, (n,), "versions"),
+        )
+
+
+def shard_of(keys: KeyArray, num_shards: int) -> np.ndarray:
+    """Shard of every key (uint32), as the engine and the reader compute it."""
+    return _engine.shard_of(as_keys(keys), num_shards)

@@ -1,0 +1,376 @@
+"""Table specifications: optimizer, initializer, admission and eviction.
+
+Plain frozen dataclasses, checked on construction (errors name the field), and
+converted to the engine's C++ structs by :func:`TableSpec.to_native`. The
+public names are re-exported as ``wuliang.optimizers``, ``wuliang.initializers``,
+``wuliang.admission`` and ``wuliang.eviction``.
+
+Optimizer formulas (per coordinate, ``g`` the summed gradient of a key):
+
+* ``SGD``:      ``w -= lr * g``
+* ``Adagrad``:  ``acc += g²;  w -= lr * g / (sqrt(acc) + epsilon)``
+* ``Adam``:     lazy: a row's step ``t`` only advances when the row is pushed,
+  so bias correction is per row: ``m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g²;
+  w -= lr * sqrt(1-b2^t)/(1-b1^t) * m / (sqrt(v) + epsilon)``
+* ``FTRL``:     FTRL-Proximal of McMahan et al. (2013), Algorithm 1, with
+  ``alpha = lr``; ``l2`` is the paper's λ2 (TensorFlow's
+  ``l2_regularization_strength`` is half of it).
+
+``clip_norm > 0`` scales each key's gradient row to at most that L2 norm first.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Literal
+
+from wuliang.ps_server import _engine
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _positive(owner: str, name: str, value: float) -> None:
+    _check(math.isfinite(value) and value > 0, f"{owner}: {name} must be > 0, got {value!r}")
+
+
+def _non_negative(owner: str, name: str, value: float) -> None:
+    _check(math.isfinite(value) and value >= 0, f"{owner}: {name} must be >= 0, got {value!r}")
+
+
+# --- optimizers -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """Base of the optimizers applied on the parameter server."""
+
+    learning_rate: float = 0.01
+    clip_norm: float = 0.0
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        _positive(name, "learning_rate", self.learning_rate)
+        _non_negative(name, "clip_norm", self.clip_norm)
+
+    def _native(self) -> _engine.OptimizerSpec:
+        spec = _engine.OptimizerSpec()
+        spec.learning_rate = self.learning_rate
+        spec.clip_norm = self.clip_norm
+        return spec
+
+
+@dataclass(frozen=True)
+class SGD(Optimizer):
+    """Plain gradient descent."""
+
+    def _native(self) -> _engine.OptimizerSpec:
+        spec = super()._native()
+        spec.kind = _engine.OptimizerKind.SGD
+        return spec
+
+
+@dataclass(frozen=True)
+class Adagrad(Optimizer):
+    """Adagrad with a per-coordinate squared-gradient accumulator."""
+
+    initial_accumulator: float = 0.1
+    epsilon: float = 1e-7
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _non_negative("Adagrad", "initial_accumulator", self.initial_accumulator)
+        _non_negative("Adagrad", "epsilon", self.epsilon)
+        _check(
+            self.initial_accumulator > 0 or self.epsilon > 0,
+            "Adagrad: initial_accumulator or epsilon must be > 0",
+        )
+
+    def _native(self) -> _engine.OptimizerSpec:
+        spec = super()._native()
+        spec.kind = _engine.OptimizerKind.ADAGRAD
+        spec.initial_accumulator = self.initial_accumulator
+        spec.epsilon = self.epsilon
+        return spec
+
+
+@dataclass(frozen=True)
+class Adam(Optimizer):
+    """Lazy Adam: only pushed rows advance, bias correction per row."""
+
+    learning_rate: float = 0.001
+    beta1: float = 0.9
+    beta2: float = 0.999
+    epsilon: float = 1e-7
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            _check(0 <= value < 1, f"Adam: {name} must be in [0, 1), got {value!r}")
+        _non_negative("Adam", "epsilon", self.epsilon)
+
+    def _native(self) -> _engine.OptimizerSpec:
+        spec = super()._native()
+        spec.kind = _engine.OptimizerKind.ADAM
+        spec.beta1, spec.beta2, spec.epsilon = self.beta1, self.beta2, self.epsilon
+        return spec
+
+
+@dataclass(frozen=True)
+class FTRL(Optimizer):
+    """FTRL-Proximal (McMahan et al. 2013); learning_rate is alpha."""
+
+    learning_rate: float = 0.05
+    l1: float = 0.0
+    l2: float = 0.0
+    beta: float = 1.0
+    initial_accumulator: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("l1", "l2", "beta", "initial_accumulator"):
+            _non_negative("FTRL", name, getattr(self, name))
+
+    def _native(self) -> _engine.OptimizerSpec:
+        spec = super()._native()
+        spec.kind = _engine.OptimizerKind.FTRL
+        spec.l1, spec.l2, spec.beta = self.l1, self.l2, self.beta
+        spec.initial_accumulator = self.initial_accumulator
+        return spec
+
+
+# --- initializers -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Initializer:
+    """Base of the initial-value distributions; values depend on (seed, key)."""
+
+    def _native(self, dim: int) -> _engine.InitSpec:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Normal(Initializer):
+    stddev: float = 0.05
+    mean: float = 0.0
+
+    def __post_init__(self) -> None:
+        _non_negative("Normal", "stddev", self.stddev)
+
+    def _native(self, dim: int) -> _engine.InitSpec:
+        spec = _engine.InitSpec()
+        spec.kind = _engine.InitKind.NORMAL
+        spec.mean, spec.stddev = self.mean, self.stddev
+        return spec
+
+
+@dataclass(frozen=True)
+class TruncatedNormal(Initializer):
+    """Normal with values beyond 2 stddev redrawn. stddev None = 1/sqrt(dim)."""
+
+    stddev: float | None = None
+    mean: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.stddev is not None:
+            _non_negative("TruncatedNormal", "stddev", self.stddev)
+
+    def _native(self, dim: int) -> _engine.InitSpec:
+        spec = _engine.InitSpec()
+        spec.kind = _engine.InitKind.TRUNCATED_NORMAL
+        spec.mean = self.mean
+        spec.stddev = self.stddev if self.stddev is not None else 1.0 / math.sqrt(dim)
+        return spec
+
+
+@dataclass(frozen=True)
+class Uniform(Initializer):
+    minval: float = -0.05
+    maxval: float = 0.05
+
+    def __post_init__(self) -> None:
+        _check(
+            self.minval <= self.maxval,
+            f"Uniform: minval {self.minval!r} must be <= maxval {self.maxval!r}",
+        )
+
+    def _native(self, dim: int) -> _engine.InitSpec:
+        spec = _engine.InitSpec()
+        spec.kind = _engine.InitKind.UNIFORM
+        spec.minval, spec.maxval = self.minval, self.maxval
+        return spec
+
+
+@dataclass(frozen=True)
+class Constant(Initializer):
+    value: float = 0.0
+
+    def _native(self, dim: int) -> _engine.InitSpec:
+        spec = _engine.InitSpec()
+        spec.kind = _engine.InitKind.CONSTANT
+        spec.value = self.value
+        return spec
+
+
+@dataclass(frozen=True)
+class Zeros(Initializer):
+    def _native(self, dim: int) -> _engine.InitSpec:
+        spec = _engine.InitSpec()
+        spec.kind = _engine.InitKind.ZEROS
+        return spec
+
+
+# --- admission and eviction -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A key gets a row on its ``min_count``-th training pull.
+
+    Until then it reads as its initial vector and pushes to it are dropped
+    (counted as ``dropped_pending``). At most ``pending_capacity`` waiting keys
+    per shard are counted exactly; beyond that, counts are halved and keys
+    reaching zero forgotten (counted as ``pending_forgotten``).
+    """
+
+    min_count: int = 1
+    pending_capacity: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        _check(self.min_count >= 1, f"MinCount: n must be >= 1, got {self.min_count!r}")
+        _check(
+            1 <= self.pending_capacity < 2**32,
+            f"MinCount: pending_capacity must be in [1, 2**32), got {self.pending_capacity!r}",
+        )
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """Which rows ``Engine.evict`` removes; 0 disables a criterion.
+
+    * ``ttl_steps`` / ``ttl_seconds``: rows not updated for longer than this;
+    * ``min_count``: rows seen fewer times than this that were not updated
+      since the previous ``evict`` call (every row gets one full period);
+    * ``max_rows``: then, while the table is larger, the least frequently
+      seen rows (oldest first among equal counts).
+
+    Combine criteria with ``|``: ``TTL(steps=10_000) | MaxRows(1_000_000)``.
+    """
+
+    ttl_steps: int = 0
+    ttl_seconds: int = 0
+    min_count: int = 0
+    max_rows: int = 0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            _check(
+                isinstance(value, int) and value >= 0,
+                f"Eviction: {f.name} must be an int >= 0, got {value!r}",
+            )
+
+    def __or__(self, other: Eviction) -> Eviction:
+        merged = {
+            f.name: getattr(other, f.name) or getattr(self, f.name) for f in fields(self)
+        }
+        return Eviction(**merged)
+
+    @property
+    def enabled(self) -> bool:
+        return any(getattr(self, f.name) for f in fields(self))
+
+
+# --- the table --------------------------------------------------------------
+
+NanPolicy = Literal["drop", "raise"]
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """An embedding table of the engine.
+
+    Args:
+        name: unique within an engine.
+        dim: floats per embedding vector.
+        optimizer: applied on the engine at every push.
+        initializer: initial vectors, a pure function of (seed, key);
+            default ``TruncatedNormal(stddev=1/sqrt(dim))``.
+        seed: table seed of the initial vectors.
+        admission: when a key gets a row (default: at first sight).
+        eviction: what ``Engine.evict`` removes (default: nothing).
+        nan_policy: ``"drop"`` skips and counts non-finite gradient rows;
+            ``"raise"`` rejects the whole push with ValueError.
+    """
+
+    name: str
+    dim: int
+    optimizer: Optimizer = field(default_factory=Adagrad)
+    initializer: Initializer = field(default_factory=TruncatedNormal)
+    seed: int = 0
+    admission: Admission = field(default_factory=Admission)
+    eviction: Eviction = field(default_factory=Eviction)
+    nan_policy: NanPolicy = "drop"
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.name, str) and self.name != "",
+            f"table name must be a non-empty string, got {self.name!r}",
+        )
+        who = f"table {self.name!r}"
+        _check(
+            isinstance(self.dim, int) and 1 <= self.dim <= 65536,
+            f"{who}: dim must be an int in [1, 65536], got {self.dim!r}",
+        )
+        for name, kind in (
+            ("optimizer", Optimizer),
+            ("initializer", Initializer),
+            ("admission", Admission),
+            ("eviction", Eviction),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                raise TypeError(f"{who}: {name} must be a {kind.__name__}, got {value!r}")
+        _check(
+            isinstance(self.seed, int) and 0 <= self.seed < 2**64,
+            f"{who}: seed must be an int in [0, 2**64), got {self.seed!r}",
+        )
+        _check(
+            self.nan_policy in ("drop", "raise"),
+            f"{who}: nan_policy must be 'drop' or 'raise', got {self.nan_policy!r}",
+        )
+
+    @property
+    def state_dim(self) -> int:
+        """Floats of optimizer state per row."""
+        return _engine.state_dim(self.optimizer._native().kind, self.dim)
+
+    def with_name(self, name: str) -> TableSpec:
+        return replace(self, name=name)
+
+    def to_native(self) -> _engine.TableSpec:
+        spec = _engine.TableSpec()
+        spec.name = self.name
+        spec.dim = self.dim
+        spec.optimizer = self.optimizer._native()
+        spec.initializer = self.initializer._native(self.dim)
+        spec.seed = self.seed
+        admission = _engine.AdmissionSpec()
+        admission.min_count = self.admission.min_count
+        admission.pending_capacity = self.admission.pending_capacity
+        spec.admission = admission
+        eviction = _engine.EvictionSpec()
+        eviction.ttl_steps = self.eviction.ttl_steps
+        eviction.ttl_seconds = self.eviction.ttl_seconds
+        eviction.min_count = self.eviction.min_count
+        eviction.max_rows = self.eviction.max_rows
+        spec.eviction = eviction
+        spec.nan_policy = (
+            _engine.NanPolicy.RAISE if self.nan_policy == "raise" else _engine.NanPolicy.DROP
+        )
+        return spec

@@ -1,0 +1,5 @@
+import sys
+
+from wuliang.cli import main
+
+sys.exit(main())

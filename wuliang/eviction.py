@@ -1,0 +1,25 @@
+"""Which embedding rows eviction removes. Combine with ``|``."""
+
+from wuliang.ps_server.spec import Eviction
+
+
+def TTL(steps: int = 0, seconds: int = 0) -> Eviction:  # noqa: N802
+    """Rows not updated for more than `steps` steps or `seconds` seconds."""
+    if not steps and not seconds:
+        raise ValueError("TTL needs steps or seconds")
+    return Eviction(ttl_steps=steps, ttl_seconds=seconds)
+
+
+def MinCount(n: int) -> Eviction:  # noqa: N802
+    """Rows seen fewer than n times and not updated since the previous evict."""
+    return Eviction(min_count=n)
+
+
+def MaxRows(n: int) -> Eviction:  # noqa: N802
+    """At most n rows: the least frequently seen go first."""
+    if n < 1:
+        raise ValueError(f"MaxRows needs n >= 1, got {n!r}")
+    return Eviction(max_rows=n)
+
+
+__all__ = ["TTL", "Eviction", "MaxRows", "MinCount"]
