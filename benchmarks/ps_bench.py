@@ -65,7 +65,9 @@ def make_streams(rows: int, batch: int, batches: int, seed: int) -> dict[str, li
     }
 
 
-def time_calls(fn: Callable[[np.ndarray], object], batches: list[np.ndarray], repeats: int) -> float:
+def time_calls(
+    fn: Callable[[np.ndarray], object], batches: list[np.ndarray], repeats: int
+) -> float:
     """Best keys/s over `repeats` passes through the batches."""
     best = 0.0
     for _ in range(repeats):
@@ -103,12 +105,29 @@ def run_engine(
     print(
         f"{name:8s} fill {result['fill_rows_per_s'] / 1e6:5.2f}M rows/s | "
         + " | ".join(
-            f"{s} pull {result[f'{s}_pull'] / 1e6:5.1f}M push {result[f'{s}_push'] / 1e6:5.1f}M keys/s"
+            f"{s} pull {result[f'{s}_pull'] / 1e6:5.1f}M push {result[f'{s}_push'] / 1e6:5.1f}M"
             for s in streams
-        ),
+        )
+        + " keys/s",
         flush=True,
     )
     return result
+
+
+def run_wuliang(
+    spec: TableSpec, args: argparse.Namespace, streams: dict[str, list[np.ndarray]]
+) -> tuple[dict[str, float], dict]:
+    with Engine(num_shards=args.shards) as engine:
+        engine.create_table(spec)
+        result = run_engine(
+            f"wuliang/{args.shards}",
+            lambda k, out: engine.pull("bench", k, out=out),
+            lambda k, g: engine.push("bench", k, g),
+            args.rows,
+            streams,
+            args.repeats,
+        )
+        return result, engine.stats("bench")
 
 
 def main() -> None:
@@ -132,19 +151,7 @@ def main() -> None:
         flush=True,
     )
 
-    engine = Engine(num_shards=args.shards)
-    engine.create_table(spec)
-    ours = run_engine(
-        f"wuliang/{args.shards}",
-        lambda k, out: engine.pull("bench", k, out=out),
-        lambda k, g: engine.push("bench", k, g),
-        args.rows,
-        streams,
-        args.repeats,
-    )
-    stats = engine.stats("bench")
-    engine.close()
-    del engine
+    ours, stats = run_wuliang(spec, args, streams)
     gc.collect()
 
     naive: dict[str, float] = {}

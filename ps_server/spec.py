@@ -276,9 +276,7 @@ class Eviction:
             )
 
     def __or__(self, other: Eviction) -> Eviction:
-        merged = {
-            f.name: getattr(other, f.name) or getattr(self, f.name) for f in fields(self)
-        }
+        merged = {f.name: getattr(other, f.name) or getattr(self, f.name) for f in fields(self)}
         return Eviction(**merged)
 
     @property

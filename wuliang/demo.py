@@ -32,7 +32,9 @@ def run_engine_demo(steps: int = 40, batch: int = 100_000, num_shards: int = 2) 
         eviction=Eviction(ttl_steps=steps // 2, max_rows=200_000),
     )
     engine.create_table(spec)
-    print(f"engine: {num_shards} shard threads; table 'item' dim 16, Adagrad, admit at 2nd sighting")
+    print(
+        f"engine: {num_shards} shard threads; table 'item' dim 16, Adagrad, admit at 2nd sighting"
+    )
 
     pull_s = push_s = 0.0
     keys_seen = 0
@@ -69,12 +71,14 @@ def run_engine_demo(steps: int = 40, batch: int = 100_000, num_shards: int = 2) 
     after = engine.stats("item")
     print(
         f"evict: {evicted['ttl']:,} by TTL ({steps // 2} steps), {evicted['lfu']:,} by max_rows; "
-        f"rows {after['rows']:,}, memory {before / 2**20:.1f} MiB -> {after['bytes'] / 2**20:.1f} MiB"
+        f"rows {after['rows']:,}, memory {before / 2**20:.1f} -> {after['bytes'] / 2**20:.1f} MiB"
     )
 
     delta_rows = sum(len(chunk) for chunk in engine.export("item", since=delta_since))
     removed = len(engine.removed_keys("item", since=delta_since))
-    print(f"delta export of the last 5 steps: {delta_rows:,} rows changed, {removed:,} keys removed")
+    print(
+        f"delta export of the last 5 steps: {delta_rows:,} rows changed, {removed:,} keys removed"
+    )
     summary = {
         "steps": steps,
         "batch": batch,

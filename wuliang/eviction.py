@@ -3,19 +3,19 @@
 from wuliang.ps_server.spec import Eviction
 
 
-def TTL(steps: int = 0, seconds: int = 0) -> Eviction:  # noqa: N802
+def TTL(steps: int = 0, seconds: int = 0) -> Eviction:
     """Rows not updated for more than `steps` steps or `seconds` seconds."""
     if not steps and not seconds:
         raise ValueError("TTL needs steps or seconds")
     return Eviction(ttl_steps=steps, ttl_seconds=seconds)
 
 
-def MinCount(n: int) -> Eviction:  # noqa: N802
+def MinCount(n: int) -> Eviction:
     """Rows seen fewer than n times and not updated since the previous evict."""
     return Eviction(min_count=n)
 
 
-def MaxRows(n: int) -> Eviction:  # noqa: N802
+def MaxRows(n: int) -> Eviction:
     """At most n rows: the least frequently seen go first."""
     if n < 1:
         raise ValueError(f"MaxRows needs n >= 1, got {n!r}")

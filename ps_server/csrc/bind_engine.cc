@@ -43,12 +43,14 @@ KeyArray Keys(const py::array& keys, const char* what = "keys") {
 template <class T>
 T* Column(const py::object& obj, size_t rows, size_t width, const char* name) {
   if (obj.is_none()) return nullptr;
-  if (!py::isinstance<py::array>(obj)) throw py::type_error(std::string(name) + " must be a numpy array");
+  if (!py::isinstance<py::array>(obj))
+    throw py::type_error(std::string(name) + " must be a numpy array");
   const auto arr = py::reinterpret_borrow<py::array>(obj);
   const py::dtype want = py::dtype::of<T>();
   if (arr.dtype().num() != want.num() || !(arr.flags() & py::array::c_style)) {
-    throw py::type_error(std::string(name) + " must be a C-contiguous " + std::string(py::str(want)) +
-                         " array, got " + std::string(py::str(arr.dtype())));
+    throw py::type_error(std::string(name) + " must be a C-contiguous " +
+                         std::string(py::str(want)) + " array, got " +
+                         std::string(py::str(arr.dtype())));
   }
   if (static_cast<size_t>(arr.size()) != rows * width) {
     throw py::value_error(std::string(name) + " has " + std::to_string(arr.size()) +
@@ -90,7 +92,9 @@ void BindSpecs(py::module_& m) {
       .value("UNIFORM", InitKind::kUniform)
       .value("ZEROS", InitKind::kZeros)
       .value("CONSTANT", InitKind::kConstant);
-  py::enum_<NanPolicy>(m, "NanPolicy").value("DROP", NanPolicy::kDrop).value("RAISE", NanPolicy::kRaise);
+  py::enum_<NanPolicy>(m, "NanPolicy")
+      .value("DROP", NanPolicy::kDrop)
+      .value("RAISE", NanPolicy::kRaise);
 
   py::class_<OptimizerSpec>(m, "OptimizerSpec")
       .def(py::init<>())
@@ -231,8 +235,8 @@ void BindEngine(py::module_& m) {
             py::array_t<float> state({max_rows, state_dim});
             py::array_t<uint32_t> counts(max_rows), times(max_rows);
             py::array_t<uint64_t> steps(max_rows), versions(max_rows);
-            RowColumns out{keys.mutable_data(),  weights.mutable_data(), state.mutable_data(),
-                           counts.mutable_data(), steps.mutable_data(),  times.mutable_data(),
+            RowColumns out{keys.mutable_data(),    weights.mutable_data(), state.mutable_data(),
+                           counts.mutable_data(),  steps.mutable_data(),   times.mutable_data(),
                            versions.mutable_data()};
             size_t n;
             {
@@ -271,8 +275,7 @@ void BindEngine(py::module_& m) {
             RowColumns rows;
             rows.keys = const_cast<uint64_t*>(k.data);
             rows.weights = Column<float>(weights, n, spec.dim, "weights");
-            rows.state =
-                Column<float>(state, n, StateDim(spec.optimizer.kind, spec.dim), "state");
+            rows.state = Column<float>(state, n, StateDim(spec.optimizer.kind, spec.dim), "state");
             rows.counts = Column<uint32_t>(counts, n, 1, "counts");
             rows.steps = Column<uint64_t>(steps, n, 1, "steps");
             rows.times = Column<uint32_t>(times, n, 1, "times");

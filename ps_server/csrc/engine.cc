@@ -32,8 +32,8 @@ struct Plan {
 
   ShardBatch For(int s) const {
     const auto num_shards = static_cast<uint32_t>(offsets.size() - 1);
-    return ShardBatch{keys,   n,      order,     offsets[s], offsets[s + 1],
-                      filter, static_cast<uint32_t>(s), num_shards};
+    return ShardBatch{
+        keys, n, order, offsets[s], offsets[s + 1], filter, static_cast<uint32_t>(s), num_shards};
   }
 };
 
@@ -148,7 +148,8 @@ Engine::Engine(const EngineOptions& options) : num_shards_(options.num_shards) {
                                 std::to_string(num_shards_));
   }
   workers_.reserve(num_shards_);
-  for (int s = 0; s < num_shards_; ++s) workers_.push_back(std::make_unique<details::ShardWorker>());
+  for (int s = 0; s < num_shards_; ++s)
+    workers_.push_back(std::make_unique<details::ShardWorker>());
 }
 
 Engine::~Engine() {
@@ -190,7 +191,8 @@ void Engine::RunOn(const std::vector<int>& active, const std::function<void(int)
 }
 
 void Engine::PlanBatch(const uint64_t* keys, size_t n, Plan* plan) const {
-  if (n > UINT32_MAX) throw std::invalid_argument("batch of " + std::to_string(n) + " keys is too large");
+  if (n > UINT32_MAX)
+    throw std::invalid_argument("batch of " + std::to_string(n) + " keys is too large");
   const auto shards = static_cast<uint32_t>(num_shards_);
   plan->keys = keys;
   plan->n = n;
@@ -304,8 +306,7 @@ void Engine::Pull(int table, const uint64_t* keys, size_t n, float* out, bool tr
   Plan plan;
   PlanBatch(keys, n, &plan);
   const Clock clock = Now(step(), version());
-  RunOnShards(
-      [&](int s) { ShardOfDef(def, s)->Pull(plan.For(s), out, train, clock); }, &plan);
+  RunOnShards([&](int s) { ShardOfDef(def, s)->Pull(plan.For(s), out, train, clock); }, &plan);
 }
 
 PushResult Engine::Push(int table, const uint64_t* keys, size_t n, const float* grads,
@@ -328,9 +329,7 @@ PushResult Engine::Push(int table, const uint64_t* keys, size_t n, const float* 
   const Clock clock = Now(step(), version());
   std::vector<PushResult> results(num_shards_);
   RunOnShards(
-      [&](int s) {
-        ShardOfDef(def, s)->Push(plan.For(s), grads, keys_unique, clock, &results[s]);
-      },
+      [&](int s) { ShardOfDef(def, s)->Push(plan.For(s), grads, keys_unique, clock, &results[s]); },
       &plan);
   PushResult total;
   for (const PushResult& r : results) {
@@ -348,8 +347,7 @@ uint64_t Engine::Erase(int table, const uint64_t* keys, size_t n) {
   PlanBatch(keys, n, &plan);
   const Clock clock = Now(step(), version());
   std::vector<uint64_t> erased(num_shards_, 0);
-  RunOnShards([&](int s) { erased[s] = ShardOfDef(def, s)->Erase(plan.For(s), clock); },
-              &plan);
+  RunOnShards([&](int s) { erased[s] = ShardOfDef(def, s)->Erase(plan.For(s), clock); }, &plan);
   uint64_t total = 0;
   for (uint64_t e : erased) total += e;
   return total;
@@ -370,8 +368,7 @@ void Engine::Load(int table, size_t n, const RowColumns& rows) {
   Plan plan;
   PlanBatch(rows.keys, n, &plan);
   const Clock clock = Now(step(), version());
-  RunOnShards([&](int s) { ShardOfDef(def, s)->Load(plan.For(s), rows, clock); },
-              &plan);
+  RunOnShards([&](int s) { ShardOfDef(def, s)->Load(plan.For(s), rows, clock); }, &plan);
 }
 
 EvictResult Engine::Evict(int table) {

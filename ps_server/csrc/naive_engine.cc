@@ -37,8 +37,7 @@ char* NaiveEngine::FindOrCreate(uint64_t key) {
   if (row == nullptr) throw std::bad_alloc();
   auto* meta = Meta(row);
   *meta = details::RowMeta{0, 1, static_cast<uint32_t>(std::time(nullptr)), 0};
-  details::InitializeWeights(spec_.initializer, spec_.seed, key, spec_.dim,
-                             Weights(row));
+  details::InitializeWeights(spec_.initializer, spec_.seed, key, spec_.dim, Weights(row));
   details::InitState(spec_.optimizer, spec_.dim, Weights(row) + spec_.dim);
   rows_.emplace(key, row);
   return row;

@@ -12,7 +12,6 @@ namespace wuliang::ps::details {
 namespace {
 
 constexpr uint32_t kNoRow = UINT32_MAX;
-constexpr size_t kHeaderBytes = 64;
 
 size_t RoundUp(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
@@ -36,7 +35,8 @@ MemoryPool::MemoryPool(size_t hot_stride, size_t cold_stride)
   static_assert(sizeof(Chunk) <= kHeaderBytes);
   const size_t per_row = hot_stride_ + cold_stride_;
   size_t rows = (kChunkBytes - 2 * kHeaderBytes) / per_row;
-  while (rows > 0 && RoundUp(kHeaderBytes + rows * hot_stride_, 64) + rows * cold_stride_ > kChunkBytes) {
+  while (rows > 0 &&
+         RoundUp(kHeaderBytes + rows * hot_stride_, 64) + rows * cold_stride_ > kChunkBytes) {
     --rows;
   }
   if (rows == 0) throw std::bad_alloc();  // a row larger than a chunk
@@ -63,11 +63,6 @@ char* MemoryPool::HotAt(Chunk* c, size_t index) const {
 
 char* MemoryPool::ColdAt(Chunk* c, size_t index) const {
   return c->base() + cold_offset_ + index * cold_stride_;
-}
-
-char* MemoryPool::Cold(const char* hot) const {
-  Chunk* c = ChunkOf(hot);
-  return ColdAt(c, IndexOf(c, hot));
 }
 
 MemoryPool::Chunk* MemoryPool::NewChunk() {

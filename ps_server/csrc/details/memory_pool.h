@@ -24,6 +24,7 @@ namespace wuliang::ps::details {
 class MemoryPool {
  public:
   static constexpr size_t kChunkBytes = size_t{2} << 20;
+  static constexpr size_t kHeaderBytes = 64;
 
   MemoryPool(size_t hot_stride, size_t cold_stride);
   ~MemoryPool();
@@ -32,7 +33,12 @@ class MemoryPool {
 
   char* Allocate();  // a row's uninitialised hot part; throws std::bad_alloc
   void Free(char* hot);
-  char* Cold(const char* hot) const;
+  char* Cold(const char* hot) const {
+    const auto base = reinterpret_cast<uintptr_t>(hot) & ~(kChunkBytes - 1);
+    const size_t offset = reinterpret_cast<uintptr_t>(hot) - base - kHeaderBytes;
+    const size_t index = hot_shift_ >= 0 ? offset >> hot_shift_ : offset / hot_stride_;
+    return reinterpret_cast<char*>(base + cold_offset_ + index * cold_stride_);
+  }
 
   size_t rows() const { return live_rows_; }
   size_t chunks() const { return chunks_.size(); }

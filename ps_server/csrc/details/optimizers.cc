@@ -102,8 +102,8 @@ void Ftrl(const OptimizerSpec& o, int dim, float* __restrict w, float* __restric
 
 }  // namespace
 
-void ApplyUpdate(const OptimizerSpec& opt, int dim, float* weights, float* state,
-                 const float* grad, float scale) {
+void ApplyUpdate(const OptimizerSpec& opt, int dim, float* weights, float* state, const float* grad,
+                 float scale) {
   switch (opt.kind) {
     case OptimizerKind::kSgd:
       Sgd(opt, dim, weights, grad, scale);

@@ -15,7 +15,8 @@ void* MapPages(size_t bytes, size_t align) {
   const uintptr_t aligned = (start + align - 1) & ~(uintptr_t{align} - 1);
   if (aligned > start) munmap(raw, aligned - start);
   const uintptr_t end = start + span;
-  if (end > aligned + bytes) munmap(reinterpret_cast<void*>(aligned + bytes), end - aligned - bytes);
+  if (end > aligned + bytes)
+    munmap(reinterpret_cast<void*>(aligned + bytes), end - aligned - bytes);
   void* p = reinterpret_cast<void*>(aligned);
 #ifdef MADV_HUGEPAGE
   if (bytes >= (size_t{2} << 20)) madvise(p, bytes, MADV_HUGEPAGE);

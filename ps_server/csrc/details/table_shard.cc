@@ -15,7 +15,7 @@ namespace {
 #define WL_ROWS_AHEAD 16
 #endif
 constexpr size_t kSlotsAhead = WL_SLOTS_AHEAD;  // prefetch distance of index probes
-constexpr size_t kRowsAhead = WL_ROWS_AHEAD;  // prefetch distance of row reads
+constexpr size_t kRowsAhead = WL_ROWS_AHEAD;    // prefetch distance of row reads
 
 // Copies n floats. Whole 64-byte blocks are fixed-size moves (inlined); a
 // plain loop would be turned into a libc memmove call per row.
@@ -183,7 +183,7 @@ const std::vector<int32_t>& TableShard::GroupDuplicates(const Slice& s, const fl
   size_t capacity = 1;
   while (capacity < 2 * n) capacity <<= 1;
   const size_t mask = capacity - 1;
-  dedup_.assign(capacity, 0);  // k + 1 of the first occurrence, 0 = empty
+  dedup_.assign(capacity, 0);                          // k + 1 of the first occurrence, 0 = empty
   std::vector<std::pair<uint32_t, uint32_t>> repeats;  // (k, first k)
   for (size_t k = 0; k < n; ++k) {
     const uint64_t h = hashes_[k];  // Mix64 is a bijection: equal hash <=> equal key
@@ -305,8 +305,8 @@ void TableShard::EvictByAge(const Clock& clock, EvictResult* result) {
   std::vector<uint64_t> expired, rare;
   index_.ForEach([&](uint64_t key, char* row) {
     const RowMeta* m = RowLayout::Meta(pool_.Cold(row));
-    const bool old_by_steps =
-        e.ttl_steps != 0 && clock.step > m->update_step && clock.step - m->update_step > e.ttl_steps;
+    const bool old_by_steps = e.ttl_steps != 0 && clock.step > m->update_step &&
+                              clock.step - m->update_step > e.ttl_steps;
     const bool old_by_time = e.ttl_seconds != 0 && clock.now > m->update_time &&
                              clock.now - m->update_time > e.ttl_seconds;
     if (old_by_steps || old_by_time) {
@@ -389,7 +389,8 @@ size_t TableShard::Export(uint64_t since, size_t max_rows, uint64_t* slot, const
     const size_t o = offset + written;
     if (out.keys != nullptr) out.keys[o] = entry.key;
     if (out.weights != nullptr) CopyFloats(out.weights + o * dim, RowLayout::Weights(row), dim);
-    if (out.state != nullptr) CopyFloats(out.state + o * state_dim, RowLayout::State(cold), state_dim);
+    if (out.state != nullptr)
+      CopyFloats(out.state + o * state_dim, RowLayout::State(cold), state_dim);
     if (out.counts != nullptr) out.counts[o] = meta->count;
     if (out.steps != nullptr) out.steps[o] = meta->update_step;
     if (out.times != nullptr) out.times[o] = meta->update_time;

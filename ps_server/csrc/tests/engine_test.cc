@@ -1,5 +1,7 @@
 // C++ tests of the engine internals and of Engine under concurrency. Built
 // and run under ThreadSanitizer and AddressSanitizer by `make test`.
+#include "wuliang/ps/engine.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -13,17 +15,16 @@
 #include "details/hash_map.h"
 #include "details/memory_pool.h"
 #include "details/pending_counter.h"
-#include "wuliang/ps/engine.h"
 #include "wuliang/ps/hash.h"
 
 using namespace wuliang::ps;
 
-#define CHECK(cond)                                                            \
-  do {                                                                         \
-    if (!(cond)) {                                                             \
+#define CHECK(cond)                                                                 \
+  do {                                                                              \
+    if (!(cond)) {                                                                  \
       std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::abort();                                                            \
-    }                                                                          \
+      std::abort();                                                                 \
+    }                                                                               \
   } while (0)
 
 namespace {

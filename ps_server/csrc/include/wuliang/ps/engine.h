@@ -187,7 +187,7 @@ class Engine {
   std::array<std::atomic<details::TableDef*>, kMaxTables> tables_{};
   std::atomic<int> next_table_id_{0};
   std::vector<std::unique_ptr<details::TableDef>> all_defs_;  // owns defs
-  mutable std::mutex create_mutex_;                             // not on the data path
+  mutable std::mutex create_mutex_;                           // not on the data path
   std::atomic<uint64_t> step_{0};
   std::atomic<uint64_t> version_{1};
 };

@@ -20,7 +20,7 @@ class NaiveEngine {
   NaiveEngine& operator=(const NaiveEngine&) = delete;
 
   void Pull(const uint64_t* keys, size_t n, float* out, bool train);  // out: (n, dim)
-  void Push(const uint64_t* keys, size_t n, const float* grads);       // grads: (n, dim)
+  void Push(const uint64_t* keys, size_t n, const float* grads);      // grads: (n, dim)
   int dim() const { return spec_.dim; }
   size_t rows();
   size_t bytes();  // rows, map nodes and buckets (malloc overhead excluded)

@@ -37,8 +37,8 @@ enum class InitKind : uint8_t {
 // Initial vectors are a pure function of (table seed, key, InitSpec).
 struct InitSpec {
   InitKind kind = InitKind::kTruncatedNormal;
-  float mean = 0.0f;     // normal, truncated normal
-  float stddev = 0.05f;  // normal, truncated normal
+  float mean = 0.0f;      // normal, truncated normal
+  float stddev = 0.05f;   // normal, truncated normal
   float minval = -0.05f;  // uniform
   float maxval = 0.05f;   // uniform
   float value = 0.0f;     // constant
@@ -47,8 +47,8 @@ struct InitSpec {
 // A key gets a row on its min_count-th sighting in a training pull. Until
 // then it reads as its initial vector and updates to it are dropped.
 struct AdmissionSpec {
-  uint32_t min_count = 1;                 // 1: admit at first sight
-  uint32_t pending_capacity = 1u << 20;   // pending keys per shard (bounded)
+  uint32_t min_count = 1;                // 1: admit at first sight
+  uint32_t pending_capacity = 1u << 20;  // pending keys per shard (bounded)
 };
 
 // Applied by Engine::Evict. Zero disables a criterion.
