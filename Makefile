@@ -8,21 +8,27 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 CPP_SOURCES := $(shell find ps_server/csrc -name '*.cc' -o -name '*.h')
-PY_SOURCES := $(shell find wuliang ps_server tests benchmarks -name '*.py' 2>/dev/null)
+PY_SOURCES := $(shell find wuliang ps_server -name '*.py' -o -name '*.pyi')
 SANITIZERS := thread address
 
-.PHONY: demo test install lint format cpp-test py-test bench bench-quick clean
+.PHONY: demo test install dev lint format cpp-test py-test bench bench-quick clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
 
-# Reinstalls when the build description or any C++ source changes.
-$(VENV)/.installed: $(BIN)/python pyproject.toml CMakeLists.txt ps_server/csrc/CMakeLists.txt $(CPP_SOURCES)
-	$(BIN)/python -m pip install -e '.[test]'
+# A regular (not editable) install, so tests run what users get; the CMake
+# build directory (build/<wheel tag>) is kept, so reinstalls are incremental.
+# Reinstalls when any source changes. `make dev` installs editable instead.
+$(VENV)/.installed: $(BIN)/python pyproject.toml CMakeLists.txt ps_server/csrc/CMakeLists.txt $(CPP_SOURCES) $(PY_SOURCES)
+	$(BIN)/python -m pip install '.[test]'
 	touch $@
 
 install: $(VENV)/.installed
+
+dev: $(BIN)/python
+	$(BIN)/python -m pip install -e '.[test]'
+	touch $(VENV)/.installed
 
 demo: install
 	$(BIN)/wuliang demo
@@ -52,8 +58,10 @@ cpp-test: install
 	    UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 $(abspath $(BIN))/ctest --output-on-failure); \
 	done
 
+# The pytest script (not `python -m pytest`) keeps the source tree off
+# sys.path, so tests import the installed package.
 py-test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/pytest -q
 
 bench: install
 	$(BIN)/python benchmarks/ps_bench.py

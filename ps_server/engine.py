@@ -54,7 +54,7 @@ class RowChunk:
     keys: np.ndarray  # uint64 [n]
     weights: np.ndarray  # float32 [n, dim]
     state: np.ndarray  # float32 [n, state_dim] optimizer state
-    counts: np.ndarray  # uint32 [n] training sightings
+    counts: np.ndarray  # uint32 [n] updates (+ sightings before admission)
     steps: np.ndarray  # uint64 [n] step of the last update
     times: np.ndarray  # uint32 [n] unix time of the last update
     versions: np.ndarray  # uint64 [n] version of the last modification
@@ -79,13 +79,18 @@ def as_keys(keys: Any, what: str = "keys") -> np.ndarray:
     return np.ascontiguousarray(keys)
 
 
-def _as_float32(values: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
+def _check_float32(values: Any, shape: tuple[int, ...], what: str) -> None:
     if not isinstance(values, np.ndarray):
         raise TypeError(f"{what} must be a numpy float32 array, got {type(values).__name__}")
     if values.dtype != np.float32:
         raise TypeError(f"{what} must be float32, got dtype {values.dtype}")
     if values.shape != shape:
         raise ValueError(f"{what} has shape {values.shape}, expected {shape}")
+
+
+def _as_float32(values: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
+    """An input array: checked, then made contiguous (no copy if it is)."""
+    _check_float32(values, shape, what)
     return np.ascontiguousarray(values)
 
 
@@ -205,7 +210,9 @@ class Engine:
         tid = self._id(table)
         keys = as_keys(keys)
         if out is not None:
-            out = _as_float32(out, (len(keys), self._specs[table].dim), "out")
+            _check_float32(out, (len(keys), self._specs[table].dim), "out")
+            if not out.flags.c_contiguous or not out.flags.writeable:
+                raise ValueError("out must be a writeable C-contiguous array")
         return self.native.pull(tid, keys, train, out)
 
     def push(
@@ -235,22 +242,29 @@ class Engine:
 
     def stats(self, table: str | None = None) -> dict[str, Any]:
         """Rows, bytes and counters of one table, or of every table by name."""
+        native = self.native
         if table is not None:
-            return self.native.stats(self._id(table))
-        return {name: self.native.stats(tid) for name, tid in list(self._ids.items())}
+            return native.stats(self._id(table))
+        return {name: native.stats(tid) for name, tid in list(self._ids.items())}
 
     # -- export and load -----------------------------------------------------
 
     def export(self, table: str, since: int = 0, chunk_rows: int = 65536) -> Iterator[RowChunk]:
         """Yields the rows modified after version ``since`` (0: all rows).
 
-        Each shard is read on its own thread, chunk by chunk. Raises
-        RuntimeError if rows are removed or the index is resized while a
-        shard is being read: pause training (and eviction) while exporting.
+        Arguments are checked at the call. Each shard is read on its own
+        thread, chunk by chunk; inserts and updates may go on meanwhile, but
+        iteration raises RuntimeError if rows are removed or the index is
+        resized in a shard being read: pause training while exporting.
         """
         tid = self._id(table)
-        if chunk_rows < 1:
+        if not isinstance(chunk_rows, int) or chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows!r}")
+        if not isinstance(since, int) or since < 0:
+            raise ValueError(f"since must be a version >= 0, got {since!r}")
+        return self._export_chunks(tid, since, chunk_rows)
+
+    def _export_chunks(self, tid: int, since: int, chunk_rows: int) -> Iterator[RowChunk]:
         cursor = _engine.ExportCursor()
         while not cursor.done:
             chunk = self.native.export_chunk(tid, since, chunk_rows, cursor)

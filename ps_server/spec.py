@@ -37,6 +37,10 @@ def _positive(owner: str, name: str, value: float) -> None:
     _check(math.isfinite(value) and value > 0, f"{owner}: {name} must be > 0, got {value!r}")
 
 
+def _finite(owner: str, name: str, value: float) -> None:
+    _check(math.isfinite(value), f"{owner}: {name} must be finite, got {value!r}")
+
+
 def _non_negative(owner: str, name: str, value: float) -> None:
     _check(math.isfinite(value) and value >= 0, f"{owner}: {name} must be >= 0, got {value!r}")
 
@@ -161,6 +165,7 @@ class Normal(Initializer):
 
     def __post_init__(self) -> None:
         _non_negative("Normal", "stddev", self.stddev)
+        _finite("Normal", "mean", self.mean)
 
     def _native(self, dim: int) -> _engine.InitSpec:
         spec = _engine.InitSpec()
@@ -179,6 +184,7 @@ class TruncatedNormal(Initializer):
     def __post_init__(self) -> None:
         if self.stddev is not None:
             _non_negative("TruncatedNormal", "stddev", self.stddev)
+        _finite("TruncatedNormal", "mean", self.mean)
 
     def _native(self, dim: int) -> _engine.InitSpec:
         spec = _engine.InitSpec()
@@ -194,6 +200,8 @@ class Uniform(Initializer):
     maxval: float = 0.05
 
     def __post_init__(self) -> None:
+        _finite("Uniform", "minval", self.minval)
+        _finite("Uniform", "maxval", self.maxval)
         _check(
             self.minval <= self.maxval,
             f"Uniform: minval {self.minval!r} must be <= maxval {self.maxval!r}",
@@ -209,6 +217,9 @@ class Uniform(Initializer):
 @dataclass(frozen=True)
 class Constant(Initializer):
     value: float = 0.0
+
+    def __post_init__(self) -> None:
+        _finite("Constant", "value", self.value)
 
     def _native(self, dim: int) -> _engine.InitSpec:
         spec = _engine.InitSpec()
@@ -242,10 +253,13 @@ class Admission:
     pending_capacity: int = 1 << 20
 
     def __post_init__(self) -> None:
-        _check(self.min_count >= 1, f"MinCount: n must be >= 1, got {self.min_count!r}")
         _check(
-            1 <= self.pending_capacity < 2**32,
-            f"MinCount: pending_capacity must be in [1, 2**32), got {self.pending_capacity!r}",
+            isinstance(self.min_count, int) and self.min_count >= 1,
+            f"Admission: min_count must be an int >= 1, got {self.min_count!r}",
+        )
+        _check(
+            isinstance(self.pending_capacity, int) and 1 <= self.pending_capacity < 2**32,
+            f"Admission: pending_capacity must be in [1, 2**32), got {self.pending_capacity!r}",
         )
 
 

@@ -129,10 +129,11 @@ void ValidateSpec(const TableSpec& spec) {
             "adagrad needs initial_accumulator > 0 or epsilon > 0");
   }
   const InitSpec& i = spec.initializer;
-  Require(Finite(i.mean) && Finite(i.stddev) && i.stddev >= 0, spec,
-          "initializer stddev must be >= 0");
-  Require(Finite(i.minval) && Finite(i.maxval) && i.minval <= i.maxval, spec,
-          "initializer minval must be <= maxval");
+  Require(Finite(i.mean), spec, "initializer mean must be finite");
+  Require(Finite(i.stddev) && i.stddev >= 0, spec, "initializer stddev must be >= 0");
+  Require(Finite(i.minval) && Finite(i.maxval), spec,
+          "initializer minval and maxval must be finite");
+  Require(i.minval <= i.maxval, spec, "initializer minval must be <= maxval");
   Require(Finite(i.value), spec, "initializer value must be finite");
   Require(spec.admission.min_count >= 1, spec, "admission min_count must be >= 1");
   Require(spec.admission.pending_capacity >= 1, spec, "admission pending_capacity must be >= 1");
@@ -409,23 +410,33 @@ EvictResult Engine::EvictTable(TableDef* def) {
       uint32_t threshold = 0;
       uint64_t below = 0;
       while (below + merged[threshold] < excess) below += merged[threshold++];
-      const uint64_t need = excess - below;
-      // Split `need` over shards in proportion to their rows at threshold.
-      std::vector<uint64_t> quota(num_shards_, 0);
-      uint64_t given = 0;
-      for (int s = 0; s < num_shards_; ++s) {
-        quota[s] = need * hist[s][threshold] / merged[threshold];
-        given += quota[s];
-      }
-      for (int s = 0; given < need; s = (s + 1) % num_shards_) {
-        if (quota[s] < hist[s][threshold]) {
-          ++quota[s];
-          ++given;
+      const uint64_t need_at_threshold = excess - below;
+      // Among rows at the threshold the oldest go first: find the update
+      // step of the need-th oldest, then split the ties at it over shards.
+      std::vector<std::vector<uint64_t>> steps(num_shards_);
+      RunOnShards([&](int s) { ShardOfDef(def, s)->StepsAtCount(threshold, &steps[s]); });
+      std::vector<uint64_t> all;
+      for (const auto& v : steps) all.insert(all.end(), v.begin(), v.end());
+      // Training may change counts between the phases: the cut then uses
+      // what this phase saw.
+      const uint64_t need = std::min<uint64_t>(need_at_threshold, all.size());
+      if (need > 0) {
+        std::nth_element(all.begin(), all.begin() + (need - 1), all.end());
+        const uint64_t cutoff = all[need - 1];
+        uint64_t before_cutoff = 0;
+        for (uint64_t step : all) before_cutoff += step < cutoff;
+        uint64_t ties_left = need - before_cutoff;
+        std::vector<uint64_t> quota(num_shards_, 0);
+        for (int s = 0; s < num_shards_ && ties_left > 0; ++s) {
+          const auto at =
+              static_cast<uint64_t>(std::count(steps[s].begin(), steps[s].end(), cutoff));
+          quota[s] = std::min(at, ties_left);
+          ties_left -= quota[s];
         }
+        RunOnShards([&](int s) {
+          ShardOfDef(def, s)->EvictLeastFrequent(threshold, cutoff, quota[s], clock, &per_shard[s]);
+        });
       }
-      RunOnShards([&](int s) {
-        ShardOfDef(def, s)->EvictLeastFrequent(threshold, quota[s], clock, &per_shard[s]);
-      });
     }
   }
   RunOnShards([&](int s) { ShardOfDef(def, s)->Compact(); });

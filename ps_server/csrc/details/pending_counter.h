@@ -15,7 +15,7 @@ namespace wuliang::ps::details {
 
 class PendingCounter {
  public:
-  explicit PendingCounter(size_t capacity) : capacity_(capacity < 16 ? 16 : capacity) {}
+  explicit PendingCounter(size_t capacity) : capacity_(capacity < 1 ? 1 : capacity) {}
 
   // Counts one sighting of key; returns its count including this one.
   uint32_t Observe(uint64_t key, uint64_t hash);

@@ -105,17 +105,14 @@ void TableShard::RemoveRow(uint64_t key, uint64_t hash, const Clock& clock) {
   removed_.emplace_back(key, clock.version);
 }
 
-char* TableShard::Resolve(const Slice& s, size_t k, Create create, const Clock& clock) {
-  const uint64_t key = s.key(k);
-  char** found = index_.Find(key, hashes_[k]);
-  if (found != nullptr) return *found;
+char* TableShard::ResolveMissing(const Slice& s, size_t k, Create create, const Clock& clock) {
   switch (create) {
     case Create::kNever:
       return nullptr;
     case Create::kAdmit:
-      return Admit(key, hashes_[k], clock);
+      return Admit(s.key(k), hashes_[k], clock);
     case Create::kAlways:
-      return CreateRow(key, hashes_[k], clock, 0);
+      return CreateRow(s.key(k), hashes_[k], clock, 0);
   }
   return nullptr;
 }
@@ -136,18 +133,22 @@ void TableShard::Pipeline(const Slice& s, Create create, const Clock& clock, boo
     }
   };
   const size_t n = s.size();
+  const auto resolve = [&](size_t k) {
+    char** found = index_.Find(s.key(k), hashes_[k]);
+    return found != nullptr ? *found : ResolveMissing(s, k, create, clock);
+  };
   constexpr size_t kAhead = kSlotsAhead + kRowsAhead;
   for (size_t k = 0; k < std::min(n, kAhead); ++k) index_.Prefetch(hashes_[k]);
   char* ring[kRowsAhead];
   for (size_t k = 0; k < std::min(n, kRowsAhead); ++k) {
-    ring[k] = Resolve(s, k, create, clock);
+    ring[k] = resolve(k);
     prefetch(ring[k]);
   }
   for (size_t k = 0; k < n; ++k) {
     if (k + kAhead < n) index_.Prefetch(hashes_[k + kAhead]);
     char* row = ring[k % kRowsAhead];
     if (k + kRowsAhead < n) {
-      char* ahead = Resolve(s, k + kRowsAhead, create, clock);
+      char* ahead = resolve(k + kRowsAhead);
       prefetch(ahead);
       ring[k % kRowsAhead] = ahead;
     }
@@ -230,30 +231,32 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
   const OptimizerSpec& opt = spec_.optimizer;
   const int dim = layout_.dim;
   const Create create = spec_.admission.min_count <= 1 ? Create::kAdmit : Create::kNever;
-  Pipeline(s, create, clock, /*cold=*/true, [&](size_t k, char* row) {
-    if (row == nullptr) {
-      ++result->dropped_pending;
-      return;
-    }
-    const float* g = grads + s.pos(k) * dim;
-    if (groups != nullptr) {
-      const int32_t group = (*groups)[k];
-      if (group == -2) return;
-      if (group >= 0) g = sums_.data() + static_cast<size_t>(group) * dim;
-    }
-    if (!AllFinite(g, dim)) {
-      ++result->dropped_nan;
-      return;
-    }
-    char* cold = pool_.Cold(row);
-    ApplyUpdate(opt, dim, RowLayout::Weights(row), RowLayout::State(cold), g,
-                ClipScale(opt, g, dim));
-    RowMeta* meta = RowLayout::Meta(cold);
-    meta->update_step = clock.step;
-    meta->update_time = clock.now;
-    meta->version = clock.version;
-    BumpCount(meta);
-    ++result->applied;
+  WithOptimizer(opt.kind, [&](auto kind) {
+    Pipeline(s, create, clock, /*cold=*/true, [&](size_t k, char* row) {
+      if (row == nullptr) {
+        ++result->dropped_pending;
+        return;
+      }
+      const float* g = grads + s.pos(k) * dim;
+      if (groups != nullptr) {
+        const int32_t group = (*groups)[k];
+        if (group == -2) return;
+        if (group >= 0) g = sums_.data() + static_cast<size_t>(group) * dim;
+      }
+      if (!AllFinite(g, dim)) {
+        ++result->dropped_nan;
+        return;
+      }
+      char* cold = pool_.Cold(row);
+      UpdateRow<decltype(kind)::value>(opt, dim, RowLayout::Weights(row), RowLayout::State(cold), g,
+                                       ClipScale(opt, g, dim));
+      RowMeta* meta = RowLayout::Meta(cold);
+      meta->update_step = clock.step;
+      meta->update_time = clock.now;
+      meta->version = clock.version;
+      BumpCount(meta);
+      ++result->applied;
+    });
   });
   counters_.pushed_keys += s.size();
   counters_.dropped_pending += result->dropped_pending;
@@ -331,22 +334,28 @@ void TableShard::CountHistogram(std::vector<uint64_t>* histogram) const {
   });
 }
 
-void TableShard::EvictLeastFrequent(uint32_t threshold, uint64_t quota_at_threshold,
+void TableShard::StepsAtCount(uint32_t bucket, std::vector<uint64_t>* steps) const {
+  index_.ForEach([&](uint64_t, char* row) {
+    const RowMeta* m = RowLayout::Meta(pool_.Cold(row));
+    if (std::min<size_t>(m->count, kHistogramBuckets - 1) == bucket) {
+      steps->push_back(m->update_step);
+    }
+  });
+}
+
+void TableShard::EvictLeastFrequent(uint32_t threshold, uint64_t cutoff, uint64_t quota,
                                     const Clock& clock, EvictResult* result) {
   std::vector<uint64_t> victims;
-  std::vector<std::pair<uint64_t, uint64_t>> at_threshold;  // (update step, key)
   index_.ForEach([&](uint64_t key, char* row) {
     const RowMeta* m = RowLayout::Meta(pool_.Cold(row));
     const size_t bucket = std::min<size_t>(m->count, kHistogramBuckets - 1);
-    if (bucket < threshold) {
+    const bool at_cutoff = bucket == threshold && m->update_step == cutoff;
+    if (bucket < threshold || (bucket == threshold && m->update_step < cutoff) ||
+        (at_cutoff && quota > 0)) {
       victims.push_back(key);
-    } else if (bucket == threshold && quota_at_threshold > 0) {
-      at_threshold.emplace_back(m->update_step, key);
+      if (at_cutoff) --quota;
     }
   });
-  const size_t quota = std::min<size_t>(quota_at_threshold, at_threshold.size());
-  std::nth_element(at_threshold.begin(), at_threshold.begin() + quota, at_threshold.end());
-  for (size_t i = 0; i < quota; ++i) victims.push_back(at_threshold[i].second);
   for (uint64_t key : victims) RemoveRow(key, Mix64(key), clock);
   result->lfu += victims.size();
   counters_.evicted_lfu += victims.size();

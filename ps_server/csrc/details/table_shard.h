@@ -76,12 +76,15 @@ class TableShard {
   void Contains(const ShardBatch& batch, uint8_t* out);
   void Load(const ShardBatch& batch, const RowColumns& rows, const Clock& clock);
 
-  // Eviction: TTL and min-count first, then (engine-wide LFU) the rows with
-  // count below `threshold` and `quota_at_threshold` of the oldest rows with
-  // count == threshold. Compact() then gives memory back.
+  // Eviction: TTL and min-count first, then the engine-wide LFU cut: rows
+  // with count below `threshold`, rows with count == threshold updated before
+  // step `cutoff`, and `quota` of those updated at `cutoff`. Counts are
+  // bucketed by min(count, kHistogramBuckets - 1). Compact() then gives
+  // memory back.
   void EvictByAge(const Clock& clock, EvictResult* result);
   void CountHistogram(std::vector<uint64_t>* histogram) const;  // += counts
-  void EvictLeastFrequent(uint32_t threshold, uint64_t quota_at_threshold, const Clock& clock,
+  void StepsAtCount(uint32_t bucket, std::vector<uint64_t>* steps) const;
+  void EvictLeastFrequent(uint32_t threshold, uint64_t cutoff, uint64_t quota, const Clock& clock,
                           EvictResult* result);
   void Compact();
 
@@ -102,8 +105,9 @@ class TableShard {
   // This shard's keys of the batch; fills hashes_ (and order_ if filtering).
   Slice Select(const ShardBatch& batch);
   enum class Create { kNever, kAdmit, kAlways };
-  // The row of key k of the slice (hashes_ filled), created as `create` says.
-  char* Resolve(const Slice& s, size_t k, Create create, const Clock& clock);
+  // Key k of the slice has no row: create it as `create` says, or null.
+  [[gnu::noinline]] char* ResolveMissing(const Slice& s, size_t k, Create create,
+                                         const Clock& clock);
   template <class Visit>
   void Pipeline(const Slice& s, Create create, const Clock& clock, bool cold, Visit&& visit);
   // Finds repeated keys; returns per-key group (-1 plain, -2 repeat, >= 0

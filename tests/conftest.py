@@ -1,0 +1,77 @@
+"""Shared fixtures of the engine tests: seeding, engines and export helpers."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from wuliang.ps_server import Engine, RowChunk
+
+SEED = 20240611
+
+ExportAll = Callable[..., RowChunk]
+MakeEngine = Callable[[int], Engine]
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything() -> None:
+    """Legacy global generators are seeded too, in case anything uses them."""
+    random.seed(SEED)
+    np.random.seed(SEED)
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(SEED)
+
+
+@pytest.fixture
+def make_engine() -> Iterator[MakeEngine]:
+    """Creates engines (by shard count) and closes them after the test."""
+    engines: list[Engine] = []
+
+    def make(num_shards: int = 2) -> Engine:
+        engine = Engine(num_shards=num_shards)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def concat_chunks(chunks: list[RowChunk], dim: int, state_dim: int) -> RowChunk:
+    """One RowChunk of all chunks, sorted by key."""
+    if not chunks:
+        return RowChunk(
+            keys=np.zeros(0, np.uint64),
+            weights=np.zeros((0, dim), np.float32),
+            state=np.zeros((0, state_dim), np.float32),
+            counts=np.zeros(0, np.uint32),
+            steps=np.zeros(0, np.uint64),
+            times=np.zeros(0, np.uint32),
+            versions=np.zeros(0, np.uint64),
+        )
+    columns = {
+        name: np.concatenate([getattr(c, name) for c in chunks])
+        for name in ("keys", "weights", "state", "counts", "steps", "times", "versions")
+    }
+    order = np.argsort(columns["keys"], kind="stable")
+    return RowChunk(**{name: values[order] for name, values in columns.items()})
+
+
+@pytest.fixture
+def export_all() -> ExportAll:
+    """export_all(engine, table, since=0, chunk_rows=...) -> one RowChunk sorted by key."""
+
+    def run(engine: Engine, table: str, since: int = 0, chunk_rows: int = 65536) -> RowChunk:
+        spec = engine.spec(table)
+        chunks = list(engine.export(table, since=since, chunk_rows=chunk_rows))
+        for chunk in chunks:
+            assert 0 < len(chunk) <= chunk_rows
+        return concat_chunks(chunks, spec.dim, spec.state_dim)
+
+    return run
