@@ -42,6 +42,16 @@ def rss_bytes() -> int:
     return 0
 
 
+def machine_row_reads_per_s(rng: np.random.Generator) -> float:
+    """Random 64-byte row reads/s of one thread (numpy gather from 1 GiB):
+    how fast this machine's memory is right now, for reading the others."""
+    table = np.ones((1 << 24, 16), dtype=np.float32)
+    index = rng.integers(0, len(table), size=4_000_000)
+    t0 = time.perf_counter()
+    table.take(index, axis=0)
+    return len(index) / (time.perf_counter() - t0)
+
+
 def table_keys(index: np.ndarray) -> np.ndarray:
     """Key of row i: an odd-multiplier scramble, so keys look like hashes."""
     return index.astype(np.uint64) * GOLDEN
@@ -171,6 +181,7 @@ def main() -> None:
 
     raw = 8 + 4 * DIM + 4 * spec.state_dim + META_BYTES
     result = {
+        "machine_row_reads_per_s": round(machine_row_reads_per_s(np.random.default_rng(2))),
         "rows": stats["rows"],
         "dim": DIM,
         "shards": args.shards,

@@ -15,6 +15,13 @@ constexpr uint32_t kNoRow = UINT32_MAX;
 
 size_t RoundUp(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
+// x * OddInverse(x) == 1 (mod 2^64) for odd x, by Newton's iteration.
+uint64_t OddInverse(uint64_t x) {
+  uint64_t inverse = x;  // correct to 3 bits; each step doubles that
+  for (int i = 0; i < 5; ++i) inverse *= 2 - x * inverse;
+  return inverse;
+}
+
 }  // namespace
 
 struct alignas(64) MemoryPool::Chunk {
@@ -31,7 +38,8 @@ struct alignas(64) MemoryPool::Chunk {
 MemoryPool::MemoryPool(size_t hot_stride, size_t cold_stride)
     : hot_stride_(hot_stride),
       cold_stride_(std::max(cold_stride, sizeof(uint32_t))),
-      hot_shift_(std::has_single_bit(hot_stride) ? std::countr_zero(hot_stride) : -1) {
+      hot_shift_(std::countr_zero(hot_stride)),
+      hot_inverse_(OddInverse(hot_stride >> std::countr_zero(hot_stride))) {
   static_assert(sizeof(Chunk) <= kHeaderBytes);
   const size_t per_row = hot_stride_ + cold_stride_;
   size_t rows = (kChunkBytes - 2 * kHeaderBytes) / per_row;
@@ -50,11 +58,6 @@ MemoryPool::~MemoryPool() {
 
 MemoryPool::Chunk* MemoryPool::ChunkOf(const char* hot) {
   return reinterpret_cast<Chunk*>(reinterpret_cast<uintptr_t>(hot) & ~(kChunkBytes - 1));
-}
-
-size_t MemoryPool::IndexOf(const Chunk* c, const char* hot) const {
-  const size_t offset = hot - reinterpret_cast<const char*>(c) - kHeaderBytes;
-  return hot_shift_ >= 0 ? offset >> hot_shift_ : offset / hot_stride_;
 }
 
 char* MemoryPool::HotAt(Chunk* c, size_t index) const {
@@ -128,7 +131,7 @@ char* MemoryPool::Allocate() {
 
 void MemoryPool::Free(char* hot) {
   Chunk* c = ChunkOf(hot);
-  const auto index = static_cast<uint32_t>(IndexOf(c, hot));
+  const auto index = static_cast<uint32_t>(IndexOf(hot, reinterpret_cast<uintptr_t>(c)));
   std::memcpy(ColdAt(c, index), &c->free_head, sizeof(uint32_t));
   c->free_head = index;
   --c->live;

@@ -35,9 +35,7 @@ class MemoryPool {
   void Free(char* hot);
   char* Cold(const char* hot) const {
     const auto base = reinterpret_cast<uintptr_t>(hot) & ~(kChunkBytes - 1);
-    const size_t offset = reinterpret_cast<uintptr_t>(hot) - base - kHeaderBytes;
-    const size_t index = hot_shift_ >= 0 ? offset >> hot_shift_ : offset / hot_stride_;
-    return reinterpret_cast<char*>(base + cold_offset_ + index * cold_stride_);
+    return reinterpret_cast<char*>(base + cold_offset_ + IndexOf(hot, base) * cold_stride_);
   }
 
   size_t rows() const { return live_rows_; }
@@ -58,7 +56,13 @@ class MemoryPool {
  private:
   struct Chunk;
   static Chunk* ChunkOf(const char* hot);
-  size_t IndexOf(const Chunk* chunk, const char* hot) const;
+  // Row index of hot in the chunk at base. The offset is an exact multiple of
+  // the stride, so dividing is a shift and a multiply by the inverse of the
+  // stride's odd part (mod 2^64): no division instruction on the hot path.
+  size_t IndexOf(const char* hot, uintptr_t base) const {
+    const size_t offset = reinterpret_cast<uintptr_t>(hot) - base - kHeaderBytes;
+    return (offset >> hot_shift_) * hot_inverse_;
+  }
   char* HotAt(Chunk* chunk, size_t index) const;
   char* ColdAt(Chunk* chunk, size_t index) const;
   Chunk* NewChunk();
@@ -68,7 +72,8 @@ class MemoryPool {
 
   size_t hot_stride_;
   size_t cold_stride_;
-  int hot_shift_;  // log2(hot_stride_) when a power of two, else -1
+  int hot_shift_;         // trailing zero bits of hot_stride_
+  uint64_t hot_inverse_;  // inverse of hot_stride_ >> hot_shift_, mod 2^64
   size_t rows_per_chunk_;
   size_t cold_offset_;  // of the cold region from the chunk start
   size_t live_rows_ = 0;

@@ -27,8 +27,10 @@ inline void CopyFloats(float* __restrict dst, const float* __restrict src, int n
 }
 
 // Prefetches each cache line of [p, p + bytes) once, to read or to write.
+// Always inlined: GCC deems an outlined function made of prefetches pure and
+// deletes the calls.
 template <bool kWrite>
-void PrefetchBytes(const char* p, size_t bytes) {
+[[gnu::always_inline]] inline void PrefetchBytes(const char* p, size_t bytes) {
   const auto first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
   const auto last = reinterpret_cast<uintptr_t>(p + bytes - 1) & ~uintptr_t{63};
   for (uintptr_t line = first; line <= last; line += 64) {
@@ -120,12 +122,13 @@ char* TableShard::ResolveMissing(const Slice& s, size_t k, Create create, const 
 // A two-stage software pipeline over the slice: index slots are prefetched
 // kSlotsAhead + kRowsAhead keys ahead, rows are resolved (found or created)
 // and prefetched kRowsAhead keys ahead, and visit(k, row) runs last.
-template <class Visit>
-void TableShard::Pipeline(const Slice& s, Create create, const Clock& clock, bool cold,
-                          Visit&& visit) {
-  const auto prefetch = [&](char* row) {
+template <bool kCold, class Visit>
+void TableShard::Pipeline(const Slice& s, Create create, const Clock& clock, Visit&& visit) {
+  // Always inlined, like PrefetchBytes: an outlined lambda made only of
+  // prefetches is deemed pure by GCC and its calls are deleted.
+  const auto prefetch = [&](char* row) __attribute__((always_inline)) {
     if (row == nullptr) return;
-    if (cold) {  // an update: hot and cold parts are written
+    if constexpr (kCold) {  // an update: hot and cold parts are written
       PrefetchBytes<true>(row, layout_.hot_stride);
       PrefetchBytes<true>(pool_.Cold(row), layout_.cold_stride);
     } else {
@@ -162,16 +165,16 @@ void TableShard::Pull(const ShardBatch& batch, float* out, bool train, const Clo
   uint64_t misses = 0;
   // Read-only for existing rows (counts advance on push), so pulled rows
   // stay clean in cache and cost no write-back.
-  Pipeline(s, train ? Create::kAdmit : Create::kNever, clock, /*cold=*/false,
-           [&](size_t k, char* row) {
-             float* dst = out + s.pos(k) * dim;
-             if (row != nullptr) {
-               CopyFloats(dst, RowLayout::Weights(row), dim);
-             } else {
-               InitializeWeights(spec_.initializer, spec_.seed, s.key(k), dim, dst);
-               ++misses;
-             }
-           });
+  Pipeline</*kCold=*/false>(
+      s, train ? Create::kAdmit : Create::kNever, clock, [&](size_t k, char* row) {
+        float* dst = out + s.pos(k) * dim;
+        if (row != nullptr) {
+          CopyFloats(dst, RowLayout::Weights(row), dim);
+        } else {
+          InitializeWeights(spec_.initializer, spec_.seed, s.key(k), dim, dst);
+          ++misses;
+        }
+      });
   counters_.pulled_keys += s.size();
   counters_.pull_misses += misses;
 }
@@ -232,7 +235,7 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
   const int dim = layout_.dim;
   const Create create = spec_.admission.min_count <= 1 ? Create::kAdmit : Create::kNever;
   WithOptimizer(opt.kind, [&](auto kind) {
-    Pipeline(s, create, clock, /*cold=*/true, [&](size_t k, char* row) {
+    Pipeline</*kCold=*/true>(s, create, clock, [&](size_t k, char* row) {
       if (row == nullptr) {
         ++result->dropped_pending;
         return;
@@ -286,7 +289,7 @@ void TableShard::Load(const ShardBatch& batch, const RowColumns& cols, const Clo
   const Slice s = Select(batch);
   const int dim = layout_.dim;
   const int state_dim = layout_.state_dim;
-  Pipeline(s, Create::kAlways, clock, /*cold=*/true, [&](size_t k, char* row) {
+  Pipeline</*kCold=*/true>(s, Create::kAlways, clock, [&](size_t k, char* row) {
     const size_t p = s.pos(k);
     char* cold = pool_.Cold(row);
     CopyFloats(RowLayout::Weights(row), cols.weights + p * dim, dim);

@@ -108,8 +108,9 @@ class TableShard {
   // Key k of the slice has no row: create it as `create` says, or null.
   [[gnu::noinline]] char* ResolveMissing(const Slice& s, size_t k, Create create,
                                          const Clock& clock);
-  template <class Visit>
-  void Pipeline(const Slice& s, Create create, const Clock& clock, bool cold, Visit&& visit);
+  // kCold: the visit also touches the cold part (prefetched too).
+  template <bool kCold, class Visit>
+  void Pipeline(const Slice& s, Create create, const Clock& clock, Visit&& visit);
   // Finds repeated keys; returns per-key group (-1 plain, -2 repeat, >= 0
   // index of the summed gradient in sums_), empty when there are none.
   const std::vector<int32_t>& GroupDuplicates(const Slice& s, const float* grads,
