@@ -32,7 +32,7 @@ struct RowLayout {
       : dim(dim),
         state_dim(state_dim),
         hot_stride(HotStride(sizeof(float) * dim)),
-        cold_stride((sizeof(RowMeta) + sizeof(float) * state_dim + 7) / 8 * 8) {}
+        cold_stride((sizeof(RowMeta) + sizeof(float) * state_dim + 31) / 32 * 32) {}
 
   // Up to a line: the next power of two (never straddles); beyond: whole
   // 32-byte units (straddles at most one extra line).

@@ -234,10 +234,12 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
   const OptimizerSpec& opt = spec_.optimizer;
   const int dim = layout_.dim;
   const Create create = spec_.admission.min_count <= 1 ? Create::kAdmit : Create::kNever;
+  // Counted locally: `result` shares a cache line with other shards' results.
+  uint64_t applied = 0, dropped_nan = 0, dropped_pending = 0;
   WithOptimizer(opt.kind, [&](auto kind) {
     Pipeline</*kCold=*/true>(s, create, clock, [&](size_t k, char* row) {
       if (row == nullptr) {
-        ++result->dropped_pending;
+        ++dropped_pending;
         return;
       }
       const float* g = grads + s.pos(k) * dim;
@@ -247,7 +249,7 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
         if (group >= 0) g = sums_.data() + static_cast<size_t>(group) * dim;
       }
       if (!AllFinite(g, dim)) {
-        ++result->dropped_nan;
+        ++dropped_nan;
         return;
       }
       char* cold = pool_.Cold(row);
@@ -258,12 +260,15 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
       meta->update_time = clock.now;
       meta->version = clock.version;
       BumpCount(meta);
-      ++result->applied;
+      ++applied;
     });
   });
+  result->applied += applied;
+  result->dropped_nan += dropped_nan;
+  result->dropped_pending += dropped_pending;
   counters_.pushed_keys += s.size();
-  counters_.dropped_pending += result->dropped_pending;
-  counters_.dropped_nan += result->dropped_nan;
+  counters_.dropped_pending += dropped_pending;
+  counters_.dropped_nan += dropped_nan;
 }
 
 uint64_t TableShard::Erase(const ShardBatch& batch, const Clock& clock) {
