@@ -7,8 +7,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-CPP_SOURCES := $(shell find ps_server/csrc -name '*.cc' -o -name '*.h')
-PY_SOURCES := $(shell find wuliang ps_server -name '*.py' -o -name '*.pyi')
+CPP_SOURCES := $(shell find ps_server/csrc reader/csrc -name '*.cc' -o -name '*.h')
+PY_SOURCES := $(shell find wuliang ps_server reader -name '*.py' -o -name '*.pyi')
 SANITIZERS := thread address
 
 .PHONY: demo test install dev lint format cpp-test py-test bench bench-quick clean
@@ -20,7 +20,7 @@ $(BIN)/python:
 # A regular (not editable) install, so tests run what users get; the CMake
 # build directory (build/<wheel tag>) is kept, so reinstalls are incremental.
 # Reinstalls when any source changes. `make dev` installs editable instead.
-$(VENV)/.installed: $(BIN)/python pyproject.toml CMakeLists.txt ps_server/csrc/CMakeLists.txt $(CPP_SOURCES) $(PY_SOURCES)
+$(VENV)/.installed: $(BIN)/python pyproject.toml $(shell find . -name CMakeLists.txt -not -path './build/*' -not -path './.venv/*') $(CPP_SOURCES) $(PY_SOURCES)
 	$(BIN)/python -m pip install '.[test]'
 	touch $@
 

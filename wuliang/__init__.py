@@ -12,7 +12,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("admission", "eviction", "initializers", "optimizers", "ps_server")
+_SUBMODULES = ("admission", "eviction", "initializers", "optimizers", "ps_server", "reader")
 
 __all__ = ["__version__", *_SUBMODULES]
 

@@ -1,0 +1,24 @@
+"""The data pipeline: Parquet → CSR batches, key preparation, converters.
+
+Import as ``wuliang.reader``. See ``docs/reader.md``.
+"""
+
+from wuliang.reader.batch import Csr, CsrBatch
+from wuliang.reader.hashing import field_seed, hash_ints, hash_strings
+from wuliang.reader.parquet import ParquetReader, ReaderStats, resolve_paths
+from wuliang.reader.prepare import FeatureIndex, KeyPreparer, PreparedKeys, TableKeys
+
+__all__ = [
+    "Csr",
+    "CsrBatch",
+    "FeatureIndex",
+    "KeyPreparer",
+    "ParquetReader",
+    "PreparedKeys",
+    "ReaderStats",
+    "TableKeys",
+    "field_seed",
+    "hash_ints",
+    "hash_strings",
+    "resolve_paths",
+]

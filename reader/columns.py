@@ -1,0 +1,294 @@
+"""Arrow record batches to CSR columns, and the row operations on them.
+
+A ``Chunk`` is a run of rows of one file, already in the shape of a
+``CsrBatch``: list and integer columns as ``Csr`` (list values are read-only
+views of the Arrow buffers: no copy), float columns stacked into one float32
+matrix, labels as float32. ``Schema`` decides, from the first file, how each
+requested column is read and checks every other file against it.
+
+Column kinds, from the Arrow type:
+
+* ``list<int>`` / ``large_list<int>``: multi-valued sparse. Null lists are
+  empty; null elements are dropped or raise (``null_values``).
+* ``int*`` / ``uint*``: single-valued sparse; a null makes the row empty.
+* ``float*`` / ``bool``: one dense column (null = 0).
+* ``fixed_size_list<float>``: d dense columns.
+* weights: a ``list<float>`` column paired with a multi-valued feature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from wuliang.reader.batch import Csr, CsrBatch
+
+_EMPTY_KEYS = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    kind: str  # "multi", "single" or "dense"
+    type: pa.DataType
+    width: int = 1  # dense columns
+
+
+def _kind_of(name: str, t: pa.DataType) -> tuple[str, int]:
+    if (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type):
+        return "multi", 1
+    if pa.types.is_fixed_size_list(t) and pa.types.is_floating(t.value_type):
+        return "dense", t.list_size
+    if pa.types.is_integer(t):
+        return "single", 1
+    if pa.types.is_floating(t) or pa.types.is_boolean(t):
+        return "dense", 1
+    raise ValueError(
+        f"column {name!r} has type {t}; the reader reads list<int>, int, float, bool and "
+        "fixed_size_list<float> columns (hash strings first: `wuliang convert`)"
+    )
+
+
+class Schema:
+    """How each requested column is read; fixed by the first file."""
+
+    def __init__(
+        self,
+        arrow: pa.Schema,
+        source: str,
+        features: Sequence[str],
+        labels: Sequence[str],
+        weights: Mapping[str, str],
+    ) -> None:
+        self.source = source
+        self.features: list[Column] = []
+        for name in features:
+            kind, width = _kind_of(name, self._field(arrow, name).type)
+            self.features.append(Column(name, kind, self._field(arrow, name).type, width))
+        self.labels = [Column(n, "label", self._field(arrow, n).type) for n in labels]
+        for n in labels:
+            t = self._field(arrow, n).type
+            if not (pa.types.is_floating(t) or pa.types.is_integer(t) or pa.types.is_boolean(t)):
+                raise ValueError(f"label column {n!r} has type {t}; expected a number or bool")
+        kinds = {c.name: c.kind for c in self.features}
+        self.weights: dict[str, Column] = {}
+        for feature, column in weights.items():
+            if kinds.get(feature) != "multi":
+                raise ValueError(f"weights {column!r}: {feature!r} is not a multi-valued feature")
+            t = self._field(arrow, column).type
+            if not (
+                (pa.types.is_list(t) or pa.types.is_large_list(t))
+                and pa.types.is_floating(t.value_type)
+            ):
+                raise ValueError(f"weights column {column!r} has type {t}; expected list<float>")
+            self.weights[feature] = Column(column, "weights", t)
+        self.dense_columns: dict[str, slice] = {}
+        width = 0
+        for c in self.features:
+            if c.kind == "dense":
+                self.dense_columns[c.name] = slice(width, width + c.width)
+                width += c.width
+        self.dense_width = width
+
+    def _field(self, arrow: pa.Schema, name: str) -> pa.Field:
+        index = arrow.get_field_index(name)
+        if index < 0:
+            raise ValueError(
+                f"{self.source}: no column {name!r} (columns: {', '.join(arrow.names)})"
+            )
+        return arrow.field(index)
+
+    @property
+    def column_names(self) -> list[str]:
+        names = [c.name for c in self.features] + [c.name for c in self.labels]
+        return list(dict.fromkeys(names + [c.name for c in self.weights.values()]))
+
+    def check(self, arrow: pa.Schema, source: str) -> None:
+        """Raises ValueError naming the file and column that differ."""
+        for c in [*self.features, *self.labels, *self.weights.values()]:
+            index = arrow.get_field_index(c.name)
+            if index < 0:
+                raise ValueError(
+                    f"{source}: no column {c.name!r} (columns: {', '.join(arrow.names)})"
+                )
+            t = arrow.field(index).type
+            if t != c.type:
+                raise ValueError(
+                    f"{source}: column {c.name!r} is {t}, expected {c.type} (as in {self.source})"
+                )
+
+
+@dataclass
+class Chunk:
+    """Rows [first_row, first_row + size) of one file, as batch columns."""
+
+    sparse: dict[str, Csr]
+    dense: np.ndarray  # float32 [n, k]
+    labels: dict[str, np.ndarray]  # float32 [n] per label column
+    size: int
+    source: str = ""
+    first_row: int = 0
+
+    def to_batch(self, single_label: bool) -> CsrBatch:
+        labels: np.ndarray | dict[str, np.ndarray] | None = self.labels or None
+        if single_label and self.labels:
+            labels = next(iter(self.labels.values()))
+        return CsrBatch(self.sparse, self.dense, labels, self.size)
+
+
+def _list_csr(
+    array: pa.Array, name: str, null_values: str, source: str, first_row: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(values, offsets) of a list array; values stay a view of the Arrow buffer."""
+    offsets = array.offsets.to_numpy().astype(np.int64)
+    child = array.values
+    if array.null_count:  # a null list is empty, whatever its offsets say
+        valid = ~array.is_null().to_numpy(zero_copy_only=False)
+        lengths = np.where(valid, np.diff(offsets), 0)
+        keep = np.repeat(valid, np.diff(offsets))
+        child = child.slice(offsets[0], offsets[-1] - offsets[0]).filter(pa.array(keep))
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    else:
+        child = child.slice(offsets[0], offsets[-1] - offsets[0])
+        offsets -= offsets[0]
+    if child.null_count:
+        nulls = child.is_null().to_numpy(zero_copy_only=False)
+        if null_values == "raise":
+            row = int(np.searchsorted(offsets, np.flatnonzero(nulls)[0], side="right") - 1)
+            raise ValueError(
+                f"{source}: feature {name!r} has a null value at row {first_row + row}"
+            )
+        kept_before = np.concatenate([[0], np.cumsum(~nulls)])  # kept values before each
+        offsets = kept_before[offsets].astype(np.int64)
+        child = child.filter(pa.array(~nulls))
+    return child.to_numpy(zero_copy_only=False), offsets
+
+
+def _as_keys(values: np.ndarray) -> np.ndarray:
+    if values.dtype == np.int64 or values.dtype == np.uint64:
+        return values
+    return values.astype(np.uint64 if values.dtype.kind == "u" else np.int64)
+
+
+def _single_csr(array: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    if array.null_count:
+        valid = ~array.is_null().to_numpy(zero_copy_only=False)
+        offsets = np.concatenate([[0], np.cumsum(valid)]).astype(np.int64)
+        return _as_keys(array.drop_null().to_numpy()), offsets
+    return _as_keys(array.to_numpy()), np.arange(len(array) + 1, dtype=np.int64)
+
+
+def _floats(array: pa.Array, width: int) -> np.ndarray:
+    if width > 1:
+        flat = array.fill_null([0.0] * width) if array.null_count else array
+        return flat.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, width)
+    if pa.types.is_boolean(array.type):
+        array = array.cast(pa.float32())
+    if array.null_count:
+        array = array.fill_null(0)
+    return array.to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(-1, 1)
+
+
+def chunk_from_record_batch(
+    rb: pa.RecordBatch, schema: Schema, null_values: str, source: str, first_row: int
+) -> Chunk:
+    n = rb.num_rows
+    sparse: dict[str, Csr] = {}
+    dense_parts = []
+    for c in schema.features:
+        array = rb.column(c.name)
+        if c.kind == "multi":
+            values, offsets = _list_csr(array, c.name, null_values, source, first_row)
+            weights = None
+            if c.name in schema.weights:
+                w_values, w_offsets = _list_csr(
+                    rb.column(schema.weights[c.name].name), c.name, "drop", source, first_row
+                )
+                if not np.array_equal(w_offsets, offsets):
+                    raise ValueError(
+                        f"{source}: weights of feature {c.name!r} do not line up with its values"
+                    )
+                weights = w_values.astype(np.float32, copy=False)
+            sparse[c.name] = Csr(_as_keys(values), offsets, weights)
+        elif c.kind == "single":
+            values, offsets = _single_csr(array)
+            sparse[c.name] = Csr(values, offsets)
+        else:
+            dense_parts.append(_floats(array, c.width))
+    dense = (
+        np.hstack(dense_parts).astype(np.float32, copy=False)
+        if dense_parts
+        else np.zeros((n, 0), dtype=np.float32)
+    )
+    labels = {}
+    for c in schema.labels:
+        array = rb.column(c.name)
+        if pa.types.is_boolean(array.type):
+            array = array.cast(pa.float32())
+        values = array.to_numpy(zero_copy_only=False).astype(np.float32)  # nulls -> nan
+        bad = np.flatnonzero(~np.isfinite(values))
+        if len(bad):
+            raise ValueError(
+                f"{source}: label {c.name!r} is null or not finite at row {first_row + bad[0]}"
+            )
+        labels[c.name] = values
+    return Chunk(sparse, dense, labels, n, source, first_row)
+
+
+def slice_chunk(chunk: Chunk, start: int, stop: int) -> Chunk:
+    """Rows [start, stop) without copying values."""
+    sparse = {}
+    for name, csr in chunk.sparse.items():
+        a, b = csr.offsets[start], csr.offsets[stop]
+        weights = None if csr.weights is None else csr.weights[a:b]
+        sparse[name] = Csr(csr.values[a:b], csr.offsets[start : stop + 1] - a, weights)
+    labels = {k: v[start:stop] for k, v in chunk.labels.items()}
+    return Chunk(
+        sparse, chunk.dense[start:stop], labels, stop - start, chunk.source, chunk.first_row + start
+    )
+
+
+def concat_chunks(chunks: Sequence[Chunk]) -> Chunk:
+    """The rows of several chunks, in order (copies)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    first = chunks[0]
+    sparse = {}
+    for name, csr in first.sparse.items():
+        parts = [c.sparse[name] for c in chunks]
+        starts = np.cumsum([0] + [p.nnz for p in parts[:-1]])
+        offsets = np.concatenate(
+            [parts[0].offsets[:1]] + [p.offsets[1:] + s for p, s in zip(parts, starts, strict=True)]
+        )
+        weights = None
+        if csr.weights is not None:
+            weights = np.concatenate([p.weights for p in parts])
+        sparse[name] = Csr(np.concatenate([p.values for p in parts]), offsets, weights)
+    labels = {k: np.concatenate([c.labels[k] for c in chunks]) for k in first.labels}
+    return Chunk(
+        sparse,
+        np.concatenate([c.dense for c in chunks]),
+        labels,
+        sum(c.size for c in chunks),
+        first.source,
+        first.first_row,
+    )
+
+
+def gather_rows(chunk: Chunk, rows: np.ndarray) -> Chunk:
+    """The given rows of a chunk, in that order (copies)."""
+    sparse = {}
+    for name, csr in chunk.sparse.items():
+        starts = csr.offsets[rows]
+        lengths = csr.offsets[rows + 1] - starts
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        index = np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1])
+        weights = None if csr.weights is None else csr.weights[index]
+        values = csr.values[index] if len(index) else _EMPTY_KEYS.astype(csr.values.dtype)
+        sparse[name] = Csr(values, offsets, weights)
+    labels = {k: v[rows] for k, v in chunk.labels.items()}
+    return Chunk(sparse, chunk.dense[rows], labels, len(rows), chunk.source, chunk.first_row)

@@ -1,0 +1,136 @@
+#include "wuliang/reader/prepare.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "wuliang/ps/hash.h"
+
+namespace wuliang::reader {
+namespace {
+
+// Open-addressing key -> id map, reused across calls. Slots are valid only
+// when their epoch is the current one, so starting over costs nothing.
+class DedupTable {
+ public:
+  void Reset(size_t expected) {
+    size_t capacity = 64;
+    while (capacity < 2 * expected) capacity <<= 1;
+    if (capacity > slots_.size() || ++epoch_ == 0) {
+      slots_.assign(std::max(capacity, slots_.size()), Slot{0, 0, 0});
+      epoch_ = 1;
+    }
+    mask_ = capacity - 1;
+  }
+
+  void Prefetch(uint64_t hash) const { __builtin_prefetch(&slots_[hash & mask_]); }
+
+  // Returns the id of key, assigning next_id when it is new.
+  uint32_t Insert(uint64_t key, uint64_t hash, uint32_t next_id, bool* inserted) {
+    for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
+      Slot& s = slots_[i];
+      if (s.epoch != epoch_) {
+        s = Slot{key, next_id, epoch_};
+        *inserted = true;
+        return next_id;
+      }
+      if (s.key == key) {
+        *inserted = false;
+        return s.id;
+      }
+    }
+  }
+
+ private:
+  struct Slot {
+    uint64_t key;
+    uint32_t id;
+    uint32_t epoch;
+  };
+  std::vector<Slot> slots_;
+  size_t mask_ = 0;
+  uint32_t epoch_ = 0;
+};
+
+}  // namespace
+
+void PrepareKeys(FeatureKeys* features, size_t num_features, int num_tables, uint32_t num_shards,
+                 std::vector<TableKeys>* tables) {
+  if (num_shards == 0) throw std::invalid_argument("num_shards must be >= 1");
+  std::vector<size_t> values_per_table(num_tables, 0);
+  for (size_t f = 0; f < num_features; ++f) {
+    const int t = features[f].table;
+    if (t < 0 || t >= num_tables) {
+      throw std::invalid_argument("feature " + std::to_string(f) + " maps to table index " +
+                                  std::to_string(t) + ", expected [0, " +
+                                  std::to_string(num_tables) + ")");
+    }
+    values_per_table[t] += features[f].n;
+  }
+  tables->assign(num_tables, TableKeys{});
+  thread_local DedupTable dedup;
+  constexpr size_t kAhead = 16;                     // prefetch distance into the dedup table
+  thread_local std::vector<uint64_t> value_hashes;  // of one feature's values
+  thread_local std::vector<uint64_t> hashes;        // of uniques, by provisional id
+  thread_local std::vector<uint32_t> shard;         // of uniques, by provisional id
+  thread_local std::vector<int32_t> local;          // position within its shard
+  for (int t = 0; t < num_tables; ++t) {
+    const size_t n = values_per_table[t];
+    if (n >= (size_t{1} << 31)) {
+      throw std::invalid_argument("table index " + std::to_string(t) + " has 2^31 or more values");
+    }
+    TableKeys& out = (*tables)[t];
+    dedup.Reset(n);
+    hashes.clear();
+    std::vector<uint64_t> provisional;
+    provisional.reserve(n);
+    // 1. Deduplicate in first-seen order; inverse holds provisional ids.
+    for (size_t f = 0; f < num_features; ++f) {
+      FeatureKeys& fk = features[f];
+      if (fk.table != t) continue;
+      value_hashes.resize(fk.n);
+      for (size_t i = 0; i < fk.n; ++i) value_hashes[i] = ps::Mix64(fk.values[i]);
+      for (size_t i = 0; i < fk.n; ++i) {
+        if (i + kAhead < fk.n) dedup.Prefetch(value_hashes[i + kAhead]);
+        const uint64_t key = fk.values[i];
+        const uint64_t hash = value_hashes[i];
+        bool inserted;
+        const auto next = static_cast<uint32_t>(provisional.size());
+        const uint32_t id = dedup.Insert(key, hash, next, &inserted);
+        if (inserted) {
+          provisional.push_back(key);
+          hashes.push_back(hash);
+        }
+        fk.inverse[i] = static_cast<int32_t>(id);
+      }
+    }
+    const size_t u = provisional.size();
+    out.shard_offsets.assign(num_shards + 1, 0);
+    if (num_shards == 1) {
+      out.shard_offsets[1] = static_cast<int64_t>(u);
+      out.uniques = std::move(provisional);
+      continue;
+    }
+    // 2. Group uniques by shard (stable counting sort).
+    shard.resize(u);
+    local.resize(u);
+    for (size_t k = 0; k < u; ++k) {
+      shard[k] = ps::ShardOfHash(hashes[k], num_shards);
+      local[k] = static_cast<int32_t>(out.shard_offsets[shard[k] + 1]++);
+    }
+    for (uint32_t s = 0; s < num_shards; ++s) out.shard_offsets[s + 1] += out.shard_offsets[s];
+    out.uniques.resize(u);
+    for (size_t k = 0; k < u; ++k) {
+      local[k] += static_cast<int32_t>(out.shard_offsets[shard[k]]);  // now the final position
+      out.uniques[local[k]] = provisional[k];
+    }
+    // 3. Point the inverses at the final positions.
+    for (size_t f = 0; f < num_features; ++f) {
+      FeatureKeys& fk = features[f];
+      if (fk.table != t) continue;
+      for (size_t i = 0; i < fk.n; ++i) fk.inverse[i] = local[fk.inverse[i]];
+    }
+  }
+}
+
+}  // namespace wuliang::reader

@@ -1,0 +1,489 @@
+"""ParquetReader: Parquet files to exact-size CSR batches, in background threads.
+
+Pipeline of one iteration (``iter(reader)``)::
+
+    files of this worker (sorted; shuffled per epoch when shuffling)
+      │  unit u = (epoch, file) is read by reader thread u % num_threads
+      ▼
+    reader threads ── Arrow record batches → Chunks (list values not copied)
+      │  one bounded queue per thread; taken back in unit order, so the row
+      │  order never depends on thread timing
+      ▼
+    assembler thread ── exact batch_size rows across row-group and file
+      │                 boundaries (a batch inside one chunk is a view),
+      │                 optional shuffle buffer, optional key preparation
+      ▼
+    bounded output queue (prefetch batches) ──► for batch in reader: ...
+
+Failures: a missing path or empty glob raises at construction; a file whose
+schema differs from the first file's raises ValueError naming the file and
+column; a corrupt or truncated file raises naming the file, or with
+``on_bad_file="skip"`` is skipped and counted (rows read before the damage
+are kept). An exception in any background thread is re-raised in the
+consumer with its original traceback. ``close()`` (also on ``with`` exit,
+``break`` + garbage collection, or interpreter exit) stops and joins every
+thread.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import os
+import queue
+import threading
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from wuliang.reader.batch import CsrBatch
+from wuliang.reader.columns import (
+    Chunk,
+    Schema,
+    chunk_from_record_batch,
+    concat_chunks,
+    gather_rows,
+    slice_chunk,
+)
+from wuliang.reader.prepare import KeyPreparer
+
+_END = object()  # end of a unit (reader queues) or of the iteration (output queue)
+_CHUNK_ROWS = 1 << 16  # Arrow record batch size asked of the Parquet reader
+
+
+@dataclass
+class _Failure:
+    """An exception raised in a background thread, carried to the consumer."""
+
+    error: BaseException
+
+
+@dataclass
+class ReaderStats:
+    files_read: int = 0
+    skipped_files: int = 0
+    rows: int = 0
+    batches: int = 0
+
+
+def resolve_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    """Files named by a path, a directory (its *.parquet, recursively), a glob or a list."""
+    items = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+    if not items:
+        raise ValueError("no paths given")
+    files: list[str] = []
+    for item in items:
+        text = os.fspath(item)
+        if any(ch in text for ch in "*?["):
+            matched = sorted(globlib.glob(text, recursive=True))
+            if not matched:
+                raise FileNotFoundError(f"no files match {text!r}")
+            files.extend(matched)
+        elif Path(text).is_dir():
+            matched = sorted(str(p) for p in Path(text).rglob("*.parquet"))
+            if not matched:
+                raise FileNotFoundError(f"directory {text!r} has no .parquet files")
+            files.extend(matched)
+        elif Path(text).is_file():
+            files.append(text)
+        else:
+            raise FileNotFoundError(f"no such file or directory: {text!r}")
+    return files
+
+
+class ParquetReader:
+    """Reads Parquet files as ``CsrBatch`` es of exactly ``batch_size`` rows.
+
+    Args:
+        paths: a file, a directory, a glob, or a list of them.
+        batch_size: rows per batch (the last one may be smaller).
+        features: columns to read; the kind of each follows its Arrow type
+            (see ``wuliang.reader.columns``).
+        label: label column, or a list of them (``batch.labels`` is then a
+            dict), or None.
+        shuffle_buffer: rows in the shuffle buffer (0: keep file order); when
+            shuffling, the file order is also shuffled per epoch.
+        seed: seed of every shuffle (same seed, same order).
+        num_threads: reader threads (default: the number of CPUs, at most 8).
+        worker_index, num_workers: this worker reads files
+            ``sorted(files)[worker_index::num_workers]``.
+        epochs: passes over the files (None: forever).
+        drop_remainder: drop the last, smaller batch.
+        prefetch: batches kept ready ahead of the consumer.
+        on_bad_file: ``"raise"`` or ``"skip"`` corrupt or truncated files.
+        null_values: null elements in list columns: ``"drop"`` or ``"raise"``.
+        weights: multi-valued feature -> ``list<float>`` column of its weights.
+        prepare: a ``KeyPreparer``; each batch then carries ``prepared`` keys,
+            computed in the background.
+        validate: check every batch (``CsrBatch.validate``).
+    """
+
+    def __init__(
+        self,
+        paths: str | os.PathLike | Sequence[str | os.PathLike],
+        batch_size: int,
+        features: Sequence[str],
+        label: str | Sequence[str] | None = None,
+        *,
+        shuffle_buffer: int = 0,
+        seed: int = 0,
+        num_threads: int | None = None,
+        worker_index: int = 0,
+        num_workers: int = 1,
+        epochs: int | None = 1,
+        drop_remainder: bool = False,
+        prefetch: int = 4,
+        on_bad_file: str = "raise",
+        null_values: str = "drop",
+        weights: Mapping[str, str] | None = None,
+        prepare: KeyPreparer | None = None,
+        validate: bool = True,
+    ) -> None:
+        _require(isinstance(batch_size, int) and batch_size >= 1, "batch_size must be >= 1")
+        _require(
+            isinstance(shuffle_buffer, int) and shuffle_buffer >= 0, "shuffle_buffer must be >= 0"
+        )
+        _require(
+            isinstance(num_workers, int) and num_workers >= 1 and 0 <= worker_index < num_workers,
+            f"worker_index must be in [0, num_workers), got {worker_index} of {num_workers}",
+        )
+        _require(epochs is None or (isinstance(epochs, int) and epochs >= 1), "epochs must be >= 1")
+        _require(isinstance(prefetch, int) and prefetch >= 1, "prefetch must be >= 1")
+        _require(on_bad_file in ("raise", "skip"), "on_bad_file must be 'raise' or 'skip'")
+        _require(null_values in ("drop", "raise"), "null_values must be 'drop' or 'raise'")
+        if isinstance(features, str):
+            features = [features]
+        _require(len(features) > 0, "features must name at least one column")
+        files = resolve_paths(paths)
+        mine = files[worker_index::num_workers]
+        if not mine:
+            raise ValueError(
+                f"worker {worker_index} of {num_workers} has no files ({len(files)} files in all)"
+            )
+        self.files = mine
+        self.labels = [] if label is None else [label] if isinstance(label, str) else list(label)
+        self.single_label = isinstance(label, str)
+        self.schema = Schema(
+            pq.read_schema(mine[0]), mine[0], list(features), self.labels, weights or {}
+        )
+        self.batch_size = batch_size
+        self.shuffle_buffer = shuffle_buffer
+        self.seed = seed
+        self.num_threads = num_threads or min(8, os.cpu_count() or 1)
+        _require(self.num_threads >= 1, "num_threads must be >= 1")
+        self.epochs = epochs
+        self.drop_remainder = drop_remainder
+        self.prefetch = prefetch
+        self.on_bad_file = on_bad_file
+        self.null_values = null_values
+        self.prepare = prepare
+        self.validate = validate
+        self.stats = ReaderStats()
+        self._run: _Run | None = None
+        self._finalizer = weakref.finalize(self, _close_run, [None])
+
+    def __iter__(self) -> Iterator[CsrBatch]:
+        self.close()
+        run = _Run(self)
+        self._run = run
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, run.close)
+        return run.batches()
+
+    def close(self) -> None:
+        """Stops the background threads and waits for them."""
+        if self._run is not None:
+            self._run.close()
+            self._run = None
+
+    def __enter__(self) -> ParquetReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close_run(holder: list) -> None:
+    if holder[0] is not None:
+        holder[0].close()
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+class _Run:
+    """The threads and queues of one iteration. Holds no reference to the
+    reader, so an abandoned reader can be garbage collected (and closes it)."""
+
+    def __init__(self, reader: ParquetReader) -> None:
+        self.cfg = _Config(reader)
+        self.stats = reader.stats
+        self.stop = threading.Event()
+        k = self.cfg.num_threads
+        self.unit_queues: list[queue.Queue] = [queue.Queue(maxsize=2) for _ in range(k)]
+        self.out: queue.Queue = queue.Queue(maxsize=self.cfg.prefetch)
+        self.threads = [
+            threading.Thread(
+                target=self._read_units, args=(j,), name=f"wuliang-read-{j}", daemon=True
+            )
+            for j in range(k)
+        ]
+        self.threads.append(
+            threading.Thread(target=self._assemble, name="wuliang-assemble", daemon=True)
+        )
+        for t in self.threads:
+            t.start()
+
+    # -- consumer side -------------------------------------------------------
+
+    def batches(self) -> Iterator[CsrBatch]:
+        try:
+            while True:
+                item = self.out.get()
+                if item is _END:
+                    return
+                if isinstance(item, _Failure):
+                    raise item.error
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        for q in [*self.unit_queues, self.out]:
+            _drain(q)
+        for t in self.threads:
+            if t is not threading.current_thread():
+                t.join()
+
+    # -- producer side -------------------------------------------------------
+
+    def _put(self, q: queue.Queue, item: object) -> bool:
+        """Puts unless stopped; returns False once stopped."""
+        while not self.stop.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _get(self, q: queue.Queue) -> object:
+        while True:
+            try:
+                return q.get(timeout=0.05)
+            except queue.Empty:
+                if self.stop.is_set():
+                    return _END
+
+    def _units(self) -> Iterator[str]:
+        epoch = 0
+        while self.cfg.epochs is None or epoch < self.cfg.epochs:
+            files = list(self.cfg.files)
+            if self.cfg.shuffle_buffer > 0:
+                np.random.default_rng([self.cfg.seed, epoch]).shuffle(files)
+            yield from files
+            epoch += 1
+
+    def _read_units(self, thread: int) -> None:
+        k = self.cfg.num_threads
+        q = self.unit_queues[thread]
+        try:
+            for u, path in enumerate(self._units()):
+                if u % k != thread:
+                    continue
+                for chunk in self._read_file(path):
+                    if not self._put(q, chunk):
+                        return
+                if not self._put(q, _END):
+                    return
+        except BaseException as e:
+            self._put(q, _Failure(e))
+
+    def _read_file(self, path: str) -> Iterator[Chunk]:
+        cfg = self.cfg
+        try:
+            pf = pq.ParquetFile(path)
+        except (OSError, pa.ArrowException) as e:
+            yield from self._bad_file(path, e)
+            return
+        cfg.schema.check(pf.schema_arrow, path)
+        first_row = 0
+        batches = pf.iter_batches(
+            batch_size=max(_CHUNK_ROWS, cfg.batch_size),
+            columns=cfg.schema.column_names,
+            use_threads=False,
+        )
+        while True:
+            try:
+                rb = next(batches)
+            except StopIteration:
+                break
+            except (OSError, pa.ArrowException) as e:
+                yield from self._bad_file(path, e)
+                return
+            yield chunk_from_record_batch(rb, cfg.schema, cfg.null_values, path, first_row)
+            first_row += rb.num_rows
+        with self.cfg.lock:
+            self.stats.files_read += 1
+
+    def _bad_file(self, path: str, error: Exception) -> Iterator[Chunk]:
+        if self.cfg.on_bad_file == "raise":
+            raise ValueError(f"corrupt or truncated Parquet file {path}: {error}") from error
+        with self.cfg.lock:
+            self.stats.skipped_files += 1
+        return iter(())
+
+    def _chunks(self) -> Iterator[Chunk]:
+        """Chunks of every unit, in unit order."""
+        k = self.cfg.num_threads
+        for u, _ in enumerate(self._units()):
+            q = self.unit_queues[u % k]
+            while True:
+                item = self._get(q)
+                if item is _END:
+                    break
+                if isinstance(item, _Failure):
+                    raise item.error
+                yield item  # type: ignore[misc]
+            if self.stop.is_set():
+                return
+
+    def _assemble(self) -> None:
+        cfg = self.cfg
+        try:
+            batcher = _ShuffleBatcher(cfg) if cfg.shuffle_buffer > 0 else _Batcher(cfg)
+            for chunk in batcher.batches(self._chunks()):
+                batch = chunk.to_batch(cfg.single_label)
+                batch.dense_columns = cfg.schema.dense_columns
+                if cfg.validate:
+                    batch.validate()
+                if cfg.prepare is not None:
+                    batch.prepared = cfg.prepare(batch)
+                with cfg.lock:
+                    self.stats.rows += batch.size
+                    self.stats.batches += 1
+                if not self._put(self.out, batch):
+                    return
+            self._put(self.out, _END)
+        except BaseException as e:
+            self._put(self.out, _Failure(e))
+
+
+class _Config:
+    """What the threads need of the reader (a copy: no reference to it)."""
+
+    def __init__(self, r: ParquetReader) -> None:
+        self.files = list(r.files)
+        self.schema = r.schema
+        self.batch_size = r.batch_size
+        self.shuffle_buffer = r.shuffle_buffer
+        self.seed = r.seed
+        self.num_threads = r.num_threads
+        self.epochs = r.epochs
+        self.drop_remainder = r.drop_remainder
+        self.prefetch = r.prefetch
+        self.on_bad_file = r.on_bad_file
+        self.null_values = r.null_values
+        self.single_label = r.single_label
+        self.prepare = r.prepare
+        self.validate = r.validate
+        self.lock = threading.Lock()
+
+
+class _Batcher:
+    """Exact-size batches in input order; a batch inside one chunk is a view."""
+
+    def __init__(self, cfg: _Config) -> None:
+        self.size = cfg.batch_size
+        self.drop_remainder = cfg.drop_remainder
+
+    def batches(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+        pending: list[Chunk] = []
+        have = 0
+        for chunk in chunks:
+            start = 0
+            if pending:  # complete the batch begun by earlier chunks
+                take = min(self.size - have, chunk.size)
+                pending.append(slice_chunk(chunk, 0, take))
+                have += take
+                start = take
+                if have == self.size:
+                    yield concat_chunks(pending)
+                    pending, have = [], 0
+            while chunk.size - start >= self.size:
+                yield slice_chunk(chunk, start, start + self.size)
+                start += self.size
+            if start < chunk.size:
+                pending.append(slice_chunk(chunk, start, chunk.size))
+                have += chunk.size - start
+        if pending and not self.drop_remainder:
+            yield concat_chunks(pending)
+
+
+class _ShuffleBatcher:
+    """Batches drawn at random from a buffer of ``shuffle_buffer`` rows.
+
+    The buffer holds references (chunk, row); each batch takes batch_size
+    random references, whose places are refilled by the next input rows.
+    The draw is seeded, so the order is a function of the seed and the input.
+    """
+
+    def __init__(self, cfg: _Config) -> None:
+        self.size = cfg.batch_size
+        self.capacity = max(cfg.shuffle_buffer, cfg.batch_size)
+        self.drop_remainder = cfg.drop_remainder
+        self.rng = np.random.default_rng(cfg.seed)
+
+    def batches(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+        store: dict[int, Chunk] = {}
+        refs_chunk = np.zeros(0, dtype=np.int64)
+        refs_row = np.zeros(0, dtype=np.int64)
+        next_id = 0
+        for chunk in chunks:
+            store[next_id] = chunk
+            refs_chunk = np.concatenate([refs_chunk, np.full(chunk.size, next_id)])
+            refs_row = np.concatenate([refs_row, np.arange(chunk.size)])
+            next_id += 1
+            while len(refs_row) >= self.capacity + self.size:
+                refs_chunk, refs_row, batch = self._draw(store, refs_chunk, refs_row)
+                yield batch
+        while len(refs_row) >= self.size or (len(refs_row) and not self.drop_remainder):
+            refs_chunk, refs_row, batch = self._draw(store, refs_chunk, refs_row)
+            yield batch
+
+    def _draw(
+        self, store: dict[int, Chunk], refs_chunk: np.ndarray, refs_row: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, Chunk]:
+        # Draw among the first `capacity` rows; rows behind them move up into
+        # the places taken (the buffer refills from the input in order).
+        window = min(len(refs_row), self.capacity)
+        take = min(self.size, window)
+        picked = self.rng.choice(window, size=take, replace=False)
+        out_chunk, out_row = refs_chunk[picked], refs_row[picked]
+        keep = np.ones(len(refs_row), dtype=bool)
+        keep[picked] = False
+        refs_chunk, refs_row = refs_chunk[keep], refs_row[keep]
+        parts = []
+        for cid in np.unique(out_chunk):
+            rows = out_row[out_chunk == cid]
+            parts.append(gather_rows(store[int(cid)], rows))
+        batch = concat_chunks(parts)  # rows grouped by chunk: a batch is a set
+        live = set(np.unique(refs_chunk).tolist())
+        for cid in [c for c in store if c not in live]:
+            del store[cid]
+        return refs_chunk, refs_row, batch
+
+
+def _drain(q: queue.Queue) -> None:
+    while True:
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            return

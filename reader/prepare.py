@@ -1,0 +1,88 @@
+"""Key preparation: the keys a training step pulls, found ahead of the step.
+
+For a batch and a map feature -> table, ``KeyPreparer`` computes (in C++,
+without the GIL) per table the unique keys of all its features grouped by
+parameter-server shard, and per feature the int32 inverse index of every value
+into its table's uniques. The trainer pulls ``uniques`` (already split the way
+the engine splits them), gathers rows with ``inverse`` and pools them per row
+with the feature's ``offsets``; gradients are pushed against the same uniques::
+
+    genres -> item_attr: values [7, 9, 7, 3]     tags -> item_attr: values [9, 4]
+    item_attr: uniques [9, 3 | 7, 4], shard_offsets [0, 2, 4]   (2 shards)
+    genres: inverse [2, 0, 2, 1]                 tags: inverse [0, 3]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from wuliang.reader import _reader
+from wuliang.reader.batch import CsrBatch
+
+
+@dataclass(frozen=True)
+class TableKeys:
+    uniques: np.ndarray  # uint64 [U], grouped by shard
+    shard_offsets: np.ndarray  # int64 [S + 1]: shard s owns uniques[off[s]:off[s+1]]
+
+    def shard(self, s: int) -> np.ndarray:
+        return self.uniques[self.shard_offsets[s] : self.shard_offsets[s + 1]]
+
+
+@dataclass(frozen=True)
+class FeatureIndex:
+    table: str
+    inverse: np.ndarray  # int32 [nnz]: values = uniques[inverse]
+    offsets: np.ndarray  # int64 [B + 1], the feature's CSR offsets
+    weights: np.ndarray | None  # float32 [nnz]
+
+
+@dataclass(frozen=True)
+class PreparedKeys:
+    tables: dict[str, TableKeys]
+    features: dict[str, FeatureIndex]
+    num_shards: int
+
+
+class KeyPreparer:
+    """Prepares the keys of batches for a fixed feature -> table map.
+
+    Args:
+        feature_tables: sparse feature name -> table name; several features
+            may share a table (their keys are deduplicated together).
+        num_shards: the engine's shard count (uniques are grouped by shard).
+    """
+
+    def __init__(self, feature_tables: Mapping[str, str], num_shards: int = 1) -> None:
+        if not feature_tables:
+            raise ValueError("feature_tables must map at least one feature to a table")
+        if not isinstance(num_shards, int) or num_shards < 1:
+            raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+        self.feature_tables = dict(feature_tables)
+        self.tables = list(dict.fromkeys(self.feature_tables.values()))
+        self._table_index = {t: i for i, t in enumerate(self.tables)}
+        self.num_shards = num_shards
+
+    def __call__(self, batch: CsrBatch) -> PreparedKeys:
+        inputs = []
+        for name, table in self.feature_tables.items():
+            csr = batch.sparse.get(name)
+            if csr is None:
+                known = ", ".join(batch.sparse) or "none"
+                raise KeyError(f"batch has no sparse feature {name!r} (features: {known})")
+            inputs.append((self._table_index[table], np.ascontiguousarray(csr.values)))
+        tables, inverses = _reader.prepare_keys(inputs, len(self.tables), self.num_shards)
+        features = {
+            name: FeatureIndex(
+                table, inverse, batch.sparse[name].offsets, batch.sparse[name].weights
+            )
+            for (name, table), inverse in zip(self.feature_tables.items(), inverses, strict=True)
+        }
+        return PreparedKeys(
+            tables={t: TableKeys(u, o) for t, (u, o) in zip(self.tables, tables, strict=True)},
+            features=features,
+            num_shards=self.num_shards,
+        )
