@@ -445,12 +445,10 @@ class _ShuffleBatcher:
         store: dict[int, Chunk] = {}
         refs_chunk = np.zeros(0, dtype=np.int64)
         refs_row = np.zeros(0, dtype=np.int64)
-        next_id = 0
-        for chunk in chunks:
-            store[next_id] = chunk
-            refs_chunk = np.concatenate([refs_chunk, np.full(chunk.size, next_id)])
+        for chunk_id, chunk in enumerate(chunks):
+            store[chunk_id] = chunk
+            refs_chunk = np.concatenate([refs_chunk, np.full(chunk.size, chunk_id)])
             refs_row = np.concatenate([refs_row, np.arange(chunk.size)])
-            next_id += 1
             while len(refs_row) >= self.capacity + self.size:
                 refs_chunk, refs_row, batch = self._draw(store, refs_chunk, refs_row)
                 yield batch
