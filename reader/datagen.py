@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from wuliang.reader.hashing import hash_ints
+from wuliang.reader.io import write_parquet
 
 SINGLE = [f"C{i}" for i in range(1, 27)]
 MULTI = [f"M{i}" for i in range(1, 6)]
@@ -95,19 +95,6 @@ def generate_table(cfg: DatagenConfig, rows: int, rng: np.random.Generator) -> p
     label = rng.random(rows) < 1.0 / (1.0 + np.exp(-z))
     columns[LABEL] = pa.array(label.astype(np.float32))
     return pa.table(columns)
-
-
-def write_parquet(table: pa.Table, path: Path, row_group_rows: int = 65_536) -> None:
-    """Writes atomically: to a temporary name, renamed into place last."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(
-        table,
-        tmp,
-        row_group_size=row_group_rows,
-        compression="snappy",
-        use_dictionary=False,
-    )
-    os.replace(tmp, path)
 
 
 def generate(out_dir: str | os.PathLike, cfg: DatagenConfig, progress: bool = False) -> list[Path]:
