@@ -83,10 +83,20 @@ class Engine:
     def spec(self, table: int) -> TableSpec: ...
     def table_names(self) -> list[str]: ...
     def pull(
-        self, table: int, keys: np.ndarray, train: bool = True, out: np.ndarray | None = None
+        self,
+        table: int,
+        keys: np.ndarray,
+        train: bool = True,
+        out: np.ndarray | None = None,
+        shard_offsets: np.ndarray | None = None,
     ) -> np.ndarray: ...
     def push(
-        self, table: int, keys: np.ndarray, grads: np.ndarray, unique: bool = False
+        self,
+        table: int,
+        keys: np.ndarray,
+        grads: np.ndarray,
+        unique: bool = False,
+        shard_offsets: np.ndarray | None = None,
     ) -> dict[str, int]: ...
     def erase(self, table: int, keys: np.ndarray) -> int: ...
     def contains(self, table: int, keys: np.ndarray) -> np.ndarray: ...

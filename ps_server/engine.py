@@ -205,28 +205,54 @@ class Engine:
         *,
         train: bool = True,
         out: np.ndarray | None = None,
+        shard_offsets: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Rows of keys as float32 ``[len(keys), dim]`` (into ``out`` if given)."""
+        """Rows of keys as float32 ``[len(keys), dim]`` (into ``out`` if given).
+
+        ``shard_offsets`` (int64, num_shards + 1): keys are already grouped by
+        shard, as the reader's key preparation leaves them; the engine then
+        skips splitting them (and checks the grouping).
+        """
         tid = self._id(table)
         keys = as_keys(keys)
         if out is not None:
             _check_float32(out, (len(keys), self._specs[table].dim), "out")
             if not out.flags.c_contiguous or not out.flags.writeable:
                 raise ValueError("out must be a writeable C-contiguous array")
-        return self.native.pull(tid, keys, train, out)
+        return self.native.pull(tid, keys, train, out, self._offsets(shard_offsets))
 
     def push(
-        self, table: str, keys: KeyArray, grads: np.ndarray, *, unique: bool = False
+        self,
+        table: str,
+        keys: KeyArray,
+        grads: np.ndarray,
+        *,
+        unique: bool = False,
+        shard_offsets: np.ndarray | None = None,
     ) -> PushResult:
         """Applies the optimizer to the rows of keys with float32 grads ``[n, dim]``.
 
-        ``unique=True`` promises that keys has no repeats and skips the check.
+        ``unique=True`` promises that keys has no repeats and skips the check;
+        ``shard_offsets`` as for ``pull``.
         """
         tid = self._id(table)
         keys = as_keys(keys)
         spec = self._specs[table]
         grads = _as_float32(grads, (len(keys), spec.dim), f"grads for table {table!r}")
-        return PushResult(**self.native.push(tid, keys, grads, unique))
+        return PushResult(
+            **self.native.push(tid, keys, grads, unique, self._offsets(shard_offsets))
+        )
+
+    def _offsets(self, shard_offsets: np.ndarray | None) -> np.ndarray | None:
+        if shard_offsets is None:
+            return None
+        offsets = np.ascontiguousarray(shard_offsets, dtype=np.int64)
+        if offsets.shape != (self.num_shards + 1,):
+            raise ValueError(
+                f"shard_offsets must have num_shards + 1 = {self.num_shards + 1} entries, "
+                f"got shape {offsets.shape}"
+            )
+        return offsets
 
     def erase(self, table: str, keys: KeyArray) -> int:
         """Removes rows; returns how many existed."""

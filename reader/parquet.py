@@ -11,9 +11,10 @@ Pipeline of one iteration (``iter(reader)``)::
       ▼
     assembler thread ── exact batch_size rows across row-group and file
       │                 boundaries (a batch inside one chunk is a view),
-      │                 optional shuffle buffer, optional key preparation
-      ▼
-    bounded output queue (prefetch batches) ──► for batch in reader: ...
+      │                 optional shuffle buffer
+      ▼  key preparation and validation, on a pool of num_threads threads
+    bounded output queue of batches (or futures of them, in order)
+      ──► for batch in reader: ...
 
 Failures: a missing path or empty glob raises at construction; a file whose
 schema differs from the first file's raises ValueError naming the file and
@@ -33,6 +34,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,6 +239,9 @@ class _Run:
         self.threads.append(
             threading.Thread(target=self._assemble, name="wuliang-assemble", daemon=True)
         )
+        self.pool: ThreadPoolExecutor | None = None
+        if self.cfg.prepare is not None or self.cfg.validate:
+            self.pool = ThreadPoolExecutor(k, thread_name_prefix="wuliang-prepare")
         for t in self.threads:
             t.start()
 
@@ -250,7 +255,7 @@ class _Run:
                     return
                 if isinstance(item, _Failure):
                     raise item.error
-                yield item
+                yield item.result() if isinstance(item, Future) else item
         finally:
             self.close()
 
@@ -261,6 +266,8 @@ class _Run:
         for t in self.threads:
             if t is not threading.current_thread():
                 t.join()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
     # -- producer side -------------------------------------------------------
 
@@ -362,18 +369,24 @@ class _Run:
             for chunk in batcher.batches(self._chunks()):
                 batch = chunk.to_batch(cfg.single_label)
                 batch.dense_columns = cfg.schema.dense_columns
-                if cfg.validate:
-                    batch.validate()
-                if cfg.prepare is not None:
-                    batch.prepared = cfg.prepare(batch)
                 with cfg.lock:
                     self.stats.rows += batch.size
                     self.stats.batches += 1
-                if not self._put(self.out, batch):
+                item = batch if self.pool is None else self.pool.submit(_finish, batch, cfg)
+                if not self._put(self.out, item):
                     return
             self._put(self.out, _END)
         except BaseException as e:
             self._put(self.out, _Failure(e))
+
+
+def _finish(batch: CsrBatch, cfg: _Config) -> CsrBatch:
+    """Validation and key preparation, on the pool (C++ work runs without the GIL)."""
+    if cfg.validate:
+        batch.validate()
+    if cfg.prepare is not None:
+        batch.prepared = cfg.prepare(batch)
+    return batch
 
 
 class _Config:

@@ -162,27 +162,34 @@ void BindEngine(py::module_& m) {
       .def("table_names", &Engine::TableNames)
       .def(
           "pull",
-          [](Engine& e, int table, const py::array& keys, bool train, const py::object& out) {
+          [](Engine& e, int table, const py::array& keys, bool train, const py::object& out,
+             const py::object& shard_offsets) {
             const KeyArray k = Keys(keys);
             py::array_t<float> result = PullInto(e.Spec(table).dim, k.size, out);
             float* dst = result.mutable_data();
+            const int64_t* offsets =
+                Column<int64_t>(shard_offsets, e.num_shards() + 1, 1, "shard_offsets");
             py::gil_scoped_release release;
-            e.Pull(table, k.data, k.size, dst, train);
+            e.Pull(table, k.data, k.size, dst, train, offsets);
             return result;
           },
-          "table"_a, "keys"_a, "train"_a = true, "out"_a = py::none())
+          "table"_a, "keys"_a, "train"_a = true, "out"_a = py::none(),
+          "shard_offsets"_a = py::none())
       .def(
           "push",
-          [](Engine& e, int table, const py::array& keys, const py::object& grads, bool unique) {
+          [](Engine& e, int table, const py::array& keys, const py::object& grads, bool unique,
+             const py::object& shard_offsets) {
             const KeyArray k = Keys(keys);
             const float* g = Column<float>(grads, k.size, e.Spec(table).dim, "grads");
+            const int64_t* offsets =
+                Column<int64_t>(shard_offsets, e.num_shards() + 1, 1, "shard_offsets");
             py::gil_scoped_release release;
-            const PushResult r = e.Push(table, k.data, k.size, g, unique);
+            const PushResult r = e.Push(table, k.data, k.size, g, unique, offsets);
             py::gil_scoped_acquire acquire;
             return py::dict("applied"_a = r.applied, "dropped_nan"_a = r.dropped_nan,
                             "dropped_pending"_a = r.dropped_pending, "duplicates"_a = r.duplicates);
           },
-          "table"_a, "keys"_a, "grads"_a, "unique"_a = false)
+          "table"_a, "keys"_a, "grads"_a, "unique"_a = false, "shard_offsets"_a = py::none())
       .def(
           "erase",
           [](Engine& e, int table, const py::array& keys) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <ctime>
+#include <exception>
 #include <latch>
 #include <sstream>
 #include <stdexcept>
@@ -27,13 +28,15 @@ struct Plan {
   const uint64_t* keys = nullptr;
   size_t n = 0;
   bool filter = false;              // each shard selects its own keys
+  bool check_shards = false;        // keys came grouped by the caller: verify
   const uint32_t* order = nullptr;  // else: positions grouped by shard (null = identity)
   std::vector<size_t> offsets;      // (S + 1,) shard s owns order[offsets[s], offsets[s+1])
 
   ShardBatch For(int s) const {
     const auto num_shards = static_cast<uint32_t>(offsets.size() - 1);
-    return ShardBatch{
-        keys, n, order, offsets[s], offsets[s + 1], filter, static_cast<uint32_t>(s), num_shards};
+    return ShardBatch{keys,           n,      order,        offsets[s],
+                      offsets[s + 1], filter, check_shards, static_cast<uint32_t>(s),
+                      num_shards};
   }
 };
 
@@ -43,17 +46,15 @@ struct FnTask : Task {
   const std::function<void(int)>* fn = nullptr;
   int shard = 0;
   std::latch* latch = nullptr;
-  std::string* error = nullptr;
+  std::exception_ptr* error = nullptr;
 };
 
 void RunFnTask(Task* task) {
   auto* t = static_cast<FnTask*>(task);
   try {
     (*t->fn)(t->shard);
-  } catch (const std::exception& e) {
-    *t->error = e.what();
   } catch (...) {
-    *t->error = "unknown error";
+    *t->error = std::current_exception();
   }
   t->latch->count_down();  // t may be gone after this
 }
@@ -174,7 +175,7 @@ void Engine::RunOnShards(const std::function<void(int)>& fn, const Plan* plan) {
 void Engine::RunOn(const std::vector<int>& active, const std::function<void(int)>& fn) {
   if (active.empty()) return;
   std::vector<details::FnTask> tasks(active.size());
-  std::vector<std::string> errors(active.size());
+  std::vector<std::exception_ptr> errors(active.size());
   std::latch latch(static_cast<std::ptrdiff_t>(active.size()));
   for (size_t i = 0; i < active.size(); ++i) {
     details::FnTask& t = tasks[i];
@@ -186,9 +187,24 @@ void Engine::RunOn(const std::vector<int>& active, const std::function<void(int)
     workers_[active[i]]->Enqueue(&t);
   }
   latch.wait();
-  for (const std::string& e : errors) {
-    if (!e.empty()) throw std::runtime_error(e);
+  for (const std::exception_ptr& e : errors) {
+    if (e) std::rethrow_exception(e);
   }
+}
+
+void Engine::PlanPartitioned(const uint64_t* keys, size_t n, const int64_t* shard_offsets,
+                             Plan* plan) const {
+  plan->keys = keys;
+  plan->n = n;
+  bool ok = shard_offsets[0] == 0 && shard_offsets[num_shards_] == static_cast<int64_t>(n);
+  for (int s = 0; ok && s < num_shards_; ++s) ok = shard_offsets[s] <= shard_offsets[s + 1];
+  if (!ok) {
+    throw std::invalid_argument("shard_offsets must rise from 0 to the number of keys (" +
+                                std::to_string(n) + ") in " + std::to_string(num_shards_ + 1) +
+                                " entries");
+  }
+  plan->offsets.assign(shard_offsets, shard_offsets + num_shards_ + 1);
+  plan->check_shards = true;
 }
 
 void Engine::PlanBatch(const uint64_t* keys, size_t n, Plan* plan) const {
@@ -302,16 +318,21 @@ std::vector<std::string> Engine::TableNames() const {
   return names;
 }
 
-void Engine::Pull(int table, const uint64_t* keys, size_t n, float* out, bool train) {
+void Engine::Pull(int table, const uint64_t* keys, size_t n, float* out, bool train,
+                  const int64_t* shard_offsets) {
   TableDef* def = Def(table);
   Plan plan;
-  PlanBatch(keys, n, &plan);
+  if (shard_offsets != nullptr) {
+    PlanPartitioned(keys, n, shard_offsets, &plan);
+  } else {
+    PlanBatch(keys, n, &plan);
+  }
   const Clock clock = Now(step(), version());
   RunOnShards([&](int s) { ShardOfDef(def, s)->Pull(plan.For(s), out, train, clock); }, &plan);
 }
 
 PushResult Engine::Push(int table, const uint64_t* keys, size_t n, const float* grads,
-                        bool keys_unique) {
+                        bool keys_unique, const int64_t* shard_offsets) {
   TableDef* def = Def(table);
   const int dim = def->spec.dim;
   if (def->spec.nan_policy == NanPolicy::kRaise) {
@@ -326,7 +347,11 @@ PushResult Engine::Push(int table, const uint64_t* keys, size_t n, const float* 
     }
   }
   Plan plan;
-  PlanBatch(keys, n, &plan);
+  if (shard_offsets != nullptr) {
+    PlanPartitioned(keys, n, shard_offsets, &plan);
+  } else {
+    PlanBatch(keys, n, &plan);
+  }
   const Clock clock = Now(step(), version());
   std::vector<PushResult> results(num_shards_);
   RunOnShards(

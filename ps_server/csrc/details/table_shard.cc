@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "details/initializer.h"
 #include "details/optimizers.h"
@@ -53,6 +55,17 @@ Slice TableShard::Select(const ShardBatch& b) {
     const Slice s{b.keys, b.order, b.begin, b.end};
     hashes_.resize(s.size());
     for (size_t k = 0; k < s.size(); ++k) hashes_[k] = Mix64(s.key(k));
+    if (b.check_shard) {
+      for (size_t k = 0; k < s.size(); ++k) {
+        const uint32_t owner = ShardOfHash(hashes_[k], b.num_shards);
+        if (owner != b.shard) {
+          throw std::invalid_argument("key " + std::to_string(s.key(k)) + " at position " +
+                                      std::to_string(s.pos(k)) + " belongs to shard " +
+                                      std::to_string(owner) + ", not " + std::to_string(b.shard) +
+                                      ": keys are not grouped as shard_offsets say");
+        }
+      }
+    }
     return s;
   }
   hashes_.resize(b.n);

@@ -41,6 +41,7 @@ struct ShardBatch {
   size_t begin;
   size_t end;
   bool filter;
+  bool check_shard;  // verify every key of [begin, end) belongs to this shard
   uint32_t shard;
   uint32_t num_shards;
 };

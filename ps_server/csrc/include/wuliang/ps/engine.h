@@ -129,15 +129,17 @@ class Engine {
 
   // out[i] = weights of keys[i]. train=true counts the sighting and creates
   // (or admits) the row; train=false is a pure lookup. Absent keys read as
-  // their initial vector.
+  // their initial vector. Keys already grouped by shard (the reader's key
+  // preparation) may come with shard_offsets (S + 1 entries): no split is
+  // needed then, and a key in the wrong group raises std::invalid_argument.
   void Pull(int table, const uint64_t* keys, size_t n,
             float* out,  // (n, dim)
-            bool train);
+            bool train, const int64_t* shard_offsets = nullptr);
   // Applies the table's optimizer. Duplicate keys have their gradients
   // summed first (skipped when keys_unique is promised).
   PushResult Push(int table, const uint64_t* keys, size_t n,
                   const float* grads,  // (n, dim)
-                  bool keys_unique = false);
+                  bool keys_unique = false, const int64_t* shard_offsets = nullptr);
   // Removes rows; returns how many existed.
   uint64_t Erase(int table, const uint64_t* keys, size_t n);
   // Writes 1 for keys that have a row, else 0.
@@ -176,6 +178,8 @@ class Engine {
   details::TableDef* Def(int table) const;
   // Splits keys by shard (counting sort); order lives in a thread-local buffer.
   void PlanBatch(const uint64_t* keys, size_t n, details::Plan* plan) const;
+  void PlanPartitioned(const uint64_t* keys, size_t n, const int64_t* shard_offsets,
+                       details::Plan* plan) const;
   // Runs fn(s) on worker s for every shard with keys in plan (every shard if
   // plan is null), waits, and rethrows the first error.
   void RunOnShards(const std::function<void(int)>& fn, const details::Plan* plan = nullptr);
