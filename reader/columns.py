@@ -115,10 +115,23 @@ class Schema:
                     f"{source}: no column {c.name!r} (columns: {', '.join(arrow.names)})"
                 )
             t = arrow.field(index).type
-            if t != c.type:
+            if not _same_type(t, c.type):
                 raise ValueError(
                     f"{source}: column {c.name!r} is {t}, expected {c.type} (as in {self.source})"
                 )
+
+
+def _same_type(a: pa.DataType, b: pa.DataType) -> bool:
+    """Equal types, ignoring whether list elements are declared nullable."""
+    if a == b:
+        return True
+    lists = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list)
+    for is_list in lists:
+        if is_list(a) and is_list(b):
+            if pa.types.is_fixed_size_list(a) and a.list_size != b.list_size:
+                return False
+            return a.value_type == b.value_type
+    return False
 
 
 @dataclass
@@ -183,8 +196,11 @@ def _single_csr(array: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 
 def _floats(array: pa.Array, width: int) -> np.ndarray:
     if width > 1:
-        flat = array.fill_null([0.0] * width) if array.null_count else array
-        return flat.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, width)
+        flat = (array.fill_null([0.0] * width) if array.null_count else array).flatten()
+        values = flat.to_numpy(zero_copy_only=False).astype(np.float32)
+        if flat.null_count:  # null elements are 0 too
+            values[flat.is_null().to_numpy(zero_copy_only=False)] = 0.0
+        return values.reshape(-1, width)
     if pa.types.is_boolean(array.type):
         array = array.cast(pa.float32())
     if array.null_count:
@@ -204,8 +220,9 @@ def chunk_from_record_batch(
             values, offsets = _list_csr(array, c.name, null_values, source, first_row)
             weights = None
             if c.name in schema.weights:
+                w_column = schema.weights[c.name].name
                 w_values, w_offsets = _list_csr(
-                    rb.column(schema.weights[c.name].name), c.name, "drop", source, first_row
+                    rb.column(w_column), w_column, "raise", source, first_row
                 )
                 if not np.array_equal(w_offsets, offsets):
                     raise ValueError(

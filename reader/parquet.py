@@ -33,7 +33,7 @@ import os
 import queue
 import threading
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +73,8 @@ class ReaderStats:
 
 
 def resolve_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
-    """Files named by a path, a directory (its *.parquet, recursively), a glob or a list."""
+    """Files named by a path, a directory (its *.parquet, recursively), a glob or a
+    list of them: each file once, sorted by name."""
     items = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
     if not items:
         raise ValueError("no paths given")
@@ -94,7 +95,8 @@ def resolve_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> lis
             files.append(text)
         else:
             raise FileNotFoundError(f"no such file or directory: {text!r}")
-    return files
+    unique = {os.path.realpath(f): f for f in files}  # a file named twice is read once
+    return sorted(unique.values())
 
 
 class ParquetReader:
@@ -169,9 +171,8 @@ class ParquetReader:
         self.files = mine
         self.labels = [] if label is None else [label] if isinstance(label, str) else list(label)
         self.single_label = isinstance(label, str)
-        self.schema = Schema(
-            pq.read_schema(mine[0]), mine[0], list(features), self.labels, weights or {}
-        )
+        first, arrow = _first_schema(mine, on_bad_file)
+        self.schema = Schema(arrow, first, list(features), self.labels, weights or {})
         self.batch_size = batch_size
         self.shuffle_buffer = shuffle_buffer
         self.seed = seed
@@ -184,23 +185,20 @@ class ParquetReader:
         self.null_values = null_values
         self.prepare = prepare
         self.validate = validate
-        self.stats = ReaderStats()
-        self._run: _Run | None = None
-        self._finalizer = weakref.finalize(self, _close_run, [None])
+        self.stats = ReaderStats()  # since construction, over all iterations
+        self._runs: set[_Run] = set()
+        self._finalizer = weakref.finalize(self, _close_runs, self._runs)
 
     def __iter__(self) -> Iterator[CsrBatch]:
-        self.close()
-        run = _Run(self)
-        self._run = run
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, run.close)
-        return run.batches()
+        """A new pass over the data, on its own threads (iterations are independent)."""
+        run = _Run(self, self._runs.discard)
+        self._runs.add(run)
+        return run.batches(owner=self)
 
     def close(self) -> None:
-        """Stops the background threads and waits for them."""
-        if self._run is not None:
-            self._run.close()
-            self._run = None
+        """Stops the background threads of every iteration and waits for them;
+        their iterators then end."""
+        _close_runs(self._runs)
 
     def __enter__(self) -> ParquetReader:
         return self
@@ -209,9 +207,20 @@ class ParquetReader:
         self.close()
 
 
-def _close_run(holder: list) -> None:
-    if holder[0] is not None:
-        holder[0].close()
+def _close_runs(runs: set[_Run]) -> None:
+    for run in list(runs):
+        run.close()
+
+
+def _first_schema(files: list[str], on_bad_file: str) -> tuple[str, pa.Schema]:
+    """The first readable file and its schema (bad files before it: per on_bad_file)."""
+    for path in files:
+        try:
+            return path, pq.read_schema(path)
+        except (OSError, pa.ArrowException) as e:
+            if on_bad_file == "raise":
+                raise ValueError(f"corrupt or truncated Parquet file {path}: {e}") from e
+    raise ValueError(f"none of the {len(files)} files is a readable Parquet file")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -220,12 +229,14 @@ def _require(ok: bool, message: str) -> None:
 
 
 class _Run:
-    """The threads and queues of one iteration. Holds no reference to the
-    reader, so an abandoned reader can be garbage collected (and closes it)."""
+    """The threads and queues of one iteration. The threads hold no reference
+    to the reader; the iterator does, so a reader lives while it is iterated
+    and an abandoned one is garbage collected (and closes its runs)."""
 
-    def __init__(self, reader: ParquetReader) -> None:
+    def __init__(self, reader: ParquetReader, on_close: Callable[[_Run], None]) -> None:
         self.cfg = _Config(reader)
         self.stats = reader.stats
+        self.on_close = on_close
         self.stop = threading.Event()
         k = self.cfg.num_threads
         self.unit_queues: list[queue.Queue] = [queue.Queue(maxsize=2) for _ in range(k)]
@@ -247,10 +258,10 @@ class _Run:
 
     # -- consumer side -------------------------------------------------------
 
-    def batches(self) -> Iterator[CsrBatch]:
+    def batches(self, owner: ParquetReader) -> Iterator[CsrBatch]:
         try:
             while True:
-                item = self.out.get()
+                item = self._get(self.out)  # _END once closed
                 if item is _END:
                     return
                 if isinstance(item, _Failure):
@@ -260,6 +271,7 @@ class _Run:
             self.close()
 
     def close(self) -> None:
+        self.on_close(self)
         self.stop.set()
         for q in [*self.unit_queues, self.out]:
             _drain(q)
