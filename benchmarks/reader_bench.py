@@ -2,8 +2,8 @@
 
 The same synthetic Criteo-shaped rows (``wuliang.reader.datagen``: C1…C26
 uint64 keys, M1…M5 lists of about 10 uint64 keys, I1…I13 float32, a float32
-label; about 76 keys a row) are written as Parquet (snappy, one file per 100K
-rows) and as TFRecord files of ``tf.train.Example`` (one per Parquet file,
+label; about 76 keys a row) are written as Parquet by wuliang's writer (key
+columns plain and uncompressed, the rest snappy; one file per 100K rows) and as TFRecord files of ``tf.train.Example`` (one per Parquet file,
 same rows in the same order; keys as int64, dense features and label as
 floats). Writing either is not timed; both are kept in ``--data-dir`` and
 reused when they hold ``--rows`` rows. Each contender then turns the files
@@ -16,7 +16,7 @@ whole machine, the page cache warm for both formats:
                     reader's assembler thread comes on top of either;
 * wuliang prepared: the same with ``prepare=KeyPreparer(...)`` (per batch
                     and feature: uniques grouped by 2 shards + inverse index),
-                    computed in the reader's assembler thread;
+                    computed on the reader's thread pool;
 * tf.data:          ``TFRecordDataset(num_parallel_reads=AUTOTUNE)`` →
                     ``batch`` → ``map(parse_example, num_parallel_calls=
                     AUTOTUNE)`` → ``prefetch``, TensorFlow's default threads

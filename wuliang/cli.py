@@ -30,6 +30,32 @@ def _datagen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    import pyarrow.parquet as pq
+
+    from wuliang.reader import convert
+
+    progress = not args.quiet
+    try:
+        if args.format == "criteo":
+            files = convert.convert_criteo(
+                args.input, args.out_dir, args.rows_per_file, args.bucketize, progress
+            )
+        elif args.format == "movielens":
+            files = convert.convert_movielens(args.input, args.out_dir, progress)
+        else:
+            delimiter = {"\\t": "\t", "tab": "\t"}.get(args.delimiter, args.delimiter)
+            files = convert.convert_csv(
+                args.input, args.out_dir, args.schema, args.rows_per_file, delimiter, progress
+            )
+    except (ValueError, OSError) as error:
+        print(f"wuliang convert {args.format}: error: {error}", file=sys.stderr)
+        return 1
+    rows = sum(pq.read_metadata(f).num_rows for f in files)
+    print(f"wrote {rows:,} rows in {len(files)} files to {args.out_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wuliang", description=__doc__)
     parser.add_argument("--version", action="version", version=f"wuliang {__version__}")
@@ -50,6 +76,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     gen.set_defaults(func=_datagen)
+
+    conv = sub.add_parser("convert", help="convert a data set to Parquet for the reader")
+    formats = conv.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    criteo = formats.add_parser("criteo", help="Criteo Display Advertising TSV")
+    criteo.add_argument("input", help="the TSV file (.gz, .bz2, .zst: decompressed)")
+    criteo.add_argument("out_dir", help="written: part-00000.parquet ...")
+    criteo.add_argument("--rows-per-file", type=int, default=1_000_000)
+    criteo.add_argument(
+        "--bucketize", action="store_true", help="also I1_bucket ...: keys of log2 buckets"
+    )
+    movielens = formats.add_parser("movielens", help="MovieLens CSVs, one file per day")
+    movielens.add_argument("input", help="directory with ratings.csv, movies.csv [, tags.csv]")
+    movielens.add_argument("out_dir", help="written: YYYY-MM-DD.parquet, one per day")
+    csv = formats.add_parser("csv", help="delimited text described by a YAML schema")
+    csv.add_argument("input", help="the text file (.gz, .bz2, .zst: decompressed)")
+    csv.add_argument("out_dir", help="written: part-00000.parquet ...")
+    csv.add_argument("--schema", required=True, help="YAML schema of the columns")
+    csv.add_argument("--rows-per-file", type=int, default=1_000_000)
+    csv.add_argument("--delimiter", default=",", help="one character; '\\t' or 'tab' for tabs")
+    for p in (criteo, movielens, csv):
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
+        p.set_defaults(func=_convert)
     return parser
 
 

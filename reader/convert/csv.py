@@ -24,6 +24,9 @@ removed); one column per non-skip schema column, in schema order:
 * ``dense``: float32; empty or NaN → 0;
 * ``label``: float32; an empty or non-numeric label is an error.
 
+Errors name the file and the line (a wrong number of fields) or the column and
+row (a bad value; rows count from 1, the header not included).
+
 Keys of a value (``type`` of a sparse or sparse_list column): ``auto`` (the
 default) uses a value written as a canonical integer (``0``, ``-?[1-9][0-9]*``
 within int64) as the key itself (two's complement as uint64) and hashes any
@@ -228,7 +231,8 @@ def convert_batch(
             arrays.append(pa.ListArray.from_arrays(offsets, keys))
         elif c.kind == "dense":
             values = array.fill_null(0).to_numpy(zero_copy_only=False)
-            arrays.append(pa.array(np.nan_to_num(values, nan=0.0), type=pa.float32()))
+            values = np.where(np.isnan(values), np.float32(0), values)
+            arrays.append(pa.array(values, type=pa.float32()))
         else:
             values = array.to_numpy(zero_copy_only=False)  # nulls → nan
             bad = np.flatnonzero(~np.isfinite(values))
