@@ -63,11 +63,18 @@ cpp-test: install
 py-test: install
 	$(BIN)/pytest -q
 
-bench: install
-	$(BIN)/python benchmarks/ps_bench.py
+# The baselines of the reader benchmark (TensorFlow, pandas) are not needed by tests.
+$(VENV)/.bench: $(VENV)/.installed
+	$(BIN)/python -m pip install '.[bench]'
+	touch $@
 
-bench-quick: install
+bench: $(VENV)/.bench
+	$(BIN)/python benchmarks/ps_bench.py
+	$(BIN)/python benchmarks/reader_bench.py
+
+bench-quick: $(VENV)/.bench
 	$(BIN)/python benchmarks/ps_bench.py --quick
+	$(BIN)/python benchmarks/reader_bench.py --quick
 
 clean:
 	rm -rf build $(VENV)

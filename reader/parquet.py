@@ -328,7 +328,7 @@ class _Run:
     def _read_file(self, path: str) -> Iterator[Chunk]:
         cfg = self.cfg
         try:
-            pf = pq.ParquetFile(path)
+            pf = pq.ParquetFile(path, memory_map=True)
         except (OSError, pa.ArrowException) as e:
             yield from self._bad_file(path, e)
             return
