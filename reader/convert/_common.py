@@ -194,3 +194,32 @@ def _find_line(path: Path, text: str) -> int | None:
     finally:
         stream.close()
         raw.close()
+
+
+def byte_progress(bar: Any) -> Callable[[int], None]:
+    """The iter_csv callback that moves a bytes progress bar (or does nothing)."""
+
+    def on_batch(bytes_read: int) -> None:
+        if bar is not None:
+            bar.update(bytes_read - bar.n)
+
+    return on_batch
+
+
+def write_converted(
+    batches: Iterable[pa.RecordBatch],
+    convert: Callable[[pa.RecordBatch, int], pa.RecordBatch],
+    writer: PartWriter,
+    bar: Any,
+) -> list[Path]:
+    """Writes convert(batch, rows before it) of every batch; returns the files.
+    Closes the progress bar whatever happens."""
+    done = 0
+    try:
+        for batch in batches:
+            writer.add(convert(batch, done))
+            done += batch.num_rows
+        return writer.close()
+    finally:
+        if bar is not None:
+            bar.close()

@@ -28,7 +28,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from wuliang.reader.convert._common import PartWriter, iter_csv, make_out_dir, progress_bar
+from wuliang.reader.convert._common import (
+    PartWriter,
+    byte_progress,
+    iter_csv,
+    make_out_dir,
+    progress_bar,
+    write_converted,
+)
 from wuliang.reader.hashing import hash_ints, hash_strings
 
 LABEL = "label"
@@ -109,11 +116,6 @@ def convert_criteo(
         raise FileNotFoundError(f"Criteo input {path} does not exist")
     writer = PartWriter(make_out_dir(out_dir), rows_per_file, output_schema(bucketize))
     bar = progress_bar(path.stat().st_size, "criteo", "B", progress)
-    done = 0
-
-    def on_batch(bytes_read: int) -> None:
-        if bar is not None:
-            bar.update(bytes_read - bar.n)
 
     types = {LABEL: pa.float32(), **dict.fromkeys(DENSE, pa.int64())}
     types.update(dict.fromkeys(CATEGORICAL, pa.string()))
@@ -122,15 +124,9 @@ def convert_criteo(
         pacsv.ReadOptions(column_names=COLUMNS, block_size=_BLOCK_BYTES),
         pacsv.ParseOptions(delimiter="\t", quote_char=False),
         pacsv.ConvertOptions(column_types=types, null_values=[""], strings_can_be_null=True),
-        on_batch,
+        byte_progress(bar),
         names=COLUMNS,
     )
-    try:
-        for batch in batches:
-            writer.add(convert_batch(batch, bucketize, str(path), done))
-            done += batch.num_rows
-        files = writer.close()
-    finally:
-        if bar is not None:
-            bar.close()
-    return files
+    return write_converted(
+        batches, lambda batch, done: convert_batch(batch, bucketize, str(path), done), writer, bar
+    )

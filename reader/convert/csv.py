@@ -51,10 +51,12 @@ import yaml
 
 from wuliang.reader.convert._common import (
     PartWriter,
+    byte_progress,
     iter_csv,
     make_out_dir,
     open_input,
     progress_bar,
+    write_converted,
 )
 from wuliang.reader.hashing import hash_strings
 
@@ -305,10 +307,6 @@ def convert_csv(
     writer = PartWriter(make_out_dir(out_dir), rows_per_file, schema.arrow_schema())
     bar = progress_bar(path.stat().st_size, "csv", "B", progress)
 
-    def on_batch(bytes_read: int) -> None:
-        if bar is not None:
-            bar.update(bytes_read - bar.n)
-
     batches = iter_csv(
         path,
         pacsv.ReadOptions(column_names=None if schema.header else names, block_size=_BLOCK_BYTES),
@@ -319,16 +317,9 @@ def convert_csv(
             null_values=[""],
             strings_can_be_null=True,
         ),
-        on_batch,
+        byte_progress(bar),
         names=names,
     )
-    done = 0
-    try:
-        for batch in batches:
-            writer.add(convert_batch(batch, schema, str(path), done))
-            done += batch.num_rows
-        files = writer.close()
-    finally:
-        if bar is not None:
-            bar.close()
-    return files
+    return write_converted(
+        batches, lambda batch, done: convert_batch(batch, schema, str(path), done), writer, bar
+    )

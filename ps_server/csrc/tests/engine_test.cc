@@ -12,6 +12,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "check.h"
 #include "details/hash_map.h"
 #include "details/memory_pool.h"
 #include "details/pending_counter.h"
@@ -19,14 +20,6 @@
 #include "wuliang/ps/naive_engine.h"
 
 using namespace wuliang::ps;
-
-#define CHECK(cond)                                                                 \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::abort();                                                                 \
-    }                                                                               \
-  } while (0)
 
 namespace {
 

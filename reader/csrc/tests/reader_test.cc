@@ -7,19 +7,12 @@
 #include <unordered_map>
 #include <vector>
 
+#include "check.h"
 #include "wuliang/ps/hash.h"
 #include "wuliang/reader/prepare.h"
 #include "wuliang/reader/string_hash.h"
 
 using namespace wuliang::reader;
-
-#define CHECK(cond)                                                                 \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::abort();                                                                 \
-    }                                                                               \
-  } while (0)
 
 namespace {
 
