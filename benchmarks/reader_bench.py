@@ -5,8 +5,9 @@ uint64 keys, M1…M5 lists of about 10 uint64 keys, I1…I13 float32, a float32
 label; about 76 keys a row) are written as Parquet by wuliang's writer (key
 columns plain and uncompressed, the rest snappy; one file per 100K rows) and
 as TFRecord files of ``tf.train.Example`` (one per Parquet file, same rows in
-the same order; keys as int64, dense features and label as floats). Writing either is not timed; both are kept in ``--data-dir`` and
-reused when they hold ``--rows`` rows. Each contender then turns the files
+the same order; keys as int64, dense features and label as floats). Writing
+either is not timed; both are kept in ``--data-dir`` and reused when they
+hold ``--rows`` rows. Each contender then turns the files
 into batches of ``--batch`` (4096) rows, one after the other so each has the
 whole machine, the page cache warm for both formats:
 
