@@ -1,0 +1,141 @@
+"""What a model's inputs are: embedding tables and the features that use them.
+
+``EmbeddingTable`` names a table of the parameter server (dimension,
+optimizer, initializer, admission, eviction, seed). ``SparseFeature`` reads a
+sparse column of the batch and looks its keys up in a table, then pools each
+row's vectors (``combiner``) or, with ``combiner=None``, keeps them as a
+padded sequence ``[B, max_len, dim]`` plus a mask, for attention models.
+Several features may share a table. ``DenseFeature`` is a float column (or a
+fixed-size list of them) passed to the tower as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from wuliang.ps_server.spec import (
+    Adagrad,
+    Admission,
+    Eviction,
+    Initializer,
+    Optimizer,
+    TableSpec,
+    TruncatedNormal,
+)
+
+COMBINERS = ("sum", "mean", "sqrtn", None)
+
+
+@dataclass(frozen=True)
+class EmbeddingTable:
+    """A table of the parameter server: key -> float32[dim] (+ optimizer state)."""
+
+    name: str
+    dim: int
+    optimizer: Optimizer = field(default_factory=Adagrad)
+    initializer: Initializer = field(default_factory=TruncatedNormal)
+    admission: Admission = field(default_factory=Admission)
+    eviction: Eviction = field(default_factory=Eviction)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.spec()  # checks every field, naming it
+
+    def spec(self) -> TableSpec:
+        return TableSpec(
+            self.name,
+            self.dim,
+            optimizer=self.optimizer,
+            initializer=self.initializer,
+            seed=self.seed,
+            admission=self.admission,
+            eviction=self.eviction,
+        )
+
+
+@dataclass(frozen=True)
+class SparseFeature:
+    """A sparse column looked up in ``table``.
+
+    Args:
+        name: the batch's sparse feature (the Parquet column).
+        table: where its keys live.
+        combiner: ``"sum"``, ``"mean"``, ``"sqrtn"`` pool each row to
+            ``[B, dim]`` (an empty row pools to zeros); ``None`` keeps the
+            row's vectors as a sequence ``[B, max_len, dim]`` (first
+            ``max_len`` values, zero-padded) with a float32 mask ``[B, max_len]``.
+        max_len: sequence length for ``combiner=None``.
+    """
+
+    name: str
+    table: EmbeddingTable
+    combiner: str | None = "sum"
+    max_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"feature name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.table, EmbeddingTable):
+            raise TypeError(
+                f"feature {self.name!r}: table must be an EmbeddingTable, got {self.table!r}"
+            )
+        if self.combiner not in COMBINERS:
+            raise ValueError(
+                f"feature {self.name!r}: combiner must be one of sum, mean, sqrtn or None, "
+                f"got {self.combiner!r}"
+            )
+        if self.combiner is None and not (isinstance(self.max_len, int) and self.max_len >= 1):
+            raise ValueError(
+                f"feature {self.name!r}: a sequence feature (combiner=None) needs max_len >= 1"
+            )
+
+    @property
+    def is_sequence(self) -> bool:
+        return self.combiner is None
+
+
+@dataclass(frozen=True)
+class DenseFeature:
+    """A dense column of the batch (``dim`` floats per row)."""
+
+    name: str
+    dim: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"feature name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.dim, int) or self.dim < 1:
+            raise ValueError(f"dense feature {self.name!r}: dim must be >= 1, got {self.dim!r}")
+
+
+Feature = SparseFeature | DenseFeature
+
+
+def split_features(
+    features: list[Feature],
+) -> tuple[list[SparseFeature], list[DenseFeature], dict[str, EmbeddingTable]]:
+    """Sparse and dense features and the tables they use; checks names are unique
+    and that a table name means one table."""
+    sparse: list[SparseFeature] = []
+    dense: list[DenseFeature] = []
+    tables: dict[str, EmbeddingTable] = {}
+    seen: set[str] = set()
+    for f in features:
+        if not isinstance(f, SparseFeature | DenseFeature):
+            raise TypeError(f"features must be SparseFeature or DenseFeature, got {f!r}")
+        if f.name in seen:
+            raise ValueError(f"feature {f.name!r} is listed twice")
+        seen.add(f.name)
+        if isinstance(f, SparseFeature):
+            sparse.append(f)
+            known = tables.setdefault(f.table.name, f.table)
+            if known != f.table:
+                raise ValueError(
+                    f"two different tables are named {f.table.name!r} "
+                    f"(features {f.name!r} and another)"
+                )
+        else:
+            dense.append(f)
+    if not sparse and not dense:
+        raise ValueError("a model needs at least one feature")
+    return sparse, dense, tables

@@ -1,0 +1,32 @@
+"""Hooks: the SessionRunHook protocol (TensorFlow's names) and standard hooks.
+
+Import as ``wuliang.hooks``.
+"""
+
+from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
+from wuliang.hooks.standard import (
+    Eval,
+    Logging,
+    NanGuard,
+    ProgressBar,
+    StopAtStep,
+    Summary,
+    Timeline,
+)
+
+RunArgs = SessionRunArgs  # the short name
+
+__all__ = [
+    "Eval",
+    "Logging",
+    "NanGuard",
+    "ProgressBar",
+    "RunArgs",
+    "SessionRunArgs",
+    "SessionRunContext",
+    "SessionRunHook",
+    "SessionRunValues",
+    "StopAtStep",
+    "Summary",
+    "Timeline",
+]

@@ -1,0 +1,67 @@
+"""The hook protocol, with TensorFlow's names.
+
+A hook sees every step of a ``Session``::
+
+    begin()                               before the first step (graph/state may be extended)
+    after_create_session(session)         the session exists
+    before_run(run_context) -> SessionRunArgs | None   fetch more names this step
+    after_run(run_context, run_values)    run_values.results: the fetched values by name
+    end(session)                          after the last step
+
+``run_context.request_stop()`` ends the training loop after the current step.
+Hooks run in the order given; ``after_run`` in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SessionRunArgs:
+    """Names a hook wants fetched in this step (``loss``, ``predictions`` …)."""
+
+    fetches: Sequence[str] = ()
+
+
+@dataclass
+class SessionRunContext:
+    """What a hook knows of the step about to run, and how it stops training."""
+
+    session: Any
+    step: int  # global step of this run (before it is counted)
+    batch: Any  # the CsrBatch
+    train: bool
+    stop_requested: bool = False
+
+    def request_stop(self) -> None:
+        self.stop_requested = True
+
+
+@dataclass
+class SessionRunValues:
+    """What the step produced: fetched values by name, and its timings."""
+
+    results: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds
+
+
+class SessionRunHook:
+    """Base class: every method is optional."""
+
+    def begin(self) -> None:
+        pass
+
+    def after_create_session(self, session: Any) -> None:
+        pass
+
+    def before_run(self, run_context: SessionRunContext) -> SessionRunArgs | None:
+        return None
+
+    def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
+        pass
+
+    def end(self, session: Any) -> None:
+        pass

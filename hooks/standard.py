@@ -1,0 +1,283 @@
+"""The standard hooks: Logging, StopAtStep, ProgressBar, NanGuard, Summary,
+Timeline and Eval."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
+
+log = logging.getLogger("wuliang")
+
+
+def _ensure_log_handler() -> None:
+    """Hook output is visible without any logging setup (and not twice with one)."""
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+class _EverySteps(SessionRunHook):
+    def __init__(self, every_steps: int) -> None:
+        if not isinstance(every_steps, int) or every_steps < 1:
+            raise ValueError(f"every_steps must be an int >= 1, got {every_steps!r}")
+        self.every_steps = every_steps
+
+    def due(self, step: int) -> bool:
+        return (step + 1) % self.every_steps == 0
+
+
+class Logging(_EverySteps):
+    """Logs step, the fetched values and samples/s every ``every_steps`` steps."""
+
+    def __init__(self, every_steps: int = 100, fetches: Sequence[str] = ("loss",)) -> None:
+        super().__init__(every_steps)
+        self.fetches = list(fetches)
+        self._since = 0.0
+        self._samples = 0
+
+    def begin(self) -> None:
+        _ensure_log_handler()
+        self._since = time.perf_counter()
+        self._samples = 0
+
+    def before_run(self, run_context: SessionRunContext) -> SessionRunArgs:
+        return SessionRunArgs(self.fetches if self.due(run_context.step) else ())
+
+    def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
+        self._samples += run_context.batch.size
+        if not self.due(run_context.step):
+            return
+        now = time.perf_counter()
+        rate = self._samples / max(now - self._since, 1e-9)
+        values = ", ".join(f"{k} = {_short(v)}" for k, v in run_values.results.items())
+        log.info("step %d: %s (%.0f samples/s)", run_context.step + 1, values, rate)
+        self._since, self._samples = now, 0
+
+
+def _short(value: Any) -> str:
+    if np.ndim(value) == 0:
+        return f"{float(value):.5g}"
+    return f"array{np.shape(value)}"
+
+
+class StopAtStep(SessionRunHook):
+    """Stops at global step ``last_step``, or after ``num_steps`` more steps."""
+
+    def __init__(self, last_step: int | None = None, num_steps: int | None = None) -> None:
+        if (last_step is None) == (num_steps is None):
+            raise ValueError("StopAtStep needs exactly one of last_step and num_steps")
+        self.last_step = last_step
+        self.num_steps = num_steps
+
+    def after_create_session(self, session: Any) -> None:
+        if self.num_steps is not None:
+            self.last_step = session.global_step + self.num_steps
+
+    def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
+        assert self.last_step is not None
+        if run_context.step + 1 >= self.last_step:
+            run_context.request_stop()
+
+
+class ProgressBar(SessionRunHook):
+    """A tqdm progress bar of steps with the loss."""
+
+    def __init__(self, total: int | None = None, desc: str = "train") -> None:
+        self.total = total
+        self.desc = desc
+        self._bar: Any = None
+
+    def begin(self) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=self.total, desc=self.desc, unit="step", dynamic_ncols=True)
+
+    def before_run(self, run_context: SessionRunContext) -> SessionRunArgs:
+        return SessionRunArgs(["loss"])
+
+    def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
+        self._bar.update(1)
+        loss = run_values.results.get("loss")
+        if loss is not None:
+            self._bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
+
+    def end(self, session: Any) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class NanGuard(SessionRunHook):
+    """Fails (or stops) training when the loss is NaN or infinite."""
+
+    def __init__(self, fail: bool = True) -> None:
+        self.fail = fail
+
+    def before_run(self, run_context: SessionRunContext) -> SessionRunArgs:
+        return SessionRunArgs(["loss"])
+
+    def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
+        loss = float(run_values.results["loss"])
+        if math.isfinite(loss):
+            return
+        message = f"loss is {loss} at step {run_context.step + 1}"
+        if self.fail:
+            raise FloatingPointError(message)
+        _ensure_log_handler()
+        log.error("%s: stopping", message)
+        run_context.request_stop()
+
+
+class Summary(_EverySteps):
+    """TensorBoard event files in ``logdir``: loss, AUC of the last interval's
+    predictions, samples/s and rows per embedding table."""
+
+    def __init__(self, logdir: str | os.PathLike, every_steps: int = 100) -> None:
+        super().__init__(every_steps)
+        self.logdir = Path(logdir)
+        self._writer: Any = None
+        self._losses: list[float] = []
+        self._scores: list[np.ndarray] = []
+        self._labels: list[np.ndarray] = []
+        self._samples = 0
+        self._since = 0.0
+
+    def begin(self) -> None:
+        import tensorflow as tf
+
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        self._writer = tf.summary.create_file_writer(str(self.logdir))
+        self._since = time.perf_counter()
+
+    def before_run(self, run_context: SessionRunContext) -> SessionRunArgs:
+        return SessionRunArgs(["loss", "predictions"])
+
+    def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
+        import tensorflow as tf
+
+        from wuliang.metrics import auc
+
+        results = run_values.results
+        self._losses.append(float(results["loss"]))
+        labels = run_context.batch.labels
+        predictions = results["predictions"]
+        if (
+            isinstance(labels, np.ndarray)
+            and isinstance(predictions, np.ndarray)
+            and predictions.ndim == 1
+        ):
+            self._scores.append(predictions)
+            self._labels.append(labels)
+        self._samples += run_context.batch.size
+        if not self.due(run_context.step):
+            return
+        step = run_context.step + 1
+        now = time.perf_counter()
+        with self._writer.as_default(step=step):
+            tf.summary.scalar("loss", float(np.mean(self._losses)))
+            tf.summary.scalar("samples_per_s", self._samples / max(now - self._since, 1e-9))
+            if self._scores:
+                value = auc(np.concatenate(self._labels), np.concatenate(self._scores))
+                if not math.isnan(value):
+                    tf.summary.scalar("auc", value)
+            for table, stats in run_context.session.context.engine.stats().items():
+                tf.summary.scalar(f"rows/{table}", stats["rows"])
+        self._writer.flush()
+        self._losses, self._scores, self._labels = [], [], []
+        self._samples, self._since = 0, now
+
+    def end(self, session: Any) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+class Timeline(SessionRunHook):
+    """A Chrome-trace JSON (open in Perfetto or chrome://tracing) of the read,
+    prepare, pull, compute and push stages of the steps in [first_step,
+    first_step + num_steps), one lane per pipeline thread."""
+
+    def __init__(self, path: str | os.PathLike, first_step: int = 10, num_steps: int = 20) -> None:
+        self.path = Path(path)
+        self.first_step = first_step
+        self.last_step = first_step + num_steps
+        self._session: Any = None
+
+    def after_create_session(self, session: Any) -> None:
+        self._session = session
+        session.trace.enable()
+
+    def end(self, session: Any) -> None:
+        events = [e for e in session.trace.events() if self.first_step <= e[1] < self.last_step]
+        session.trace.disable()
+        if not events:
+            return
+        origin = min(e[2] for e in events)
+        lanes = {lane: i for i, lane in enumerate(dict.fromkeys(e[4] for e in events))}
+        trace = [
+            {"name": lane, "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}}
+            for lane, tid in lanes.items()
+        ]
+        trace[:0] = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "wuliang"}}]
+        for stage, step, start, end, lane in events:
+            trace.append(
+                {
+                    "name": stage,
+                    "cat": "step",
+                    "ph": "X",
+                    "pid": 1,
+                    "tid": lanes[lane],
+                    "ts": (start - origin) * 1e6,
+                    "dur": max(end - start, 0.0) * 1e6,
+                    "args": {"step": step},
+                }
+            )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
+        os.replace(tmp, self.path)
+
+
+class Eval(_EverySteps):
+    """Evaluates on another reader every ``every_steps`` steps (and logs it).
+
+    Args:
+        reader: a reader, or a function returning a fresh one each time.
+        every_steps: how often.
+        steps: evaluate at most this many batches (None: the whole reader).
+    """
+
+    def __init__(
+        self,
+        reader: Any | Callable[[], Any],
+        every_steps: int = 1000,
+        steps: int | None = None,
+    ) -> None:
+        super().__init__(every_steps)
+        self.reader = reader
+        self.steps = steps
+        self.history: list[tuple[int, dict[str, float]]] = []
+
+    def begin(self) -> None:
+        _ensure_log_handler()
+
+    def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
+        if not self.due(run_context.step):
+            return
+        reader = self.reader() if callable(self.reader) else self.reader
+        metrics = run_context.session.evaluate(reader, steps=self.steps)
+        step = run_context.step + 1
+        self.history.append((step, metrics))
+        text = ", ".join(f"{k} = {v:.5g}" for k, v in metrics.items())
+        log.info("eval at step %d: %s", step, text)

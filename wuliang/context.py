@@ -1,0 +1,122 @@
+"""Context: all the state of one model's training, and nothing global.
+
+A ``Context`` owns the parameter server (the embedded engine), the tables
+created in it, the global step and the pipeline settings. Two contexts in one
+process share nothing, so two models train side by side without interfering.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from wuliang.embedding.features import EmbeddingTable
+from wuliang.ps_server import Engine
+
+
+class Trace:
+    """Per-stage timings of the steps (read, prepare, pull, compute, push), kept
+    only while some hook (``Timeline``) enables it."""
+
+    def __init__(self, capacity: int = 200_000) -> None:
+        self._events: deque[tuple[str, int, float, float, str]] = deque(maxlen=capacity)
+        self._enabled = 0
+        self._lock = threading.Lock()
+
+    def enable(self) -> None:
+        with self._lock:
+            self._enabled += 1
+
+    def disable(self) -> None:
+        with self._lock:
+            self._enabled = max(0, self._enabled - 1)
+            if not self._enabled:
+                self._events.clear()
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled > 0
+
+    def record(self, stage: str, step: int, start: float, end: float) -> None:
+        if self._enabled:
+            self._events.append((stage, step, start, end, threading.current_thread().name))
+
+    @contextmanager
+    def span(self, stage: str, step: int) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.record(stage, step, start, time.perf_counter())
+
+    def events(self) -> list[tuple[str, int, float, float, str]]:
+        return list(self._events)
+
+
+class Context:
+    """The state of one model: parameter server, tables, step, settings.
+
+    Args:
+        ps: ``"embedded"``: the engine lives in this process (remote servers,
+            a list of ``"host:port"``, come with the remote PS).
+        num_shards: engine shard threads (default: the number of CPUs).
+        staleness: 0: a step pulls rows only after the previous step's push
+            is applied (exact); 1: the pull of step i may run while step i-1
+            trains, so rows can be one update old (faster).
+        prefetch: batches read, prepared and pulled ahead of the step.
+    """
+
+    def __init__(
+        self,
+        ps: str = "embedded",
+        num_shards: int | None = None,
+        staleness: int = 0,
+        prefetch: int = 2,
+    ) -> None:
+        if ps != "embedded":
+            raise ValueError(
+                f"ps={ps!r}: only the embedded parameter server exists so far (ps='embedded')"
+            )
+        if staleness not in (0, 1):
+            raise ValueError(f"staleness must be 0 or 1, got {staleness!r}")
+        if not isinstance(prefetch, int) or prefetch < 1:
+            raise ValueError(f"prefetch must be an int >= 1, got {prefetch!r}")
+        self.engine = Engine(num_shards or max(1, min(os.cpu_count() or 1, 16)))
+        self.staleness = staleness
+        self.prefetch = prefetch
+        self.global_step = 0
+        self.tables: dict[str, EmbeddingTable] = {}
+
+    @property
+    def num_shards(self) -> int:
+        return self.engine.num_shards
+
+    def create_table(self, table: EmbeddingTable) -> None:
+        """Creates the table in the engine, or checks it matches the one there."""
+        known = self.tables.get(table.name)
+        if known is None:
+            self.engine.create_table(table.spec())
+            self.tables[table.name] = table
+        elif known != table:
+            raise ValueError(
+                f"table {table.name!r} already exists in this context with another spec"
+            )
+
+    def advance(self) -> int:
+        """Counts one training step; rows updated from now on carry it."""
+        self.global_step += 1
+        self.engine.step = self.global_step
+        return self.global_step
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,74 @@
+"""Evaluation metrics over whole data sets: exact AUC, log loss, calibration.
+
+``Metrics`` accumulates (label, score) pairs batch by batch and computes the
+exact ROC AUC at the end (rank statistic with ties shared), not a bucketed
+approximation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    """Exact ROC AUC (Mann-Whitney U with average ranks for ties); nan if one
+    class is missing."""
+    labels = np.asarray(labels, dtype=np.float64) > 0.5
+    scores = np.asarray(scores, dtype=np.float64)
+    positives = int(labels.sum())
+    negatives = len(labels) - positives
+    if positives == 0 or negatives == 0:
+        return math.nan
+    order = np.argsort(scores, kind="mergesort")
+    sorted_scores = scores[order]
+    ranks = np.empty(len(scores), dtype=np.float64)
+    # Average rank of each run of equal scores.
+    starts = np.flatnonzero(np.r_[True, sorted_scores[1:] != sorted_scores[:-1]])
+    ends = np.r_[starts[1:], len(scores)]
+    average = (starts + ends + 1) / 2.0
+    ranks[order] = np.repeat(average, ends - starts)
+    u = ranks[labels].sum() - positives * (positives + 1) / 2.0
+    return float(u / (positives * negatives))
+
+
+def logloss(labels: np.ndarray, scores: np.ndarray, eps: float = 1e-7) -> float:
+    p = np.clip(np.asarray(scores, dtype=np.float64), eps, 1.0 - eps)
+    y = np.asarray(labels, dtype=np.float64)
+    return float(-np.mean(y * np.log(p) + (1.0 - y) * np.log(1.0 - p)))
+
+
+class Metrics:
+    """Accumulates a binary task's labels and predicted probabilities."""
+
+    def __init__(self) -> None:
+        self._labels: list[np.ndarray] = []
+        self._scores: list[np.ndarray] = []
+        self._loss_sum = 0.0
+        self._batches = 0
+
+    def update(self, labels: np.ndarray, scores: np.ndarray, loss: float | None = None) -> None:
+        self._labels.append(np.asarray(labels, dtype=np.float32).ravel())
+        self._scores.append(np.asarray(scores, dtype=np.float32).ravel())
+        if loss is not None:
+            self._loss_sum += float(loss)
+            self._batches += 1
+
+    def result(self) -> dict[str, float]:
+        if not self._labels:
+            return {"examples": 0}
+        y = np.concatenate(self._labels)
+        p = np.concatenate(self._scores)
+        mean_label = float(y.mean())
+        out = {
+            "auc": auc(y, p),
+            "logloss": logloss(y, p),
+            "calibration": float(p.mean() / mean_label) if mean_label > 0 else math.nan,
+            "mean_prediction": float(p.mean()),
+            "mean_label": mean_label,
+            "examples": len(y),
+        }
+        if self._batches:
+            out["loss"] = self._loss_sum / self._batches
+        return out

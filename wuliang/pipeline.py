@@ -1,0 +1,202 @@
+"""The training pipeline: read → prepare → pull ahead of the step, push behind it.
+
+::
+
+    reader threads ─► batch (keys prepared in the reader's pool)
+    puller thread  ─► step inputs (index arrays) ─► wait for pushes (staleness) ─► pull rows
+                          └── ready queue, `prefetch` batches deep ──► main thread: the TF step
+    pusher thread  ◄── row gradients of step i (queued by the main thread) ─► engine.push
+
+With staleness 0 the pull of step i starts once the push of step i - 1 is
+applied, so every step sees every earlier update (exact, deterministic); with
+staleness 1 it may start once step i - 2 is pushed, overlapping with step
+i - 1. An exception in either thread is re-raised in the main thread with its
+traceback; ``close()`` waits for the pending pushes and joins both threads.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from wuliang.embedding.bridge import StepInputs
+from wuliang.reader.batch import CsrBatch
+from wuliang.reader.prepare import PreparedKeys
+
+_END = object()
+
+
+@dataclass
+class Pulled:
+    """A batch ready for its step: inputs built, rows pulled."""
+
+    seq: int
+    batch: CsrBatch
+    prepared: PreparedKeys
+    inputs: StepInputs
+    rows: dict[str, np.ndarray]
+    timings: dict[str, float]
+
+
+class Pipeline:
+    """Runs ahead of the main thread's steps.
+
+    Args:
+        batches: the reader's iterator.
+        prepare: batch -> (PreparedKeys, StepInputs), for batches the reader
+            did not prepare.
+        pull: (PreparedKeys, seq) -> rows per table.
+        push: (PreparedKeys, row gradients, seq) -> None; None for evaluation.
+        depth: batches pulled ahead.
+        staleness: 0 or 1 (see the module docstring).
+        trace: where stage timings go.
+    """
+
+    def __init__(
+        self,
+        batches: Iterator[CsrBatch],
+        prepare: Callable[[CsrBatch], tuple[PreparedKeys, StepInputs]],
+        pull: Callable[[PreparedKeys], dict[str, np.ndarray]],
+        push: Callable[[PreparedKeys, Any, int], None] | None,
+        depth: int,
+        staleness: int,
+        trace: Any,
+    ) -> None:
+        self.batches = batches
+        self.prepare = prepare
+        self.pull = pull
+        self.push_fn = push
+        self.staleness = staleness
+        self.trace = trace
+        self.stop = threading.Event()
+        self.ready: queue.Queue = queue.Queue(maxsize=depth)
+        self.to_push: queue.Queue = queue.Queue()
+        self.pushed = -1  # highest seq whose push is applied
+        self.pushed_cv = threading.Condition()
+        self.error: BaseException | None = None
+        self.threads = [threading.Thread(target=self._pull_loop, name="wuliang-pull", daemon=True)]
+        if push is not None:
+            self.threads.append(
+                threading.Thread(target=self._push_loop, name="wuliang-push", daemon=True)
+            )
+        for t in self.threads:
+            t.start()
+
+    # -- main thread ---------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Pulled]:
+        while True:
+            item = self._get()
+            if item is _END:
+                self._raise_if_failed()
+                return
+            yield item
+
+    def push(self, prepared: PreparedKeys, row_grads: Any, seq: int) -> None:
+        self._raise_if_failed()
+        self.to_push.put((prepared, row_grads, seq))
+
+    def close(self) -> None:
+        """Applies the pending pushes, then stops and joins the threads."""
+        self.stop.set()
+        self.to_push.put(_END)
+        while True:  # unblock the puller
+            try:
+                self.ready.get_nowait()
+            except queue.Empty:
+                break
+        with self.pushed_cv:
+            self.pushed_cv.notify_all()
+        for t in self.threads:
+            t.join()
+        self._raise_if_failed()
+
+    def _get(self) -> Any:
+        while True:
+            try:
+                return self.ready.get(timeout=0.1)
+            except queue.Empty:
+                self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    # -- puller --------------------------------------------------------------
+
+    def _put(self, item: Any) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _wait_for_push(self, seq: int) -> bool:
+        """Waits until the push of step seq - 1 - staleness is applied."""
+        target = seq - 1 - self.staleness
+        with self.pushed_cv:
+            while self.pushed < target and not self.stop.is_set() and self.error is None:
+                self.pushed_cv.wait(timeout=0.1)
+        return not self.stop.is_set() and self.error is None
+
+    def _pull_loop(self) -> None:
+        try:
+            seq = 0
+            while not self.stop.is_set():
+                start = time.perf_counter()
+                batch = next(self.batches, None)
+                read = time.perf_counter()
+                if batch is None:
+                    break
+                self.trace.record("read", seq, start, read)
+                prepared, inputs = self.prepare(batch)
+                prepared_at = time.perf_counter()
+                self.trace.record("prepare", seq, read, prepared_at)
+                if self.push_fn is not None and not self._wait_for_push(seq):
+                    return
+                waited = time.perf_counter()
+                rows = self.pull(prepared)
+                pulled = time.perf_counter()
+                self.trace.record("pull", seq, waited, pulled)
+                timings = {
+                    "read": read - start,
+                    "prepare": prepared_at - read,
+                    "wait_push": waited - prepared_at,
+                    "pull": pulled - waited,
+                }
+                if not self._put(Pulled(seq, batch, prepared, inputs, rows, timings)):
+                    return
+                seq += 1
+            self._put(_END)
+        except BaseException as e:
+            self.error = e
+            self._put(_END)
+
+    # -- pusher --------------------------------------------------------------
+
+    def _push_loop(self) -> None:
+        assert self.push_fn is not None
+        try:
+            while True:
+                item = self.to_push.get()
+                if item is _END:
+                    return
+                prepared, row_grads, seq = item
+                with self.trace.span("push", seq):
+                    self.push_fn(prepared, row_grads, seq)
+                with self.pushed_cv:
+                    self.pushed = seq
+                    self.pushed_cv.notify_all()
+        except BaseException as e:
+            self.error = e
+            with self.pushed_cv:
+                self.pushed_cv.notify_all()

@@ -1,0 +1,340 @@
+"""Session: one model's steps, driven by ``run(feed, fetch)`` with hooks.
+
+``Session(tower, features, context)`` creates the model's tables in the
+context's parameter server, traces the TensorFlow step (``embedding.bridge``)
+and runs it:
+
+* ``run(feed=batch, fetch=[...], train=True)``: one step on one ``CsrBatch``,
+  synchronously (prepare, pull, TF, push), returning the fetched values by
+  name — for debugging and custom loops;
+* ``train(reader, steps)``, ``evaluate(reader)``, ``predict(reader)``: loops
+  over a reader through the prefetching pipeline (``wuliang.pipeline``).
+
+Fetch names: ``loss``, ``predictions``, ``logits``, every sparse feature's
+name (its pooled embedding ``[B, dim]``, or ``(values, mask)`` of a sequence
+feature), and the names of the outputs the tower returns. Hooks see every
+step (``wuliang.hooks``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from wuliang.context import Context, Trace
+from wuliang.embedding.bridge import LossFn, StepFunctions, StepInputs, batch_inputs
+from wuliang.embedding.features import Feature, split_features
+from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
+from wuliang.metrics import Metrics
+from wuliang.pipeline import Pipeline
+from wuliang.reader.batch import CsrBatch
+from wuliang.reader.prepare import KeyPreparer, PreparedKeys
+
+STANDARD_FETCHES = ("loss", "predictions", "logits")
+
+
+class Session:
+    """Runs a model's steps. See the module docstring.
+
+    Args:
+        tower: ``tower(embeddings, dense) -> logits`` (a Keras model or layer,
+            a ``tf.Module`` or a function); a dict of logits per task for
+            multi-task models; or ``(logits, outputs)`` with named outputs.
+        features: ``SparseFeature`` s and ``DenseFeature`` s.
+        context: where the tables and the step live (default: a new one).
+        hooks: hooks that see every step of this session.
+        loss: a name (``binary_crossentropy``, ``mse``, ``softmax_crossentropy``),
+            a callable ``(labels, logits) -> scalar``, or a dict of them per task.
+        optimizer: a Keras optimizer for the tower's variables (default Adam(1e-3)).
+    """
+
+    def __init__(
+        self,
+        tower: Callable[..., Any],
+        features: Sequence[Feature],
+        context: Context | None = None,
+        hooks: Sequence[SessionRunHook] = (),
+        loss: str | Callable | Mapping[str, str | Callable] = "binary_crossentropy",
+        optimizer: Any = None,
+    ) -> None:
+        import keras
+
+        self.context = context or Context()
+        self.sparse, self.dense, tables = split_features(list(features))
+        for table in tables.values():
+            self.context.create_table(table)
+        self.tables = list(tables)
+        self.preparer = (
+            KeyPreparer({f.name: f.table.name for f in self.sparse}, self.context.num_shards)
+            if self.sparse
+            else None
+        )
+        losses: LossFn | dict[str, LossFn] = (
+            {k: LossFn(v) for k, v in loss.items()} if isinstance(loss, Mapping) else LossFn(loss)
+        )
+        self.optimizer = optimizer if optimizer is not None else keras.optimizers.Adam(1e-3)
+        self.functions = StepFunctions(
+            tower,
+            self.sparse,
+            self.dense,
+            self.tables,
+            losses,
+            self.optimizer,
+            multi_task=isinstance(loss, Mapping),
+        )
+        self.hooks = list(hooks)
+        self.trace = Trace()
+        self._output_names: set[str] | None = None
+        self._hooks_begun = False
+
+    # -- public ----------------------------------------------------------------
+
+    @property
+    def global_step(self) -> int:
+        return self.context.global_step
+
+    def fetchable(self) -> list[str]:
+        """Every name ``run`` can fetch (tower outputs once a step has run)."""
+        names = [*STANDARD_FETCHES, *(f.name for f in self.sparse)]
+        return names + sorted(self._output_names or ())
+
+    def run(
+        self, feed: CsrBatch, fetch: str | Sequence[str] = ("loss",), train: bool = True
+    ) -> Any:
+        """One step on one batch; returns the fetched values (a dict by name,
+        or the value itself when ``fetch`` is one name)."""
+        if not isinstance(feed, CsrBatch):
+            raise TypeError(f"feed must be a CsrBatch, got {type(feed).__name__}")
+        names = [fetch] if isinstance(fetch, str) else list(fetch)
+        self._check_fetches(names, strict=self._output_names is not None)
+        self._begin(self.hooks)
+        prepared, inputs = self._prepare(feed)
+        rows = self._pull(prepared, train)
+        results, _ = self._step(feed, prepared, inputs, rows, names, train, self.hooks, None, {})
+        return results[fetch] if isinstance(fetch, str) else results
+
+    def train(
+        self, reader: Any, steps: int | None = None, hooks: Sequence[SessionRunHook] = ()
+    ) -> dict[str, float]:
+        """Trains on the reader's batches (all, or ``steps``) through the pipeline."""
+        extra = list(hooks)
+        hooks = [*self.hooks, *extra]
+        self._begin(self.hooks)
+        self._begin(extra, force=True)
+        ctx = self.context
+        self._attach_preparer(reader)
+        pipeline = Pipeline(
+            iter(reader),
+            self._prepare,
+            lambda p: self._pull(p, True),
+            self._push_async,
+            ctx.prefetch,
+            ctx.staleness,
+            self.trace,
+        )
+        done = samples = 0
+        start = time.perf_counter()
+        try:
+            for item in pipeline:
+                _, stop = self._step(
+                    item.batch,
+                    item.prepared,
+                    item.inputs,
+                    item.rows,
+                    [],
+                    True,
+                    hooks,
+                    lambda grads, p=item.prepared, s=item.seq: pipeline.push(p, grads, s),
+                    item.timings,
+                )
+                done += 1
+                samples += item.batch.size
+                if stop or (steps is not None and done >= steps):
+                    break
+        finally:
+            pipeline.close()
+            for hook in extra:
+                hook.end(self)
+        elapsed = time.perf_counter() - start
+        return {"steps": done, "samples": samples, "samples_per_s": samples / max(elapsed, 1e-9)}
+
+    def evaluate(self, reader: Any, steps: int | None = None) -> dict[str, float]:
+        """Metrics over the reader: exact AUC, log loss, calibration, loss."""
+        metrics = Metrics()
+        for item, out in self._inference(reader, steps, with_labels=True):
+            labels, predictions = item.batch.labels, out["predictions"].numpy()
+            if isinstance(labels, dict):
+                raise ValueError(
+                    "evaluate() handles one label; use predict() for multi-task models"
+                )
+            metrics.update(labels, predictions, float(out["loss"].numpy()))
+        return metrics.result()
+
+    def predict(self, reader: Any, steps: int | None = None) -> Iterator[Any]:
+        """Predictions per batch (float32 [B], or a dict per task)."""
+        for _, out in self._inference(reader, steps, with_labels=False):
+            yield _numpy(out["predictions"])
+
+    def close(self) -> None:
+        """Ends the session's hooks."""
+        if self._hooks_begun:
+            for hook in self.hooks:
+                hook.end(self)
+            self._hooks_begun = False
+
+    # -- internals -------------------------------------------------------------
+
+    def _begin(self, hooks: Sequence[SessionRunHook], force: bool = False) -> None:
+        if hooks is self.hooks:
+            if self._hooks_begun:
+                return
+            self._hooks_begun = True
+        elif not force:
+            return
+        for hook in hooks:
+            hook.begin()
+        for hook in hooks:
+            hook.after_create_session(self)
+
+    def _check_fetches(self, names: Sequence[str], strict: bool) -> None:
+        valid = set(self.fetchable())
+        unknown = [n for n in names if n not in valid]
+        if unknown and (strict or any(not isinstance(n, str) for n in unknown)):
+            raise KeyError(
+                f"cannot fetch {', '.join(map(repr, unknown))}; "
+                f"valid names: {', '.join(self.fetchable())}"
+            )
+
+    def _attach_preparer(self, reader: Any) -> None:
+        """Lets a ParquetReader prepare keys in its own threads."""
+        if getattr(reader, "prepare", "absent") is None and self.preparer is not None:
+            reader.prepare = self.preparer
+
+    def _prepare(self, batch: CsrBatch) -> tuple[PreparedKeys, StepInputs]:
+        prepared = batch.prepared
+        if not isinstance(prepared, PreparedKeys) or (
+            self.preparer is not None and any(f.name not in prepared.features for f in self.sparse)
+        ):
+            prepared = self.preparer(batch) if self.preparer is not None else _NO_KEYS
+        return prepared, batch_inputs(batch, prepared, self.sparse, self.dense)
+
+    def _pull(self, prepared: PreparedKeys, train: bool) -> dict[str, np.ndarray]:
+        engine = self.context.engine
+        rows = {}
+        for table in self.tables:
+            keys = prepared.tables[table]
+            rows[table] = engine.pull(
+                table, keys.uniques, train=train, shard_offsets=keys.shard_offsets
+            )
+        return rows
+
+    def _push_async(self, prepared: PreparedKeys, row_grads: Any, seq: int) -> None:
+        self._push(prepared, row_grads)
+
+    def _push(self, prepared: PreparedKeys, row_grads: Any) -> None:
+        engine = self.context.engine
+        for table, grads in zip(self.tables, row_grads, strict=True):
+            keys = prepared.tables[table]
+            engine.push(
+                table,
+                keys.uniques,
+                np.asarray(grads),
+                unique=True,
+                shard_offsets=keys.shard_offsets,
+            )
+
+    def _step(
+        self,
+        batch: CsrBatch,
+        prepared: PreparedKeys,
+        inputs: StepInputs,
+        rows: dict[str, np.ndarray],
+        fetch: Sequence[str],
+        train: bool,
+        hooks: Sequence[SessionRunHook],
+        push: Callable[[Any], None] | None,
+        timings: dict[str, float],
+    ) -> tuple[dict[str, Any], bool]:
+        """The TF step with hooks around it; returns (fetched, stop requested)."""
+        step = self.global_step
+        context = SessionRunContext(self, step, batch, train)
+        wanted = list(fetch)
+        asked: list[list[str]] = []
+        for hook in hooks:
+            args = hook.before_run(context)
+            names = list(args.fetches) if isinstance(args, SessionRunArgs) else []
+            asked.append(names)
+            wanted += names
+        start = time.perf_counter()
+        args = self.functions.feed(inputs, rows)
+        if train:
+            out = self.functions.train(*args, inputs.labels)
+        else:
+            out = self.functions.evaluate(*args, inputs.labels)
+        if self._output_names is None:
+            self._output_names = set(out["outputs"])
+            self._check_fetches(wanted, strict=True)
+        computed = time.perf_counter()
+        self.trace.record("compute", step, start, computed)
+        if train:
+            grads = out["row_grads"]
+            if push is None:
+                with self.trace.span("push", step):
+                    self._push(prepared, grads)
+            else:
+                push(grads)
+            self.context.advance()
+        timings = {**timings, "compute": computed - start}
+        fetched = {name: self._fetch(out, name) for name in dict.fromkeys(wanted)}
+        for hook, names in zip(hooks, asked, strict=True):
+            values = SessionRunValues({n: fetched[n] for n in names}, timings)
+            hook.after_run(context, values)
+        return {n: fetched[n] for n in fetch}, context.stop_requested
+
+    def _fetch(self, out: dict[str, Any], name: str) -> Any:
+        if name in STANDARD_FETCHES:
+            return _numpy(out[name])
+        if name in out["embeddings"]:
+            return _numpy(out["embeddings"][name])
+        if name in out["outputs"]:
+            return _numpy(out["outputs"][name])
+        raise KeyError(f"cannot fetch {name!r}; valid names: {', '.join(self.fetchable())}")
+
+    def _inference(
+        self, reader: Any, steps: int | None, with_labels: bool
+    ) -> Iterator[tuple[Any, dict[str, Any]]]:
+        self._attach_preparer(reader)
+        pipeline = Pipeline(
+            iter(reader),
+            self._prepare,
+            lambda p: self._pull(p, False),
+            None,
+            self.context.prefetch,
+            self.context.staleness,
+            self.trace,
+        )
+        try:
+            for n, item in enumerate(pipeline):
+                if steps is not None and n >= steps:
+                    break
+                args = self.functions.feed(item.inputs, item.rows)
+                labels = item.inputs.labels if with_labels else None
+                if with_labels and labels is None:
+                    raise ValueError("evaluate() needs labels: the reader has no label column")
+                yield item, self.functions.evaluate(*args, labels)
+        finally:
+            pipeline.close()
+
+
+def _numpy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _numpy(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_numpy(v) for v in value)
+    return value.numpy() if hasattr(value, "numpy") else value
+
+
+_NO_KEYS = PreparedKeys(tables={}, features={}, num_shards=1)
