@@ -33,6 +33,7 @@ from wuliang.reader.batch import CsrBatch
 from wuliang.reader.prepare import PreparedKeys
 
 LOSSES = ("binary_crossentropy", "mse", "softmax_crossentropy")
+_NO_POSITIONS = np.zeros(0, dtype=np.int32)  # pooled features need none
 
 
 @dataclass
@@ -42,7 +43,7 @@ class FeatureInputs:
     inverse: np.ndarray  # int32 [nnz]: row of the table's uniques
     segments: np.ndarray  # int32 [nnz]: batch row of each value
     weights: np.ndarray  # float32 [nnz]
-    positions: np.ndarray  # int32 [nnz]: position in its row (sequence features)
+    positions: np.ndarray  # int32 [nnz]: position in its row (sequence features, else empty)
 
 
 @dataclass
@@ -74,8 +75,9 @@ def batch_inputs(
             if index.weights is None
             else np.asarray(index.weights, np.float32)
         )
-        positions = (np.arange(len(inverse), dtype=np.int64) - offsets[segments]).astype(np.int32)
-        if f.is_sequence:  # keep the first max_len values of each row
+        positions = _NO_POSITIONS
+        if f.is_sequence:  # position in the row; keep the first max_len values
+            positions = (np.arange(len(inverse)) - offsets[segments]).astype(np.int32)
             keep = positions < f.max_len
             if not keep.all():
                 inverse, segments = inverse[keep], segments[keep]
