@@ -38,7 +38,8 @@ class Estimator:
         optimizer: Any = None,
     ) -> None:
         self.labels = [] if label is None else [label] if isinstance(label, str) else list(label)
-        self.session = Session(tower, features, context, hooks, loss, optimizer)
+        self.hooks = list(hooks)  # run by every train() call, with its own hooks
+        self.session = Session(tower, features, context, (), loss, optimizer)
 
     @property
     def context(self) -> Context:
@@ -60,7 +61,7 @@ class Estimator:
     ) -> dict[str, float]:
         """Trains on every batch of the reader (or ``steps`` of them)."""
         self._check_reader(reader)
-        return self.session.train(reader, steps, hooks)
+        return self.session.train(reader, steps, [*self.hooks, *hooks])
 
     def evaluate(self, reader: Any, steps: int | None = None) -> dict[str, float]:
         """auc (exact), logloss, calibration, loss … over the reader."""

@@ -216,7 +216,12 @@ class Session:
     def _prepare(self, batch: CsrBatch) -> tuple[PreparedKeys, StepInputs]:
         prepared = batch.prepared
         if not isinstance(prepared, PreparedKeys) or (
-            self.preparer is not None and any(f.name not in prepared.features for f in self.sparse)
+            self.preparer is not None
+            and (
+                prepared.num_shards != self.context.num_shards
+                or any(f.name not in prepared.features for f in self.sparse)
+                or any(t not in prepared.tables for t in self.tables)
+            )
         ):
             prepared = self.preparer(batch) if self.preparer is not None else _NO_KEYS
         return prepared, batch_inputs(batch, prepared, self.sparse, self.dense)
