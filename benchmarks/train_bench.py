@@ -1,0 +1,516 @@
+"""Training benchmark: wuliang vs TF-native embeddings vs a dense-only ceiling.
+
+One model, three ways to feed its embeddings, for the Adagrad and the Adam
+embedding optimizer. The data are synthetic Criteo-shaped rows
+(``wuliang.reader.datagen``: C1…C26 single-valued uint64 keys, ids
+Zipf(1.1) over about 1e9 ids per field; I1…I13 float32; a 0/1 label),
+written once as Parquet into ``--data-dir`` and reused. The model: 26
+embeddings of dim 16 and the 13 dense features, concatenated (429 inputs),
+into a Keras MLP 512-256-128-1 (relu), binary cross-entropy, batches of
+4096. The tower is updated by the same Keras optimizer in every contender:
+``keras.optimizers.Adagrad(0.01)`` in the Adagrad run, ``Adam(1e-3)`` in the
+Adam run; its initial weights are the same (``keras.utils.set_random_seed``).
+
+* ceiling:   the tower alone. Per step the embeddings are a random float32
+             ``[4096, 416]`` tensor made beforehand (one of 8, cycled), fed
+             as a constant; the step computes the loss, the gradients with
+             respect to that tensor and the tower, and applies the tower's
+             update, in one ``tf.function``: what the machine does with no
+             embedding cost at all.
+* tf_native: what a TensorFlow user writes. One shared ``tf.Variable`` table
+             of 4,194,304 × 16 (truncated normal, stddev 1/4); each field's
+             key goes to bucket ``(key XOR salt[field]) & (4194304 - 1)``
+             inside the ``tf.function`` (the datagen keys are already hashes
+             of (field, id), so this is a salted Hashing(4194304); a Keras
+             ``Hashing`` layer would cost more, through strings);
+             ``tf.nn.embedding_lookup``, and the sparse-aware
+             ``tf.compat.v1.train.AdagradOptimizer(0.05,
+             initial_accumulator_value=0.1)`` / ``AdamOptimizer(1e-3,
+             epsilon=1e-7)`` applied to the table's ``IndexedSlices``
+             gradient inside the same ``tf.function`` as the tower's update
+             (TF2 eager, no graph session).
+* wuliang:   ``Session.train(ParquetReader(...))`` with a ``Context()``
+             (embedded engine, default pipeline; ``--staleness`` to choose),
+             one ``EmbeddingTable`` per field (dim 16, ``Adagrad(0.05)`` or
+             ``Adam(1e-3)``, the default initializer: truncated normal, stddev
+             1/4), a ``SparseFeature`` per C field and a ``DenseFeature`` per
+             I field; the tower is a function that concatenates them in the
+             same order and calls the Keras MLP.
+
+All three see the same batches in the same order: wuliang reads the Parquet
+files through its reader (its real pipeline, timed); the other two get the
+same rows read into numpy beforehand (not timed) and fed per step. Each
+contender runs ``--warmup`` steps (tracing, first allocations; not timed),
+then ``--steps`` timed steps (TF-native Adam: ``--native-adam-steps``, its
+steps being slow and all alike); every step fetches its loss. wuliang's time
+runs from the end of its last warm-up step until ``train`` returns (its last
+push applied). Contenders run one after the other, so each has the whole
+machine; TensorFlow keeps its default thread pools throughout.
+
+Per optimizer the result has the samples/s of each contender, wuliang's
+ratio to the ceiling and its speedup over TF-native; the process CPU time
+per timed step of each (all threads: on a busy machine a steadier measure of
+the work done than wall time); the mean loss of each contender's first and
+last 10 steps and of the 10 steps before the last one all of them ran
+(``common``: same batches; all should fall); and where wuliang's steps spend
+their time: the per-stage timings its hooks see (``read``, ``prepare``,
+``wait_push`` and ``pull`` in the pipeline's thread, ahead of the step;
+``compute``, the TensorFlow step, in the main thread), its mean step time
+and the ceiling's. ``--timeline DIR`` also writes wuliang's Chrome trace
+(``wuliang.hooks.Timeline``, pushes included) per optimizer. The last line
+printed is one JSON object: ``{"adagrad": {...}, "adam": {...}}``.
+
+    python benchmarks/train_bench.py                 # 200 timed steps (TF-native Adam: 50)
+    python benchmarks/train_bench.py --quick         # 30 timed steps (TF-native Adam: 10)
+    python benchmarks/train_bench.py --optimizers adam --staleness 1 --timeline /tmp/tl
+
+TensorFlow: ``pip install '.[bench]'`` (tensorflow-cpu).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ info lines
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from wuliang.reader import ParquetReader
+from wuliang.reader.datagen import DENSE, LABEL, SINGLE, DatagenConfig, generate
+
+DIM = 16
+BUCKETS = 4_194_304  # 2**22: the TF-native table
+TOWER = (512, 256, 128)
+NUM_RANDOM = 8  # distinct random embedding tensors of the ceiling, cycled
+LOSS_WINDOW = 10  # steps averaged for the first and last loss
+TARGETS = {
+    "adagrad": {"ratio_to_ceiling": 0.90, "speedup_vs_tf_native": 1.25},
+    "adam": {"ratio_to_ceiling": 0.90, "speedup_vs_tf_native": 5.0},
+}
+
+
+@dataclass
+class Run:
+    """What one contender did over its warm-up and timed steps."""
+
+    name: str
+    samples_per_s: float
+    cpu_ms_per_step: float  # CPU time of the whole process (all threads) per timed step
+    losses: list[float]  # every step's, warm-up included
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def loss_summary(self, common: int) -> dict[str, float]:
+        """Mean loss of the first and the last LOSS_WINDOW steps, and of the
+        LOSS_WINDOW steps before step `common` (the same batches for all)."""
+        n = min(LOSS_WINDOW, max(1, len(self.losses) // 2))
+        return {
+            "first": round(float(np.mean(self.losses[:n])), 5),
+            "last": round(float(np.mean(self.losses[-n:])), 5),
+            "common": round(float(np.mean(self.losses[max(0, common - n) : common])), 5),
+            "steps": len(self.losses),
+        }
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+# -- data ------------------------------------------------------------------------------
+
+
+def parquet_files(folder: Path, rows: int) -> list[Path]:
+    """The datagen files of `rows` rows in folder: reused when present, else written."""
+    cfg = DatagenConfig(rows=rows)
+    n_files = (rows + cfg.rows_per_file - 1) // cfg.rows_per_file
+    expected = [folder / f"part-{i:05d}.parquet" for i in range(n_files)]
+    present = sorted(folder.glob("part-*.parquet"))
+    if present == expected and sum(pq.ParquetFile(f).metadata.num_rows for f in present) == rows:
+        print(f"data: reusing {n_files} Parquet files in {folder}", flush=True)
+        return expected
+    for f in present:
+        f.unlink()
+    t0 = time.perf_counter()
+    files = generate(folder, cfg)
+    print(
+        f"data: wrote {rows:,} rows in {n_files} Parquet files to {folder} "
+        f"in {time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
+    return files
+
+
+@dataclass
+class Batches:
+    """The rows as numpy, cut into the batches the reader yields (same order)."""
+
+    keys: list[np.ndarray]  # int64 [B, 26]: the uint64 keys, reinterpreted
+    dense: list[np.ndarray]  # float32 [B, 13]
+    labels: list[np.ndarray]  # float32 [B]
+
+
+def read_batches(files: list[Path], batch: int, count: int) -> Batches:
+    table = pq.read_table(files, columns=[*SINGLE, *DENSE, LABEL])
+    keys = np.stack([table[c].to_numpy() for c in SINGLE], axis=1).view(np.int64)
+    dense = np.stack([table[c].to_numpy() for c in DENSE], axis=1).astype(np.float32)
+    labels = table[LABEL].to_numpy().astype(np.float32)
+    cut = [slice(i * batch, (i + 1) * batch) for i in range(count)]
+    return Batches(
+        [np.ascontiguousarray(keys[s]) for s in cut],
+        [np.ascontiguousarray(dense[s]) for s in cut],
+        [np.ascontiguousarray(labels[s]) for s in cut],
+    )
+
+
+# -- model -----------------------------------------------------------------------------
+
+
+def make_tower(seed: int) -> Any:
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    width = len(SINGLE) * DIM + len(DENSE)
+    return keras.Sequential(
+        [
+            keras.Input((width,)),
+            *(keras.layers.Dense(units, activation="relu") for units in TOWER),
+            keras.layers.Dense(1),
+        ]
+    )
+
+
+def tower_optimizer(kind: str) -> Any:
+    import keras
+
+    return keras.optimizers.Adagrad(0.01) if kind == "adagrad" else keras.optimizers.Adam(1e-3)
+
+
+def bce(tf: Any, labels: Any, logits: Any) -> Any:
+    """wuliang's binary_crossentropy: mean sigmoid cross-entropy of the logits."""
+    logits = tf.squeeze(logits, axis=-1)
+    return tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits))
+
+
+def time_steps(name: str, step: Callable[[int], Any], warmup: int, steps: int, batch: int) -> Run:
+    """`steps` timed steps after `warmup` untimed ones; every step's loss."""
+    losses = []
+    t0 = cpu0 = 0.0
+    for i in range(warmup + steps):
+        if i == warmup:
+            t0, cpu0 = time.perf_counter(), time.process_time()
+        losses.append(float(step(i)))  # .numpy(): the step has finished
+    elapsed = time.perf_counter() - t0
+    cpu_ms = 1e3 * (time.process_time() - cpu0) / steps
+    return Run(name, steps * batch / elapsed, cpu_ms, losses, {"steps": steps})
+
+
+def progress(run: Run, steps: int, ceiling: Run | None, note: str = "") -> None:
+    loss = run.loss_summary(len(run.losses))
+    ratio = f" = {run.samples_per_s / ceiling.samples_per_s:.2f} of ceiling" if ceiling else ""
+    print(
+        f"  {run.name:10s} {run.samples_per_s / 1e3:7.1f}K samples/s{ratio} "
+        f"({steps} steps, CPU {run.cpu_ms_per_step:.0f} ms/step; "
+        f"loss {loss['first']:.4f} -> {loss['last']:.4f}){note}",
+        flush=True,
+    )
+
+
+# -- contenders ------------------------------------------------------------------------
+
+
+def run_ceiling(tf: Any, kind: str, data: Batches, args: argparse.Namespace) -> Run:
+    model = make_tower(args.seed)
+    optimizer = tower_optimizer(kind)
+    width = len(SINGLE) * DIM
+    rng = np.random.default_rng(args.seed)
+    randoms = [
+        tf.constant(rng.standard_normal((args.batch, width), dtype=np.float32) * 0.25)
+        for _ in range(NUM_RANDOM)
+    ]
+
+    @tf.function(
+        input_signature=[
+            tf.TensorSpec([None, width], tf.float32),
+            tf.TensorSpec([None, len(DENSE)], tf.float32),
+            tf.TensorSpec([None], tf.float32),
+        ]
+    )
+    def train_step(embeddings: Any, dense: Any, labels: Any) -> Any:
+        with tf.GradientTape() as tape:
+            tape.watch(embeddings)
+            loss = bce(tf, labels, model(tf.concat([embeddings, dense], axis=1)))
+        variables = model.trainable_variables
+        grads = tape.gradient(loss, [embeddings, *variables])
+        optimizer.apply_gradients(zip(grads[1:], variables, strict=True))
+        return loss, grads[0]
+
+    def step(i: int) -> Any:
+        loss, _ = train_step(randoms[i % NUM_RANDOM], data.dense[i], data.labels[i])
+        return loss.numpy()
+
+    return time_steps("ceiling", step, args.warmup, args.steps, args.batch)
+
+
+def run_tf_native(tf: Any, kind: str, data: Batches, args: argparse.Namespace, steps: int) -> Run:
+    model = make_tower(args.seed)
+    optimizer = tower_optimizer(kind)
+    table = tf.Variable(
+        tf.random.truncated_normal([BUCKETS, DIM], stddev=DIM**-0.5, seed=args.seed),
+        name="embeddings",
+    )
+    if kind == "adagrad":
+        sparse_opt = tf.compat.v1.train.AdagradOptimizer(0.05, initial_accumulator_value=0.1)
+    else:
+        sparse_opt = tf.compat.v1.train.AdamOptimizer(1e-3, epsilon=1e-7)
+    salts = tf.constant(
+        (np.arange(1, len(SINGLE) + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)).view(
+            np.int64
+        )
+    )
+    mask = tf.constant(BUCKETS - 1, tf.int64)
+
+    @tf.function(
+        input_signature=[
+            tf.TensorSpec([None, len(SINGLE)], tf.int64),
+            tf.TensorSpec([None, len(DENSE)], tf.float32),
+            tf.TensorSpec([None], tf.float32),
+        ]
+    )
+    def train_step(keys: Any, dense: Any, labels: Any) -> Any:
+        buckets = tf.bitwise.bitwise_and(tf.bitwise.bitwise_xor(keys, salts), mask)
+        with tf.GradientTape() as tape:
+            embeddings = tf.nn.embedding_lookup(table, buckets)  # [B, 26, 16]
+            flat = tf.reshape(embeddings, [-1, len(SINGLE) * DIM])
+            loss = bce(tf, labels, model(tf.concat([flat, dense], axis=1)))
+        variables = model.trainable_variables
+        grads = tape.gradient(loss, [table, *variables])  # the table's: IndexedSlices
+        sparse_opt.apply_gradients([(grads[0], table)])
+        optimizer.apply_gradients(zip(grads[1:], variables, strict=True))
+        return loss
+
+    def step(i: int) -> Any:
+        return train_step(data.keys[i], data.dense[i], data.labels[i]).numpy()
+
+    return time_steps("tf_native", step, args.warmup, steps, args.batch)
+
+
+def run_wuliang(
+    tf: Any, kind: str, files: list[Path], data: Batches, args: argparse.Namespace
+) -> Run:
+    from wuliang import Context, DenseFeature, EmbeddingTable, Session, SparseFeature
+    from wuliang.hooks import SessionRunArgs, SessionRunHook, Timeline
+    from wuliang.optimizers import Adagrad, Adam
+
+    model = make_tower(args.seed)
+    context = Context() if args.staleness is None else Context(staleness=args.staleness)
+    emb_opt = Adagrad(0.05) if kind == "adagrad" else Adam(1e-3)
+    tables = {name: EmbeddingTable(name, DIM, optimizer=emb_opt) for name in SINGLE}
+    features = [SparseFeature(name, tables[name]) for name in SINGLE]
+    features += [DenseFeature(name) for name in DENSE]
+
+    def tower(embeddings: dict, dense: dict) -> Any:
+        inputs = [embeddings[n] for n in SINGLE] + [dense[n] for n in DENSE]
+        return model(tf.concat(inputs, axis=1))
+
+    class Meter(SessionRunHook):
+        """Every step's loss, end time and stage timings; the first batch's C1."""
+
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+            self.ends: list[float] = []
+            self.cpu: list[float] = []
+            self.uniques: list[int] = []
+            self.timings: list[dict[str, float]] = []
+            self.first_c1: np.ndarray | None = None
+
+        def before_run(self, run_context: Any) -> Any:
+            if self.first_c1 is None:
+                self.first_c1 = np.array(run_context.batch.sparse["C1"].values, copy=True)
+            prepared = run_context.batch.prepared
+            if prepared is not None:
+                self.uniques.append(sum(len(k.uniques) for k in prepared.tables.values()))
+            return SessionRunArgs(["loss"])
+
+        def after_run(self, run_context: Any, run_values: Any) -> None:
+            self.losses.append(float(run_values.results["loss"]))
+            self.ends.append(time.perf_counter())
+            self.cpu.append(time.process_time())
+            self.timings.append(dict(run_values.timings))
+
+    meter = Meter()
+    hooks: list[Any] = [meter]
+    if args.timeline is not None:
+        path = args.timeline / f"wuliang-{kind}.json"
+        hooks.append(Timeline(path, first_step=args.warmup, num_steps=min(args.steps, 20)))
+    session = Session(tower, features, context, optimizer=tower_optimizer(kind))
+    reader = ParquetReader(
+        [str(f) for f in files], args.batch, features=[*SINGLE, *DENSE], label=LABEL
+    )
+    total = args.warmup + args.steps
+    result = session.train(reader, steps=total, hooks=hooks)
+    done, cpu_done = time.perf_counter(), time.process_time()
+    reader.close()
+    if result["steps"] != total:
+        raise AssertionError(f"wuliang ran {result['steps']} steps, expected {total}")
+    if not np.array_equal(meter.first_c1, data.keys[0][:, 0].view(np.uint64)):
+        raise AssertionError("wuliang's first batch differs from the numpy contenders' first")
+    rate = args.steps * args.batch / (done - meter.ends[args.warmup - 1])
+    cpu_ms = 1e3 * (cpu_done - meter.cpu[args.warmup - 1]) / args.steps
+
+    timed = meter.timings[args.warmup :]
+    periods = np.diff(meter.ends[args.warmup - 1 :])
+    stages = {
+        f"{stage}_ms": round(1e3 * float(np.mean([t.get(stage, 0.0) for t in timed])), 2)
+        for stage in ("read", "prepare", "wait_push", "pull", "compute")
+    }
+    stages["step_ms"] = round(1e3 * float(np.mean(periods)), 2)
+    stages["main_thread_other_ms"] = round(stages["step_ms"] - stages["compute_ms"], 2)
+    rows = sum(s["rows"] for s in context.engine.stats().values())
+    extra = {
+        "uniques_per_step": round(float(np.mean(meter.uniques))) if meter.uniques else None,
+        "new_rows_per_step": round(rows / total),
+        "staleness": context.staleness,
+        "prefetch": context.prefetch,
+        "engine_shards": context.num_shards,
+        "reader_threads": reader.num_threads,
+        "engine_rows": rows,
+        "stages": stages,
+    }
+    context.close()
+    return Run("wuliang", rate, cpu_ms, meter.losses, extra)
+
+
+# -- main ------------------------------------------------------------------------------
+
+
+def ratio(a: float, b: float) -> float:
+    return round(a / b, 3)
+
+
+def bench_optimizer(
+    tf: Any, kind: str, files: list[Path], data: Batches, args: argparse.Namespace
+) -> dict[str, Any]:
+    native_steps = min(args.native_adam_steps, args.steps) if kind == "adam" else args.steps
+    tower = "keras.optimizers.Adagrad(0.01)" if kind == "adagrad" else "keras.optimizers.Adam(1e-3)"
+    print(f"{kind}: tower {tower}", flush=True)
+    ceiling = run_ceiling(tf, kind, data, args)
+    progress(ceiling, args.steps, None)
+    gc.collect()
+    native = run_tf_native(tf, kind, data, args, native_steps)
+    progress(native, native_steps, ceiling)
+    gc.collect()
+    ours = run_wuliang(tf, kind, files, data, args)
+    stages = ours.extra["stages"]
+    progress(
+        ours,
+        args.steps,
+        ceiling,
+        f"; per step {stages['step_ms']:.0f} ms: compute {stages['compute_ms']:.0f}, "
+        f"pull {stages['pull_ms']:.0f}, prepare {stages['prepare_ms']:.0f} (ahead)",
+    )
+    gc.collect()
+    common = args.warmup + native_steps  # every contender ran these steps, on the same batches
+    stages["ceiling_step_ms"] = round(1e3 * args.batch / ceiling.samples_per_s, 2)
+    result: dict[str, Any] = {
+        "ceiling_samples_per_s": round(ceiling.samples_per_s),
+        "tf_native_samples_per_s": round(native.samples_per_s),
+        "wuliang_samples_per_s": round(ours.samples_per_s),
+        "ratio_to_ceiling": ratio(ours.samples_per_s, ceiling.samples_per_s),
+        "tf_native_ratio_to_ceiling": ratio(native.samples_per_s, ceiling.samples_per_s),
+        "speedup_vs_tf_native": ratio(ours.samples_per_s, native.samples_per_s),
+        "cpu_ms_per_step": {r.name: round(r.cpu_ms_per_step, 1) for r in (ceiling, native, ours)},
+        "losses": {r.name: r.loss_summary(common) for r in (ceiling, native, ours)},
+        "wuliang_stages_ms": stages,
+        "wuliang_uniques_per_step": ours.extra["uniques_per_step"],
+        "wuliang_new_rows_per_step": ours.extra["new_rows_per_step"],
+        "embedding_optimizer": {
+            "wuliang": "Adagrad(0.05)" if kind == "adagrad" else "Adam(1e-3)",
+            "tf_native": "tf.compat.v1.train.AdagradOptimizer(0.05, initial_accumulator_value=0.1)"
+            if kind == "adagrad"
+            else "tf.compat.v1.train.AdamOptimizer(1e-3, epsilon=1e-7)",
+        },
+        "tower_optimizer": tower,
+        "steps": args.steps,
+        "tf_native_steps": native_steps,
+        "warmup_steps": args.warmup,
+        "batch": args.batch,
+        "staleness": ours.extra["staleness"],
+        "prefetch": ours.extra["prefetch"],
+        "engine_shards": ours.extra["engine_shards"],
+        "reader_threads": ours.extra["reader_threads"],
+        "wuliang_tables": len(SINGLE),
+        "wuliang_rows": ours.extra["engine_rows"],
+        "tf_native_buckets": BUCKETS,
+        "cores": cores(),
+        "tf_version": tf.__version__,
+    }
+    targets = TARGETS[kind]
+    result["targets"] = targets
+    result["targets_met"] = {k: result[k] >= v for k, v in targets.items()}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=200, help="timed steps per contender")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    parser.add_argument("--quick", action="store_true", help="30 timed steps")
+    parser.add_argument("--batch", type=int, default=4096)
+    parser.add_argument(
+        "--native-adam-steps",
+        type=int,
+        help="timed steps of TF-native Adam, whose steps are slow and alike (default 50; "
+        "--quick: 10)",
+    )
+    parser.add_argument(
+        "--optimizers", nargs="+", choices=["adagrad", "adam"], default=["adagrad", "adam"]
+    )
+    parser.add_argument(
+        "--staleness", type=int, choices=[0, 1], help="wuliang's (default: the Context default)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--timeline", type=Path, help="write wuliang's Chrome trace per optimizer into this folder"
+    )
+    parser.add_argument(
+        "--data-dir", type=Path, help="where the Parquet files are kept (default: in $TMPDIR)"
+    )
+    args = parser.parse_args()
+    if args.quick:
+        args.steps = 30
+    if args.native_adam_steps is None:
+        args.native_adam_steps = 10 if args.quick else 50
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be >= 1")
+    count = args.warmup + args.steps
+    rows = count * args.batch
+    data_dir = args.data_dir or Path(tempfile.gettempdir()) / f"wuliang-train-bench-{rows}"
+
+    import tensorflow as tf
+
+    files = parquet_files(data_dir, rows)
+    data = read_batches(files, args.batch, count)
+    print(
+        f"model: 26 fields x dim {DIM} + {len(DENSE)} dense -> MLP "
+        f"{'-'.join(map(str, TOWER))}-1; batch {args.batch}; {args.warmup} warm-up + "
+        f"{args.steps} timed steps; {cores()} cores; TensorFlow {tf.__version__}",
+        flush=True,
+    )
+    result = {kind: bench_optimizer(tf, kind, files, data, args) for kind in args.optimizers}
+    sys.stdout.flush()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
