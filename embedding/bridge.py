@@ -10,6 +10,13 @@ inverse indices, to one ``tf.function``::
     dense features ───────────────────────────────────────────────────────────┘
     returns loss, logits, predictions, pooled embeddings, tower outputs, dL/dU[table]
 
+Tables of the same dimension are packed: their pulled rows sit one after
+the other in one ``[sum U, dim]`` input (each pulled straight into its
+slice), so the backward pass densifies one gradient per dimension, not one
+per table. A feature with at most one value per row and no weights (most
+ID features) skips pooling: all such features of a dimension are looked up
+by one gather of a ``[B, F]`` index matrix (-1 = no value: a zero vector).
+
 ``U`` is an input of the function, not a variable, and the tape watches it:
 TensorFlow differentiates with respect to the unique rows, so each row's
 gradient arrives already summed over the batch, ready to push for the same
@@ -21,6 +28,7 @@ so batches of any size (and any number of unique keys) reuse one trace.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,11 +44,44 @@ LOSSES = ("binary_crossentropy", "mse", "softmax_crossentropy")
 _NO_POSITIONS = np.zeros(0, dtype=np.int32)  # pooled features need none
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How tables are packed: one group of tables per embedding dimension."""
+
+    groups: tuple[tuple[int, tuple[str, ...]], ...]  # (dim, tables)
+
+    @staticmethod
+    def of(sparse: Sequence[SparseFeature]) -> Layout:
+        by_dim: dict[int, list[str]] = {}
+        for f in sparse:
+            tables = by_dim.setdefault(f.table.dim, [])
+            if f.table.name not in tables:
+                tables.append(f.table.name)
+        return Layout(tuple((dim, tuple(tables)) for dim, tables in by_dim.items()))
+
+    def group_of(self, table: str) -> int:
+        for g, (_, tables) in enumerate(self.groups):
+            if table in tables:
+                return g
+        raise KeyError(table)
+
+    def bases(self, prepared: PreparedKeys) -> tuple[list[int], dict[str, int]]:
+        """Rows per group, and the first row of each table in its group."""
+        sizes, bases = [], {}
+        for _, tables in self.groups:
+            rows = 0
+            for t in tables:
+                bases[t] = rows
+                rows += len(prepared.tables[t].uniques)
+            sizes.append(rows)
+        return sizes, bases
+
+
 @dataclass
 class FeatureInputs:
-    """One sparse feature of a batch, as the step function takes it."""
+    """A pooled or sequence feature of a batch, as the step function takes it."""
 
-    inverse: np.ndarray  # int32 [nnz]: row of the table's uniques
+    inverse: np.ndarray  # int32 [nnz]: row in its group's packed rows
     segments: np.ndarray  # int32 [nnz]: batch row of each value
     weights: np.ndarray  # float32 [nnz]
     positions: np.ndarray  # int32 [nnz]: position in its row (sequence features, else empty)
@@ -51,7 +92,11 @@ class StepInputs:
     """A batch turned into the step function's inputs (numpy, no TF yet)."""
 
     size: int
-    features: dict[str, FeatureInputs]
+    group_rows: list[int]  # packed rows per group
+    table_base: dict[str, int]  # first row of each table in its group
+    single: tuple[bool, ...]  # per sparse feature: looked up by the [B, F] gather
+    row_index: list[np.ndarray]  # per group: int32 [B, F_g], -1 = no value
+    features: dict[str, FeatureInputs]  # the other sparse features
     dense: dict[str, np.ndarray]  # float32 [B, dim] per dense feature
     labels: np.ndarray | dict[str, np.ndarray] | None
 
@@ -61,15 +106,31 @@ def batch_inputs(
     prepared: PreparedKeys,
     sparse: Sequence[SparseFeature],
     dense: Sequence[DenseFeature],
+    layout: Layout,
 ) -> StepInputs:
     """Index arrays of a prepared batch (numpy; runs ahead of the step)."""
+    group_rows, table_base = layout.bases(prepared)
     features = {}
+    single = []
+    row_index: list[list[np.ndarray]] = [[] for _ in layout.groups]
     for f in sparse:
         index = prepared.features[f.name]
+        base = table_base[f.table.name]
         offsets = index.offsets
         lengths = np.diff(offsets)
+        if (
+            not f.is_sequence
+            and index.weights is None
+            and (len(lengths) == 0 or lengths.max() <= 1)
+        ):
+            rows = np.full(batch.size, -1, dtype=np.int32)
+            rows[lengths == 1] = index.inverse + base
+            row_index[layout.group_of(f.table.name)].append(rows)
+            single.append(True)
+            continue
+        single.append(False)
         segments = np.repeat(np.arange(batch.size, dtype=np.int32), lengths)
-        inverse = index.inverse
+        inverse = index.inverse + np.int32(base)
         weights = (
             np.ones(len(inverse), np.float32)
             if index.weights is None
@@ -95,7 +156,20 @@ def batch_inputs(
                 f"dense feature {f.name!r} has {columns.shape[1]} columns, declared dim {f.dim}"
             )
         dense_inputs[f.name] = np.ascontiguousarray(columns, dtype=np.float32)
-    return StepInputs(batch.size, features, dense_inputs, batch.labels)
+    matrices = [
+        np.stack(cols, axis=1) if cols else np.zeros((batch.size, 0), np.int32)
+        for cols in row_index
+    ]
+    return StepInputs(
+        batch.size,
+        group_rows,
+        table_base,
+        tuple(single),
+        matrices,
+        features,
+        dense_inputs,
+        batch.labels,
+    )
 
 
 def pool(
@@ -182,10 +256,14 @@ class StepFunctions:
             features and ``(values [B, L, dim], mask [B, L])`` for sequences;
             ``dense[name]`` is ``[B, dim]``. A Keras model or layer, a
             ``tf.Module`` or a plain function over variables it owns.
-        sparse, dense: the features; table dims come from ``sparse``.
-        tables: table names in the order the rows are fed.
+        sparse, dense: the features.
+        layout: how the tables are packed (``Layout.of(sparse)``).
         loss: one ``LossFn``, or one per task.
         optimizer: a Keras optimizer for the dense variables.
+
+    One concrete function is traced per set of features that take the
+    single-value gather (``StepInputs.single``) and label structure: in
+    practice one for training and one for evaluation.
     """
 
     def __init__(
@@ -193,7 +271,7 @@ class StepFunctions:
         tower: Callable[..., Any],
         sparse: Sequence[SparseFeature],
         dense: Sequence[DenseFeature],
-        tables: Sequence[str],
+        layout: Layout,
         loss: LossFn | Mapping[str, LossFn],
         optimizer: Any,
         multi_task: bool,
@@ -201,53 +279,93 @@ class StepFunctions:
         self.tower = tower
         self.sparse = list(sparse)
         self.dense = list(dense)
-        self.tables = list(tables)
+        self.layout = layout
         self.loss = loss
         self.optimizer = optimizer
         self.multi_task = multi_task
-        self.dense_variables: list[tf.Variable] | None = None
-        dims = {f.table.name: f.table.dim for f in self.sparse}
-        row_specs = tuple(tf.TensorSpec([None, dims[t]], tf.float32) for t in self.tables)
-        feature_specs = tuple(
+        self._label_names: list[str] | None = None
+        self._functions: dict[tuple, Any] = {}
+
+    # -- tracing -----------------------------------------------------------
+
+    def _signature(self, single: tuple[bool, ...]) -> tuple:
+        rows = tuple(tf.TensorSpec([None, dim], tf.float32) for dim, _ in self.layout.groups)
+        counts = [0] * len(self.layout.groups)
+        for f, is_single in zip(self.sparse, single, strict=True):
+            counts[self.layout.group_of(f.table.name)] += is_single
+        row_index = tuple(tf.TensorSpec([None, n], tf.int32) for n in counts)
+        features = tuple(
             (
                 tf.TensorSpec([None], tf.int32),
                 tf.TensorSpec([None], tf.int32),
                 tf.TensorSpec([None], tf.float32),
                 tf.TensorSpec([None], tf.int32),
             )
-            for _ in self.sparse
+            for f, is_single in zip(self.sparse, single, strict=True)
+            if not is_single
         )
-        dense_specs = tuple(tf.TensorSpec([None, f.dim], tf.float32) for f in self.dense)
-        size_spec = tf.TensorSpec([], tf.int32)
-        self._label_names: list[str] | None = None
-        self._signature = (row_specs, feature_specs, dense_specs, size_spec)
-        self._train: Any = None
-        self._eval: Any = None
+        dense = tuple(tf.TensorSpec([None, f.dim], tf.float32) for f in self.dense)
+        return rows, row_index, features, dense, tf.TensorSpec([], tf.int32)
 
-    # -- tracing -----------------------------------------------------------
-
-    def _label_specs(self, labels: np.ndarray | dict[str, np.ndarray] | None) -> Any:
+    def _label_spec(self, labels: np.ndarray | dict[str, np.ndarray] | None) -> Any:
         if labels is None:
-            raise ValueError("training needs labels: the batch has none (reader label=...)")
+            return None
         if isinstance(labels, dict):
             self._label_names = sorted(labels)
             return tuple(tf.TensorSpec([None], tf.float32) for _ in self._label_names)
         self._label_names = None
         return tf.TensorSpec([None], tf.float32)
 
+    def _function(self, kind: str, single: tuple[bool, ...], labels: Any) -> Any:
+        key = (kind, single, None if labels is None else isinstance(labels, dict))
+        fn = self._functions.get(key)
+        if fn is None:
+            label_spec = self._label_spec(labels)
+            body = {"train": self._train_step, "eval": self._eval_step}[kind]
+            step = functools.partial(body, single)
+            if labels is None:
+                step = functools.partial(body, single, labels=None)
+                fn = tf.function(step, input_signature=self._signature(single))
+            else:
+                fn = tf.function(step, input_signature=(*self._signature(single), label_spec))
+            self._functions[key] = fn
+        return fn
+
     def _forward(
-        self, rows: tuple, features: tuple, dense: tuple, size: tf.Tensor
+        self,
+        single: tuple[bool, ...],
+        rows: tuple,
+        row_index: tuple,
+        features: tuple,
+        dense: tuple,
+        size: tf.Tensor,
     ) -> tuple[Any, dict[str, tf.Tensor], dict[str, Any]]:
-        table_rows = dict(zip(self.tables, rows, strict=True))
         embeddings: dict[str, Any] = {}
-        for f, (inverse, segments, weights, positions) in zip(self.sparse, features, strict=True):
-            values = tf.gather(table_rows[f.table.name], inverse)
+        by_group: list[list[SparseFeature]] = [[] for _ in self.layout.groups]
+        for f, is_single in zip(self.sparse, single, strict=True):
+            if is_single:
+                by_group[self.layout.group_of(f.table.name)].append(f)
+        for g, group_features in enumerate(by_group):
+            if not group_features:
+                continue
+            index = row_index[g]  # [B, F], -1 = no value
+            looked_up = tf.gather(rows[g], tf.maximum(index, 0))  # [B, F, dim]
+            looked_up *= tf.cast(index >= 0, tf.float32)[:, :, None]
+            for f, column in zip(group_features, tf.unstack(looked_up, axis=1), strict=True):
+                embeddings[f.name] = column
+        pooled = iter(features)
+        for f, is_single in zip(self.sparse, single, strict=True):
+            if is_single:
+                continue
+            inverse, segments, weights, positions = next(pooled)
+            values = tf.gather(rows[self.layout.group_of(f.table.name)], inverse)
             if f.is_sequence:
                 assert f.max_len is not None
                 embeddings[f.name] = sequence(values, segments, positions, weights, f.max_len, size)
             else:
                 assert f.combiner is not None
                 embeddings[f.name] = pool(values, segments, weights, f.combiner, size)
+        embeddings = {f.name: embeddings[f.name] for f in self.sparse}  # declared order
         dense_inputs = {f.name: x for f, x in zip(self.dense, dense, strict=True)}
         result = self.tower(embeddings, dense_inputs)
         outputs: dict[str, tf.Tensor] = {}
@@ -256,10 +374,13 @@ class StepFunctions:
             outputs = dict(outputs)
         return result, outputs, embeddings
 
-    def _loss_and_predictions(self, logits: Any, labels: Any) -> tuple[tf.Tensor, Any]:
+    def _loss_and_predictions(self, logits: Any, labels: Any) -> tuple[tf.Tensor | None, Any]:
+        """Loss (None without labels) and predictions of the logits."""
         if self.multi_task:
             if not isinstance(logits, dict):
                 raise ValueError("the labels are a dict (multi-task): the tower must return a dict")
+            if labels is None:
+                return None, {k: self._task_loss(k).predictions(v) for k, v in logits.items()}
             assert self._label_names is not None
             label_map = dict(zip(self._label_names, labels, strict=True))
             missing = sorted(set(label_map) - set(logits))
@@ -268,99 +389,97 @@ class StepFunctions:
             total = tf.constant(0.0)
             predictions = {}
             for name in self._label_names:
-                loss = self.loss[name] if isinstance(self.loss, Mapping) else self.loss
+                loss = self._task_loss(name)
                 total += loss(label_map[name], logits[name])
                 predictions[name] = loss.predictions(logits[name])
             return total, predictions
         assert isinstance(self.loss, LossFn)
-        return self.loss(labels, logits), self.loss.predictions(logits)
+        loss = None if labels is None else self.loss(labels, logits)
+        return loss, self.loss.predictions(logits)
 
-    def train(self, rows: tuple, features: tuple, dense: tuple, size: int, labels: Any) -> dict:
-        if self._train is None:
-            label_spec = self._label_specs(labels)
-            self._train = tf.function(
-                self._train_step, input_signature=(*self._signature, label_spec)
-            )
-        return self._train(rows, features, dense, np.int32(size), self._labels_in(labels))
+    def _task_loss(self, task: str) -> LossFn:
+        return self.loss[task] if isinstance(self.loss, Mapping) else self.loss
 
-    def evaluate(self, rows: tuple, features: tuple, dense: tuple, size: int, labels: Any) -> dict:
-        if labels is None:
-            if self._eval is None or self._eval[0] != "nolabels":
-                fn = tf.function(self._predict_step, input_signature=self._signature)
-                self._eval = ("nolabels", fn)
-            return self._eval[1](rows, features, dense, np.int32(size))
-        if self._eval is None or self._eval[0] != "labels":
-            label_spec = self._label_specs(labels)
-            fn = tf.function(self._eval_step, input_signature=(*self._signature, label_spec))
-            self._eval = ("labels", fn)
-        return self._eval[1](rows, features, dense, np.int32(size), self._labels_in(labels))
+    # -- running -------------------------------------------------------------
+
+    def train(self, inputs: StepInputs, rows: Sequence[np.ndarray]) -> dict:
+        if inputs.labels is None:
+            raise ValueError("training needs labels: the batch has none (reader label=...)")
+        fn = self._function("train", inputs.single, inputs.labels)
+        return fn(*self._feed(inputs, rows), self._labels_in(inputs.labels))
+
+    def evaluate(self, inputs: StepInputs, rows: Sequence[np.ndarray], labels: bool = True) -> dict:
+        """Forward only; loss too when ``labels`` and the batch has them."""
+        given = inputs.labels if labels else None
+        fn = self._function("eval", inputs.single, given)
+        args = self._feed(inputs, rows)
+        return fn(*args) if given is None else fn(*args, self._labels_in(given))
 
     def _labels_in(self, labels: Any) -> Any:
         if isinstance(labels, dict):
-            assert self._label_names is not None
+            self._label_names = sorted(labels)
             return tuple(labels[n] for n in self._label_names)
         return labels
 
+    def _feed(self, inputs: StepInputs, rows: Sequence[np.ndarray]) -> tuple:
+        features = tuple(
+            (fi.inverse, fi.segments, fi.weights, fi.positions)
+            for fi in (inputs.features[f.name] for f in self.sparse if f.name in inputs.features)
+        )
+        dense = tuple(inputs.dense[f.name] for f in self.dense)
+        return tuple(rows), tuple(inputs.row_index), features, dense, np.int32(inputs.size)
+
     def _train_step(
-        self, rows: tuple, features: tuple, dense: tuple, size: tf.Tensor, labels: Any
+        self,
+        single: tuple,
+        rows: tuple,
+        row_index: tuple,
+        features: tuple,
+        dense: tuple,
+        size: tf.Tensor,
+        labels: Any,
     ) -> dict:
         with tf.GradientTape() as tape:
             tape.watch(rows)
-            logits, outputs, embeddings = self._forward(rows, features, dense, size)
+            logits, outputs, embeddings = self._forward(
+                single, rows, row_index, features, dense, size
+            )
             loss, predictions = self._loss_and_predictions(logits, labels)
         variables = [v for v in tape.watched_variables() if v.trainable]  # rows are not variables
         grads = tape.gradient(loss, [*rows, *variables])
-        row_grads = [tf.convert_to_tensor(g) for g in grads[: len(rows)]]
-        dense_grads = grads[len(rows) :]
-        pairs = [(g, v) for g, v in zip(dense_grads, variables, strict=True) if g is not None]
+        row_grads = tuple(tf.convert_to_tensor(g) for g in grads[: len(rows)])
+        pairs = [
+            (g, v) for g, v in zip(grads[len(rows) :], variables, strict=True) if g is not None
+        ]
         if pairs:
             self.optimizer.apply_gradients(pairs)
-        self.dense_variables = variables
         return {
             "loss": loss,
             "logits": logits,
             "predictions": predictions,
             "embeddings": embeddings,
             "outputs": outputs,
-            "row_grads": tuple(row_grads),
+            "row_grads": row_grads,
         }
 
     def _eval_step(
-        self, rows: tuple, features: tuple, dense: tuple, size: tf.Tensor, labels: Any
+        self,
+        single: tuple,
+        rows: tuple,
+        row_index: tuple,
+        features: tuple,
+        dense: tuple,
+        size: tf.Tensor,
+        labels: Any,
     ) -> dict:
-        logits, outputs, embeddings = self._forward(rows, features, dense, size)
+        logits, outputs, embeddings = self._forward(single, rows, row_index, features, dense, size)
         loss, predictions = self._loss_and_predictions(logits, labels)
-        return {
-            "loss": loss,
+        out = {
             "logits": logits,
             "predictions": predictions,
             "embeddings": embeddings,
             "outputs": outputs,
         }
-
-    def _predict_step(self, rows: tuple, features: tuple, dense: tuple, size: tf.Tensor) -> dict:
-        logits, outputs, embeddings = self._forward(rows, features, dense, size)
-        loss_fn = self.loss if isinstance(self.loss, LossFn) else None
-        if isinstance(logits, dict):
-            predictions = {
-                k: (self.loss[k] if isinstance(self.loss, Mapping) else self.loss).predictions(v)
-                for k, v in logits.items()
-            }
-        else:
-            assert loss_fn is not None
-            predictions = loss_fn.predictions(logits)
-        return {
-            "logits": logits,
-            "predictions": predictions,
-            "embeddings": embeddings,
-            "outputs": outputs,
-        }
-
-    def feed(self, inputs: StepInputs, rows: Mapping[str, np.ndarray]) -> tuple:
-        """The positional arguments of a step: (rows, features, dense, size)."""
-        features = tuple(
-            (fi.inverse, fi.segments, fi.weights, fi.positions)
-            for fi in (inputs.features[f.name] for f in self.sparse)
-        )
-        dense = tuple(inputs.dense[f.name] for f in self.dense)
-        return tuple(rows[t] for t in self.tables), features, dense, inputs.size
+        if loss is not None:
+            out["loss"] = loss
+        return out

@@ -40,7 +40,7 @@ class Pulled:
     batch: CsrBatch
     prepared: PreparedKeys
     inputs: StepInputs
-    rows: dict[str, np.ndarray]
+    rows: list[np.ndarray]  # packed rows per group of tables
     timings: dict[str, float]
 
 
@@ -62,7 +62,7 @@ class Pipeline:
         self,
         batches: Iterator[CsrBatch],
         prepare: Callable[[CsrBatch], tuple[PreparedKeys, StepInputs]],
-        pull: Callable[[PreparedKeys], dict[str, np.ndarray]],
+        pull: Callable[[PreparedKeys], list[np.ndarray]],
         push: Callable[[PreparedKeys, Any, int], None] | None,
         depth: int,
         staleness: int,

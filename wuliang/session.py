@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from wuliang.context import Context, Trace
-from wuliang.embedding.bridge import LossFn, StepFunctions, StepInputs, batch_inputs
+from wuliang.embedding.bridge import Layout, LossFn, StepFunctions, StepInputs, batch_inputs
 from wuliang.embedding.features import Feature, split_features
 from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
 from wuliang.metrics import Metrics
@@ -76,11 +76,12 @@ class Session:
             {k: LossFn(v) for k, v in loss.items()} if isinstance(loss, Mapping) else LossFn(loss)
         )
         self.optimizer = optimizer if optimizer is not None else keras.optimizers.Adam(1e-3)
+        self.layout = Layout.of(self.sparse)
         self.functions = StepFunctions(
             tower,
             self.sparse,
             self.dense,
-            self.tables,
+            self.layout,
             losses,
             self.optimizer,
             multi_task=isinstance(loss, Mapping),
@@ -224,39 +225,54 @@ class Session:
             )
         ):
             prepared = self.preparer(batch) if self.preparer is not None else _NO_KEYS
-        return prepared, batch_inputs(batch, prepared, self.sparse, self.dense)
+        return prepared, batch_inputs(batch, prepared, self.sparse, self.dense, self.layout)
 
-    def _pull(self, prepared: PreparedKeys, train: bool) -> dict[str, np.ndarray]:
+    def _pull(self, prepared: PreparedKeys, train: bool) -> list[np.ndarray]:
+        """The packed rows of each group of tables (each table pulled into its slice)."""
         engine = self.context.engine
-        rows = {}
-        for table in self.tables:
-            keys = prepared.tables[table]
-            rows[table] = engine.pull(
-                table, keys.uniques, train=train, shard_offsets=keys.shard_offsets
-            )
+        sizes, bases = self.layout.bases(prepared)
+        rows = []
+        for (dim, tables), size in zip(self.layout.groups, sizes, strict=True):
+            packed = np.empty((size, dim), dtype=np.float32)
+            for table in tables:
+                keys = prepared.tables[table]
+                base = bases[table]
+                engine.pull(
+                    table,
+                    keys.uniques,
+                    train=train,
+                    out=packed[base : base + len(keys.uniques)],
+                    shard_offsets=keys.shard_offsets,
+                )
+            rows.append(packed)
         return rows
 
     def _push_async(self, prepared: PreparedKeys, row_grads: Any, seq: int) -> None:
         self._push(prepared, row_grads)
 
     def _push(self, prepared: PreparedKeys, row_grads: Any) -> None:
+        """Pushes each table's slice of its group's row gradients."""
         engine = self.context.engine
-        for table, grads in zip(self.tables, row_grads, strict=True):
-            keys = prepared.tables[table]
-            engine.push(
-                table,
-                keys.uniques,
-                np.asarray(grads),
-                unique=True,
-                shard_offsets=keys.shard_offsets,
-            )
+        _, bases = self.layout.bases(prepared)
+        for (_, tables), grads in zip(self.layout.groups, row_grads, strict=True):
+            packed = np.asarray(grads)
+            for table in tables:
+                keys = prepared.tables[table]
+                base = bases[table]
+                engine.push(
+                    table,
+                    keys.uniques,
+                    packed[base : base + len(keys.uniques)],
+                    unique=True,
+                    shard_offsets=keys.shard_offsets,
+                )
 
     def _step(
         self,
         batch: CsrBatch,
         prepared: PreparedKeys,
         inputs: StepInputs,
-        rows: dict[str, np.ndarray],
+        rows: list[np.ndarray],
         fetch: Sequence[str],
         train: bool,
         hooks: Sequence[SessionRunHook],
@@ -274,11 +290,8 @@ class Session:
             asked.append(names)
             wanted += names
         start = time.perf_counter()
-        args = self.functions.feed(inputs, rows)
-        if train:
-            out = self.functions.train(*args, inputs.labels)
-        else:
-            out = self.functions.evaluate(*args, inputs.labels)
+        run = self.functions.train if train else self.functions.evaluate
+        out = run(inputs, rows)
         if self._output_names is None:
             self._output_names = set(out["outputs"])
             self._check_fetches(wanted, strict=True)
@@ -325,11 +338,9 @@ class Session:
             for n, item in enumerate(pipeline):
                 if steps is not None and n >= steps:
                     break
-                args = self.functions.feed(item.inputs, item.rows)
-                labels = item.inputs.labels if with_labels else None
-                if with_labels and labels is None:
+                if with_labels and item.inputs.labels is None:
                     raise ValueError("evaluate() needs labels: the reader has no label column")
-                yield item, self.functions.evaluate(*args, labels)
+                yield item, self.functions.evaluate(item.inputs, item.rows, labels=with_labels)
         finally:
             pipeline.close()
 
