@@ -15,7 +15,8 @@ the other in one ``[sum U, dim]`` input (each pulled straight into its
 slice), so the backward pass densifies one gradient per dimension, not one
 per table. A feature with at most one value per row and no weights (most
 ID features) skips pooling: all such features of a dimension are looked up
-by one gather of a ``[B, F]`` index matrix (-1 = no value: a zero vector).
+by one gather of a ``[B, F]`` index matrix; an empty row points at a zero
+row kept after each group's pulled rows.
 
 ``U`` is an input of the function, not a variable, and the tape watches it:
 TensorFlow differentiates with respect to the unique rows, so each row's
@@ -66,7 +67,8 @@ class Layout:
         raise KeyError(table)
 
     def bases(self, prepared: PreparedKeys) -> tuple[list[int], dict[str, int]]:
-        """Rows per group, and the first row of each table in its group."""
+        """Pulled rows per group, and the first row of each table in its group.
+        Each group's input has one more row, all zeros, after the pulled ones."""
         sizes, bases = [], {}
         for _, tables in self.groups:
             rows = 0
@@ -92,10 +94,10 @@ class StepInputs:
     """A batch turned into the step function's inputs (numpy, no TF yet)."""
 
     size: int
-    group_rows: list[int]  # packed rows per group
+    group_rows: list[int]  # pulled rows per group (the zero row follows them)
     table_base: dict[str, int]  # first row of each table in its group
     single: tuple[bool, ...]  # per sparse feature: looked up by the [B, F] gather
-    row_index: list[np.ndarray]  # per group: int32 [B, F_g], -1 = no value
+    row_index: list[np.ndarray]  # per group: int32 [B, F_g]; an empty row -> the zero row
     features: dict[str, FeatureInputs]  # the other sparse features
     dense: dict[str, np.ndarray]  # float32 [B, dim] per dense feature
     labels: np.ndarray | dict[str, np.ndarray] | None
@@ -123,7 +125,8 @@ def batch_inputs(
             and index.weights is None
             and (len(lengths) == 0 or lengths.max() <= 1)
         ):
-            rows = np.full(batch.size, -1, dtype=np.int32)
+            zero_row = group_rows[layout.group_of(f.table.name)]
+            rows = np.full(batch.size, zero_row, dtype=np.int32)
             rows[lengths == 1] = index.inverse + base
             row_index[layout.group_of(f.table.name)].append(rows)
             single.append(True)
@@ -274,7 +277,6 @@ class StepFunctions:
         layout: Layout,
         loss: LossFn | Mapping[str, LossFn],
         optimizer: Any,
-        multi_task: bool,
     ) -> None:
         self.tower = tower
         self.sparse = list(sparse)
@@ -282,7 +284,6 @@ class StepFunctions:
         self.layout = layout
         self.loss = loss
         self.optimizer = optimizer
-        self.multi_task = multi_task
         self._label_names: list[str] | None = None
         self._functions: dict[tuple, Any] = {}
 
@@ -348,9 +349,7 @@ class StepFunctions:
         for g, group_features in enumerate(by_group):
             if not group_features:
                 continue
-            index = row_index[g]  # [B, F], -1 = no value
-            looked_up = tf.gather(rows[g], tf.maximum(index, 0))  # [B, F, dim]
-            looked_up *= tf.cast(index >= 0, tf.float32)[:, :, None]
+            looked_up = tf.gather(rows[g], row_index[g])  # [B, F, dim]
             for f, column in zip(group_features, tf.unstack(looked_up, axis=1), strict=True):
                 embeddings[f.name] = column
         pooled = iter(features)
@@ -375,30 +374,35 @@ class StepFunctions:
         return result, outputs, embeddings
 
     def _loss_and_predictions(self, logits: Any, labels: Any) -> tuple[tf.Tensor | None, Any]:
-        """Loss (None without labels) and predictions of the logits."""
-        if self.multi_task:
-            if not isinstance(logits, dict):
+        """Loss (None without labels) and predictions of the logits. A dict of
+        logits is a multi-task model: it needs a dict of labels, one per task."""
+        if not isinstance(logits, dict):
+            if self._label_names is not None and labels is not None:
                 raise ValueError("the labels are a dict (multi-task): the tower must return a dict")
-            if labels is None:
-                return None, {k: self._task_loss(k).predictions(v) for k, v in logits.items()}
-            assert self._label_names is not None
-            label_map = dict(zip(self._label_names, labels, strict=True))
-            missing = sorted(set(label_map) - set(logits))
-            if missing:
-                raise ValueError(f"the tower returned no logits for label(s) {missing}")
-            total = tf.constant(0.0)
-            predictions = {}
-            for name in self._label_names:
-                loss = self._task_loss(name)
-                total += loss(label_map[name], logits[name])
-                predictions[name] = loss.predictions(logits[name])
-            return total, predictions
-        assert isinstance(self.loss, LossFn)
-        loss = None if labels is None else self.loss(labels, logits)
-        return loss, self.loss.predictions(logits)
+            loss = self._task_loss(None)
+            return (None if labels is None else loss(labels, logits)), loss.predictions(logits)
+        predictions = {k: self._task_loss(k).predictions(v) for k, v in logits.items()}
+        if labels is None:
+            return None, predictions
+        if self._label_names is None:
+            raise ValueError(
+                "the tower returns a dict of logits (multi-task): read a dict of labels"
+            )
+        label_map = dict(zip(self._label_names, labels, strict=True))
+        missing = sorted(set(label_map) - set(logits))
+        if missing:
+            raise ValueError(f"the tower returned no logits for label(s) {missing}")
+        total = tf.constant(0.0)
+        for name in self._label_names:
+            total += self._task_loss(name)(label_map[name], logits[name])
+        return total, predictions
 
-    def _task_loss(self, task: str) -> LossFn:
-        return self.loss[task] if isinstance(self.loss, Mapping) else self.loss
+    def _task_loss(self, task: str | None) -> LossFn:
+        if not isinstance(self.loss, Mapping):
+            return self.loss
+        if task is None or task not in self.loss:
+            raise ValueError(f"no loss for task {task!r}: the losses are for {sorted(self.loss)}")
+        return self.loss[task]
 
     # -- running -------------------------------------------------------------
 
@@ -447,7 +451,10 @@ class StepFunctions:
             loss, predictions = self._loss_and_predictions(logits, labels)
         variables = [v for v in tape.watched_variables() if v.trainable]  # rows are not variables
         grads = tape.gradient(loss, [*rows, *variables])
-        row_grads = tuple(tf.convert_to_tensor(g) for g in grads[: len(rows)])
+        row_grads = tuple(  # None: no feature of the group reaches the loss
+            tf.zeros_like(r) if g is None else tf.convert_to_tensor(g)
+            for r, g in zip(rows, grads[: len(rows)], strict=True)
+        )
         pairs = [
             (g, v) for g, v in zip(grads[len(rows) :], variables, strict=True) if g is not None
         ]

@@ -15,7 +15,7 @@ with the feature's ``offsets``; gradients are pushed against the same uniques::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -45,6 +45,7 @@ class PreparedKeys:
     tables: dict[str, TableKeys]
     features: dict[str, FeatureIndex]
     num_shards: int
+    feature_tables: dict[str, str] = field(default_factory=dict)  # the map they were prepared for
 
 
 class KeyPreparer:
@@ -85,4 +86,5 @@ class KeyPreparer:
             tables={t: TableKeys(u, o) for t, (u, o) in zip(self.tables, tables, strict=True)},
             features=features,
             num_shards=self.num_shards,
+            feature_tables=self.feature_tables,
         )

@@ -56,6 +56,9 @@ class Pipeline:
         depth: batches pulled ahead.
         staleness: 0 or 1 (see the module docstring).
         trace: where stage timings go.
+        first_step: the global step of the first batch (for the trace).
+
+    Batches read ahead of a stopped loop are dropped (as with tf.data).
     """
 
     def __init__(
@@ -67,8 +70,10 @@ class Pipeline:
         depth: int,
         staleness: int,
         trace: Any,
+        first_step: int = 0,
     ) -> None:
         self.batches = batches
+        self.first_step = first_step
         self.prepare = prepare
         self.pull = pull
         self.push_fn = push
@@ -79,7 +84,8 @@ class Pipeline:
         self.to_push: queue.Queue = queue.Queue()
         self.pushed = -1  # highest seq whose push is applied
         self.pushed_cv = threading.Condition()
-        self.error: BaseException | None = None
+        self.pull_error: BaseException | None = None  # raised after the batches before it
+        self.push_error: BaseException | None = None  # raised at the next push or close
         self.threads = [threading.Thread(target=self._pull_loop, name="wuliang-pull", daemon=True)]
         if push is not None:
             self.threads.append(
@@ -94,12 +100,12 @@ class Pipeline:
         while True:
             item = self._get()
             if item is _END:
-                self._raise_if_failed()
+                self._raise(pull=True)
                 return
             yield item
 
     def push(self, prepared: PreparedKeys, row_grads: Any, seq: int) -> None:
-        self._raise_if_failed()
+        self._raise(pull=False)
         self.to_push.put((prepared, row_grads, seq))
 
     def close(self) -> None:
@@ -115,18 +121,25 @@ class Pipeline:
             self.pushed_cv.notify_all()
         for t in self.threads:
             t.join()
-        self._raise_if_failed()
+        close = getattr(self.batches, "close", None)  # e.g. the reader's threads
+        if close is not None:
+            close()
+        self._raise(pull=False)
 
     def _get(self) -> Any:
         while True:
             try:
                 return self.ready.get(timeout=0.1)
             except queue.Empty:
-                self._raise_if_failed()
+                self._raise(pull=False)
 
-    def _raise_if_failed(self) -> None:
-        if self.error is not None:
-            error, self.error = self.error, None
+    def _raise(self, pull: bool) -> None:
+        """Re-raises a push error, and the pull error once its batches are used."""
+        if self.push_error is not None:
+            error, self.push_error = self.push_error, None
+            raise error
+        if pull and self.pull_error is not None:
+            error, self.pull_error = self.pull_error, None
             raise error
 
     # -- puller --------------------------------------------------------------
@@ -144,9 +157,9 @@ class Pipeline:
         """Waits until the push of step seq - 1 - staleness is applied."""
         target = seq - 1 - self.staleness
         with self.pushed_cv:
-            while self.pushed < target and not self.stop.is_set() and self.error is None:
+            while self.pushed < target and not self.stop.is_set() and self.push_error is None:
                 self.pushed_cv.wait(timeout=0.1)
-        return not self.stop.is_set() and self.error is None
+        return not self.stop.is_set() and self.push_error is None
 
     def _pull_loop(self) -> None:
         try:
@@ -157,16 +170,16 @@ class Pipeline:
                 read = time.perf_counter()
                 if batch is None:
                     break
-                self.trace.record("read", seq, start, read)
+                self.trace.record("read", self.first_step + seq, start, read)
                 prepared, inputs = self.prepare(batch)
                 prepared_at = time.perf_counter()
-                self.trace.record("prepare", seq, read, prepared_at)
+                self.trace.record("prepare", self.first_step + seq, read, prepared_at)
                 if self.push_fn is not None and not self._wait_for_push(seq):
                     return
                 waited = time.perf_counter()
                 rows = self.pull(prepared)
                 pulled = time.perf_counter()
-                self.trace.record("pull", seq, waited, pulled)
+                self.trace.record("pull", self.first_step + seq, waited, pulled)
                 timings = {
                     "read": read - start,
                     "prepare": prepared_at - read,
@@ -178,7 +191,7 @@ class Pipeline:
                 seq += 1
             self._put(_END)
         except BaseException as e:
-            self.error = e
+            self.pull_error = e
             self._put(_END)
 
     # -- pusher --------------------------------------------------------------
@@ -191,12 +204,12 @@ class Pipeline:
                 if item is _END:
                     return
                 prepared, row_grads, seq = item
-                with self.trace.span("push", seq):
+                with self.trace.span("push", self.first_step + seq):
                     self.push_fn(prepared, row_grads, seq)
                 with self.pushed_cv:
                     self.pushed = seq
                     self.pushed_cv.notify_all()
         except BaseException as e:
-            self.error = e
+            self.push_error = e
             with self.pushed_cv:
                 self.pushed_cv.notify_all()

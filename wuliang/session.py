@@ -84,7 +84,6 @@ class Session:
             self.layout,
             losses,
             self.optimizer,
-            multi_task=isinstance(loss, Mapping),
         )
         self.hooks = list(hooks)
         self.trace = Trace()
@@ -110,9 +109,13 @@ class Session:
         if not isinstance(feed, CsrBatch):
             raise TypeError(f"feed must be a CsrBatch, got {type(feed).__name__}")
         names = [fetch] if isinstance(fetch, str) else list(fetch)
-        self._check_fetches(names, strict=self._output_names is not None)
         self._begin(self.hooks)
         prepared, inputs = self._prepare(feed)
+        if self._output_names is None and any(n not in self.fetchable() for n in names):
+            # Learn the tower's output names without training, then check.
+            probe = self.functions.evaluate(inputs, self._pull(prepared, False), labels=False)
+            self._output_names = set(probe["outputs"])
+        self._check_fetches(names, strict=True)
         rows = self._pull(prepared, train)
         results, _ = self._step(feed, prepared, inputs, rows, names, train, self.hooks, None, {})
         return results[fetch] if isinstance(fetch, str) else results
@@ -127,6 +130,10 @@ class Session:
         self._begin(extra, force=True)
         ctx = self.context
         self._attach_preparer(reader)
+        if steps is not None and steps < 1:
+            for hook in extra:
+                hook.end(self)
+            return {"steps": 0, "samples": 0, "samples_per_s": 0.0}
         pipeline = Pipeline(
             iter(reader),
             self._prepare,
@@ -135,6 +142,7 @@ class Session:
             ctx.prefetch,
             ctx.staleness,
             self.trace,
+            first_step=self.global_step,
         )
         done = samples = 0
         start = time.perf_counter()
@@ -166,12 +174,12 @@ class Session:
         """Metrics over the reader: exact AUC, log loss, calibration, loss."""
         metrics = Metrics()
         for item, out in self._inference(reader, steps, with_labels=True):
-            labels, predictions = item.batch.labels, out["predictions"].numpy()
-            if isinstance(labels, dict):
+            labels = item.batch.labels
+            if isinstance(labels, dict) or isinstance(out["predictions"], dict):
                 raise ValueError(
                     "evaluate() handles one label; use predict() for multi-task models"
                 )
-            metrics.update(labels, predictions, float(out["loss"].numpy()))
+            metrics.update(labels, out["predictions"].numpy(), float(out["loss"].numpy()))
         return metrics.result()
 
     def predict(self, reader: Any, steps: int | None = None) -> Iterator[Any]:
@@ -220,10 +228,12 @@ class Session:
             self.preparer is not None
             and (
                 prepared.num_shards != self.context.num_shards
-                or any(f.name not in prepared.features for f in self.sparse)
-                or any(t not in prepared.tables for t in self.tables)
+                or any(
+                    prepared.feature_tables.get(name) != table
+                    for name, table in self.preparer.feature_tables.items()
+                )
             )
-        ):
+        ):  # not prepared, or prepared for another model
             prepared = self.preparer(batch) if self.preparer is not None else _NO_KEYS
         return prepared, batch_inputs(batch, prepared, self.sparse, self.dense, self.layout)
 
@@ -233,7 +243,8 @@ class Session:
         sizes, bases = self.layout.bases(prepared)
         rows = []
         for (dim, tables), size in zip(self.layout.groups, sizes, strict=True):
-            packed = np.empty((size, dim), dtype=np.float32)
+            packed = np.empty((size + 1, dim), dtype=np.float32)
+            packed[size] = 0.0  # the zero row of empty single-valued features
             for table in tables:
                 keys = prepared.tables[table]
                 base = bases[table]
@@ -313,6 +324,8 @@ class Session:
         return {n: fetched[n] for n in fetch}, context.stop_requested
 
     def _fetch(self, out: dict[str, Any], name: str) -> Any:
+        if name == "loss" and "loss" not in out:
+            raise KeyError("cannot fetch 'loss': the batch has no labels")
         if name in STANDARD_FETCHES:
             return _numpy(out[name])
         if name in out["embeddings"]:
@@ -333,6 +346,7 @@ class Session:
             self.context.prefetch,
             self.context.staleness,
             self.trace,
+            first_step=self.global_step,
         )
         try:
             for n, item in enumerate(pipeline):
@@ -353,4 +367,4 @@ def _numpy(value: Any) -> Any:
     return value.numpy() if hasattr(value, "numpy") else value
 
 
-_NO_KEYS = PreparedKeys(tables={}, features={}, num_shards=1)
+_NO_KEYS = PreparedKeys(tables={}, features={}, num_shards=1, feature_tables={})
