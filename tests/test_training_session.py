@@ -661,3 +661,21 @@ def test_estimator_hooks_run_with_every_train() -> None:
     # once, never ended, and StopAtStep(num_steps=2) counted from the first train().)
     assert calls.calls == ["begin", "end", "begin", "end"]
     assert first["steps"] == second["steps"] == 2
+
+
+def test_pipelined_staleness_zero_equals_step_by_step() -> None:
+    """The pipeline pulls early and refreshes the rows the previous step pushed;
+    the result is the same as pulling only after each push (Session.run)."""
+    data = batches(12, seed=5)
+    serial = session(context=wl.Context(num_shards=2, staleness=0))
+    serial_losses = [float(serial.run(b, "loss")) for b in data]
+    piped = session(context=wl.Context(num_shards=2, staleness=0, prefetch=3))
+    recorder = RecordLoss()
+    piped.train(iter(data), hooks=[recorder])
+    assert recorder.losses == serial_losses
+    piped_rows, serial_rows = rows(piped), rows(serial)
+    assert set(piped_rows) == set(serial_rows)
+    for key, row in serial_rows.items():
+        np.testing.assert_array_equal(piped_rows[key], row)
+    for a, b in zip(kernel(piped), kernel(serial), strict=True):
+        np.testing.assert_array_equal(a, b)

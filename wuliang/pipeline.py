@@ -7,11 +7,13 @@
                           └── ready queue, `prefetch` batches deep ──► main thread: the TF step
     pusher thread  ◄── row gradients of step i (queued by the main thread) ─► engine.push
 
-With staleness 0 the pull of step i starts once the push of step i - 1 is
-applied, so every step sees every earlier update (exact, deterministic); with
-staleness 1 it may start once step i - 2 is pushed, overlapping with step
-i - 1. An exception in either thread is re-raised in the main thread with its
-traceback; ``close()`` waits for the pending pushes and joins both threads.
+With staleness 0 every step sees every earlier update (exact, deterministic):
+the pull of step i runs early, once step i - 2 is pushed, overlapping step
+i - 1 (row creation included); once step i - 1 is pushed, only the rows of
+keys that step i - 1 also had are pulled again ("refresh"). With staleness 1
+the early pull is all: rows can be one update old. An exception in either
+thread is re-raised in the main thread with its traceback; ``close()`` waits
+for the pending pushes and joins both threads.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ class Pipeline:
         batches: the reader's iterator.
         prepare: batch -> (PreparedKeys, StepInputs), for batches the reader
             did not prepare.
-        pull: (PreparedKeys, seq) -> rows per table.
+        pull: PreparedKeys -> packed rows.
+        refresh: (next PreparedKeys, previous PreparedKeys, rows) -> None:
+            pulls again, into rows, the keys both batches have (staleness 0).
         push: (PreparedKeys, row gradients, seq) -> None; None for evaluation.
         depth: batches pulled ahead.
         staleness: 0 or 1 (see the module docstring).
@@ -67,6 +71,7 @@ class Pipeline:
         prepare: Callable[[CsrBatch], tuple[PreparedKeys, StepInputs]],
         pull: Callable[[PreparedKeys], list[np.ndarray]],
         push: Callable[[PreparedKeys, Any, int], None] | None,
+        refresh: Callable[[PreparedKeys, PreparedKeys, list[np.ndarray]], None] | None,
         depth: int,
         staleness: int,
         trace: Any,
@@ -77,6 +82,7 @@ class Pipeline:
         self.prepare = prepare
         self.pull = pull
         self.push_fn = push
+        self.refresh = refresh
         self.staleness = staleness
         self.trace = trace
         self.stop = threading.Event()
@@ -153,9 +159,8 @@ class Pipeline:
                 continue
         return False
 
-    def _wait_for_push(self, seq: int) -> bool:
-        """Waits until the push of step seq - 1 - staleness is applied."""
-        target = seq - 1 - self.staleness
+    def _wait_for_push(self, target: int) -> bool:
+        """Waits until the push of step `target` is applied."""
         with self.pushed_cv:
             while self.pushed < target and not self.stop.is_set() and self.push_error is None:
                 self.pushed_cv.wait(timeout=0.1)
@@ -164,6 +169,7 @@ class Pipeline:
     def _pull_loop(self) -> None:
         try:
             seq = 0
+            previous: PreparedKeys | None = None
             while not self.stop.is_set():
                 start = time.perf_counter()
                 batch = next(self.batches, None)
@@ -174,18 +180,33 @@ class Pipeline:
                 prepared, inputs = self.prepare(batch)
                 prepared_at = time.perf_counter()
                 self.trace.record("prepare", self.first_step + seq, read, prepared_at)
-                if self.push_fn is not None and not self._wait_for_push(seq):
+                step = self.first_step + seq
+                early = self.staleness == 1 or self.refresh is not None
+                if self.push_fn is not None and not self._wait_for_push(
+                    seq - 2 if early else seq - 1
+                ):
                     return
                 waited = time.perf_counter()
                 rows = self.pull(prepared)
                 pulled = time.perf_counter()
-                self.trace.record("pull", self.first_step + seq, waited, pulled)
+                self.trace.record("pull", step, waited, pulled)
                 timings = {
                     "read": read - start,
                     "prepare": prepared_at - read,
                     "wait_push": waited - prepared_at,
                     "pull": pulled - waited,
                 }
+                if self.push_fn is not None and self.staleness == 0 and self.refresh is not None:
+                    if not self._wait_for_push(seq - 1):
+                        return
+                    refresh_start = time.perf_counter()
+                    if previous is not None:
+                        self.refresh(prepared, previous, rows)
+                    refreshed = time.perf_counter()
+                    self.trace.record("refresh", step, refresh_start, refreshed)
+                    timings["wait_push"] += refresh_start - pulled
+                    timings["refresh"] = refreshed - refresh_start
+                previous = prepared
                 if not self._put(Pulled(seq, batch, prepared, inputs, rows, timings)):
                     return
                 seq += 1

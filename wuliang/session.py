@@ -30,6 +30,7 @@ from wuliang.embedding.features import Feature, split_features
 from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
 from wuliang.metrics import Metrics
 from wuliang.pipeline import Pipeline
+from wuliang.reader._reader import positions_in
 from wuliang.reader.batch import CsrBatch
 from wuliang.reader.prepare import KeyPreparer, PreparedKeys
 
@@ -139,6 +140,7 @@ class Session:
             self._prepare,
             lambda p: self._pull(p, True),
             self._push_async,
+            self._refresh,
             ctx.prefetch,
             ctx.staleness,
             self.trace,
@@ -258,6 +260,20 @@ class Session:
             rows.append(packed)
         return rows
 
+    def _refresh(
+        self, prepared: PreparedKeys, previous: PreparedKeys, rows: list[np.ndarray]
+    ) -> None:
+        """Pulls again the rows of the keys the previous step also had: the only
+        rows its push changed since the early pull (staleness 0)."""
+        engine = self.context.engine
+        _, bases = self.layout.bases(prepared)
+        for (_, tables), packed in zip(self.layout.groups, rows, strict=True):
+            for table in tables:
+                keys = prepared.tables[table].uniques
+                changed = positions_in(keys, previous.tables[table].uniques)
+                if len(changed):
+                    packed[bases[table] + changed] = engine.pull(table, keys[changed], train=False)
+
     def _push_async(self, prepared: PreparedKeys, row_grads: Any, seq: int) -> None:
         self._push(prepared, row_grads)
 
@@ -342,6 +358,7 @@ class Session:
             iter(reader),
             self._prepare,
             lambda p: self._pull(p, False),
+            None,
             None,
             self.context.prefetch,
             self.context.staleness,

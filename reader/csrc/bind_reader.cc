@@ -89,6 +89,19 @@ PYBIND11_MODULE(_reader, m) {
   m.doc() = "wuliang reader helpers (C++): key preparation, string hashing";
   m.def("prepare_keys", &Prepare, "features"_a, "num_tables"_a, "num_shards"_a,
         "features: [(table_index, values)], returns ([(uniques, shard_offsets)], [inverse])");
+  m.def(
+      "positions_in",
+      [](const py::array& a, const py::array& b) {
+        const uint64_t* pa = Keys(a, "a");
+        const uint64_t* pb = Keys(b, "b");
+        std::vector<int64_t> positions;
+        {
+          py::gil_scoped_release release;
+          PositionsIn(pa, a.shape(0), pb, b.shape(0), &positions);
+        }
+        return ToArray(std::move(positions));
+      },
+      "a"_a, "b"_a, "positions of a's keys that are also in b (ascending)");
   m.def("field_seed", [](const std::string& field) { return FieldSeed(field); }, "field"_a);
   m.def("hash_strings", &HashStringArray<int32_t>, "offsets"_a, "data"_a, "seed"_a);
   m.def("hash_strings", &HashStringArray<int64_t>, "offsets"_a, "data"_a, "seed"_a);

@@ -25,6 +25,14 @@ class DedupTable {
 
   void Prefetch(uint64_t hash) const { __builtin_prefetch(&slots_[hash & mask_]); }
 
+  bool Contains(uint64_t key, uint64_t hash) const {
+    for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
+      const Slot& s = slots_[i];
+      if (s.epoch != epoch_) return false;
+      if (s.key == key) return true;
+    }
+  }
+
   // Returns the id of key, assigning next_id when it is new.
   uint32_t Insert(uint64_t key, uint64_t hash, uint32_t next_id, bool* inserted) {
     for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
@@ -130,6 +138,18 @@ void PrepareKeys(FeatureKeys* features, size_t num_features, int num_tables, uin
       if (fk.table != t) continue;
       for (size_t i = 0; i < fk.n; ++i) fk.inverse[i] = local[fk.inverse[i]];
     }
+  }
+}
+
+void PositionsIn(const uint64_t* a, size_t na, const uint64_t* b, size_t nb,
+                 std::vector<int64_t>* positions) {
+  thread_local DedupTable set;
+  set.Reset(nb);
+  bool inserted;
+  for (size_t i = 0; i < nb; ++i) set.Insert(b[i], ps::Mix64(b[i]), 0, &inserted);
+  positions->clear();
+  for (size_t i = 0; i < na; ++i) {
+    if (set.Contains(a[i], ps::Mix64(a[i]))) positions->push_back(static_cast<int64_t>(i));
   }
 }
 

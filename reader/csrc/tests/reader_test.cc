@@ -83,12 +83,23 @@ void TestStringHash() {
   CHECK(a != b);
 }
 
+void TestPositionsIn() {
+  const uint64_t a[] = {5, 9, 2, 7, 9, 11};
+  const uint64_t b[] = {7, 9, 100};
+  std::vector<int64_t> positions;
+  PositionsIn(a, 6, b, 3, &positions);
+  CHECK((positions == std::vector<int64_t>{1, 3, 4}));
+  PositionsIn(a, 6, b, 0, &positions);
+  CHECK(positions.empty());
+}
+
 }  // namespace
 
 int main() {
   for (uint32_t shards : {1u, 2u, 3u, 8u}) TestPrepareRandom(shards, shards);
   TestPrepareConcurrent();
   TestStringHash();
+  TestPositionsIn();
   std::puts("reader_test: all passed");
   return 0;
 }

@@ -37,4 +37,10 @@ struct TableKeys {
 void PrepareKeys(FeatureKeys* features, size_t num_features, int num_tables, uint32_t num_shards,
                  std::vector<TableKeys>* tables);
 
+// Positions i of a whose key is also in b, ascending: which keys of the next
+// batch the previous batch's push changed (their rows are pulled again).
+void PositionsIn(const uint64_t* a, size_t na,  // (na,)
+                 const uint64_t* b, size_t nb,  // (nb,)
+                 std::vector<int64_t>* positions);
+
 }  // namespace wuliang::reader
