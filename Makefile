@@ -31,7 +31,7 @@ dev: $(BIN)/python
 	touch $(VENV)/.installed
 
 demo: install
-	$(BIN)/wuliang demo
+	$(BIN)/python examples/movielens.py
 
 test: install lint cpp-test py-test
 
