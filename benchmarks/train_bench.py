@@ -35,7 +35,8 @@ Adam run; its initial weights are the same (``keras.utils.set_random_seed``).
              ``Adam(1e-3)``, the default initializer: truncated normal, stddev
              1/4), a ``SparseFeature`` per C field and a ``DenseFeature`` per
              I field; the tower is a function that concatenates them in the
-             same order and calls the Keras MLP.
+             same order (``wuliang.embedding.concat``: the 26 lookups as one
+             reshape) and calls the Keras MLP.
 
 All three see the same batches in the same order: wuliang reads the Parquet
 files through its reader (its real pipeline, timed); the other two get the
@@ -309,6 +310,7 @@ def run_wuliang(
     tf: Any, kind: str, files: list[Path], data: Batches, args: argparse.Namespace
 ) -> Run:
     from wuliang import Context, DenseFeature, EmbeddingTable, Session, SparseFeature
+    from wuliang.embedding import concat
     from wuliang.hooks import SessionRunArgs, SessionRunHook, Timeline
     from wuliang.optimizers import Adagrad, Adam
 
@@ -321,7 +323,7 @@ def run_wuliang(
 
     def tower(embeddings: dict, dense: dict) -> Any:
         inputs = [embeddings[n] for n in SINGLE] + [dense[n] for n in DENSE]
-        return model(tf.concat(inputs, axis=1))
+        return model(concat(inputs))
 
     class Meter(SessionRunHook):
         """Every step's loss, end time and stage timings; the first batch's C1."""

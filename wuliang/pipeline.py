@@ -110,9 +110,9 @@ class Pipeline:
                 return
             yield item
 
-    def push(self, prepared: PreparedKeys, row_grads: Any, seq: int) -> None:
+    def push(self, prepared: PreparedKeys, grads: Any, seq: int) -> None:
         self._raise(pull=False)
-        self.to_push.put((prepared, row_grads, seq))
+        self.to_push.put((prepared, grads, seq))
 
     def close(self) -> None:
         """Applies the pending pushes, then stops and joins the threads."""
@@ -224,9 +224,9 @@ class Pipeline:
                 item = self.to_push.get()
                 if item is _END:
                     return
-                prepared, row_grads, seq = item
+                prepared, grads, seq = item
                 with self.trace.span("push", self.first_step + seq):
-                    self.push_fn(prepared, row_grads, seq)
+                    self.push_fn(prepared, grads, seq)
                 with self.pushed_cv:
                     self.pushed = seq
                     self.pushed_cv.notify_all()

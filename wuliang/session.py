@@ -25,7 +25,14 @@ from typing import Any
 import numpy as np
 
 from wuliang.context import Context, Trace
-from wuliang.embedding.bridge import Layout, LossFn, StepFunctions, StepInputs, batch_inputs
+from wuliang.embedding.bridge import (
+    Layout,
+    LossFn,
+    StepFunctions,
+    StepInputs,
+    batch_inputs,
+    embedding_of,
+)
 from wuliang.embedding.features import Feature, split_features
 from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
 from wuliang.metrics import Metrics
@@ -274,18 +281,17 @@ class Session:
                 if len(changed):
                     packed[bases[table] + changed] = engine.pull(table, keys[changed], train=False)
 
-    def _push_async(self, prepared: PreparedKeys, row_grads: Any, seq: int) -> None:
-        self._push(prepared, row_grads)
+    def _push_async(self, prepared: PreparedKeys, grads: Any, seq: int) -> None:
+        self._push(prepared, *grads)
 
-    def _push(self, prepared: PreparedKeys, row_grads: Any) -> None:
-        """Pushes each table's slice of its group's row gradients."""
+    def _push(self, prepared: PreparedKeys, inputs: StepInputs, gather_grads: Any) -> None:
+        """Sums the lookups' gradients per row, then pushes each table's slice."""
         engine = self.context.engine
-        _, bases = self.layout.bases(prepared)
-        for (_, tables), grads in zip(self.layout.groups, row_grads, strict=True):
-            packed = np.asarray(grads)
+        row_grads = self.functions.row_gradients(inputs, gather_grads)
+        for (_, tables), packed in zip(self.layout.groups, row_grads, strict=True):
             for table in tables:
                 keys = prepared.tables[table]
-                base = bases[table]
+                base = inputs.table_base[table]
                 engine.push(
                     table,
                     keys.uniques,
@@ -325,27 +331,28 @@ class Session:
         computed = time.perf_counter()
         self.trace.record("compute", step, start, computed)
         if train:
-            grads = out["row_grads"]
+            grads = out["gather_grads"]
             if push is None:
                 with self.trace.span("push", step):
-                    self._push(prepared, grads)
+                    self._push(prepared, inputs, grads)
             else:
-                push(grads)
+                push((inputs, grads))
             self.context.advance()
         timings = {**timings, "compute": computed - start}
-        fetched = {name: self._fetch(out, name) for name in dict.fromkeys(wanted)}
+        fetched = {name: self._fetch(out, name, inputs) for name in dict.fromkeys(wanted)}
         for hook, names in zip(hooks, asked, strict=True):
             values = SessionRunValues({n: fetched[n] for n in names}, timings)
             hook.after_run(context, values)
         return {n: fetched[n] for n in fetch}, context.stop_requested
 
-    def _fetch(self, out: dict[str, Any], name: str) -> Any:
+    def _fetch(self, out: dict[str, Any], name: str, inputs: StepInputs) -> Any:
         if name == "loss" and "loss" not in out:
             raise KeyError("cannot fetch 'loss': the batch has no labels")
         if name in STANDARD_FETCHES:
             return _numpy(out[name])
-        if name in out["embeddings"]:
-            return _numpy(out["embeddings"][name])
+        embedding = embedding_of(out, name, inputs, self.layout, self.sparse)
+        if embedding is not None:
+            return _numpy(embedding)
         if name in out["outputs"]:
             return _numpy(out["outputs"][name])
         raise KeyError(f"cannot fetch {name!r}; valid names: {', '.join(self.fetchable())}")

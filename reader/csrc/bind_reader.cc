@@ -102,6 +102,29 @@ PYBIND11_MODULE(_reader, m) {
         return ToArray(std::move(positions));
       },
       "a"_a, "b"_a, "positions of a's keys that are also in b (ascending)");
+  m.def(
+      "scatter_add_rows",
+      [](py::array out,
+         const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& index,
+         const py::array_t<float, py::array::c_style | py::array::forcecast>& values) {
+        if (!py::isinstance<py::array_t<float>>(out) || out.ndim() != 2 ||
+            !(out.flags() & py::array::c_style) || !out.writeable()) {
+          throw py::type_error("out must be a writable C-contiguous float32 [rows, dim] array");
+        }
+        const size_t dim = out.shape(1);
+        const size_t n = index.ndim() == 1 ? index.shape(0) : 0;
+        if (index.ndim() != 1 || values.ndim() != 2 || static_cast<size_t>(values.shape(0)) != n ||
+            static_cast<size_t>(values.shape(1)) != dim) {
+          throw py::value_error("index must be [n] and values [n, " + std::to_string(dim) +
+                                "] (out's dim)");
+        }
+        float* dst = static_cast<float*>(out.mutable_data());
+        const size_t rows = out.shape(0);
+        py::gil_scoped_release release;
+        ScatterAddRows(dst, rows, dim, index.data(), n, values.data());
+      },
+      "out"_a, "index"_a, "values"_a,
+      "out[index[i]] += values[i]: per-row sums of looked-up values' gradients");
   m.def("field_seed", [](const std::string& field) { return FieldSeed(field); }, "field"_a);
   m.def("hash_strings", &HashStringArray<int32_t>, "offsets"_a, "data"_a, "seed"_a);
   m.def("hash_strings", &HashStringArray<int64_t>, "offsets"_a, "data"_a, "seed"_a);

@@ -153,4 +153,20 @@ void PositionsIn(const uint64_t* a, size_t na, const uint64_t* b, size_t nb,
   }
 }
 
+void ScatterAddRows(float* out, size_t out_rows, size_t dim, const int32_t* index, size_t n,
+                    const float* values) {
+  for (size_t i = 0; i < n; ++i) {
+    if (index[i] < 0 || static_cast<size_t>(index[i]) >= out_rows) {
+      throw std::out_of_range("index " + std::to_string(index[i]) + " at position " +
+                              std::to_string(i) + " is outside the " + std::to_string(out_rows) +
+                              " rows");
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    float* __restrict dst = out + static_cast<size_t>(index[i]) * dim;
+    const float* __restrict src = values + i * dim;
+    for (size_t j = 0; j < dim; ++j) dst[j] += src[j];
+  }
+}
+
 }  // namespace wuliang::reader

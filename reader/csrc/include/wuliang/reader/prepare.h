@@ -43,4 +43,12 @@ void PositionsIn(const uint64_t* a, size_t na,  // (na,)
                  const uint64_t* b, size_t nb,  // (nb,)
                  std::vector<int64_t>* positions);
 
+// out[index[i]] += values[i] for i < n, rows of dim floats: the gradient of
+// each unique row, summed over the values looked up from it (the inverse of
+// a gather). Sequential, so the sums are deterministic. Throws
+// std::out_of_range naming the first index outside [0, out_rows).
+void ScatterAddRows(float* out, size_t out_rows, size_t dim,  // (out_rows, dim)
+                    const int32_t* index, size_t n,           // (n,)
+                    const float* values);                     // (n, dim)
+
 }  // namespace wuliang::reader
