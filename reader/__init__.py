@@ -5,7 +5,7 @@ Import as ``wuliang.reader``. See ``docs/reader.md``.
 
 from wuliang.reader.batch import Csr, CsrBatch
 from wuliang.reader.hashing import field_seed, hash_ints, hash_strings
-from wuliang.reader.parquet import ParquetReader, ReaderStats, resolve_paths
+from wuliang.reader.parquet import ParquetReader, ReaderPosition, ReaderStats, resolve_paths
 from wuliang.reader.prepare import FeatureIndex, KeyPreparer, PreparedKeys, TableKeys
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "KeyPreparer",
     "ParquetReader",
     "PreparedKeys",
+    "ReaderPosition",
     "ReaderStats",
     "TableKeys",
     "field_seed",

@@ -94,6 +94,7 @@ class CsrBatch:
     size: int
     dense_columns: dict[str, slice] = field(default_factory=dict)  # feature -> columns
     prepared: Any = None  # PreparedKeys, when the reader prepares keys
+    position: Any = None  # ReaderPosition after this batch, when read by a ParquetReader
 
     def dense_feature(self, name: str) -> np.ndarray:
         """The columns of one dense feature, float32 [B, d]."""

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -70,6 +71,35 @@ class ReaderStats:
     skipped_files: int = 0
     rows: int = 0
     batches: int = 0
+
+
+@dataclass(frozen=True)
+class ReaderPosition:
+    """Where a reader stands after a batch (``batch.position``); a reader built
+    with the same arguments and ``start=position`` yields exactly the batches
+    that followed it.
+
+    Without shuffling the reader seeks: it skips the first ``unit`` files of
+    the file sequence (over all epochs) and the first ``row`` rows of the
+    next one, ``file``. With shuffling the shuffle buffer's content is part
+    of the state, so the reader replays: it reads and drops the first
+    ``batches`` batches (same seed, same files: the same batches).
+    """
+
+    batches: int  # batches yielded from the beginning
+    unit: int  # files of the sequence (all epochs) before `file`
+    file: str  # the file the next row comes from ("" at the end)
+    row: int  # rows of `file` already yielded
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"batches": self.batches, "unit": self.unit, "file": self.file, "row": self.row}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> ReaderPosition:
+        try:
+            return ReaderPosition(int(d["batches"]), int(d["unit"]), str(d["file"]), int(d["row"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a reader position: {d!r} ({e})") from None
 
 
 def resolve_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
@@ -124,6 +154,9 @@ class ParquetReader:
         prepare: a ``KeyPreparer``; each batch then carries ``prepared`` keys,
             computed in the background.
         validate: check every batch (``CsrBatch.validate``).
+        start: a ``ReaderPosition`` (or its dict) to resume from: iteration
+            begins with the batch that followed it (see ``ReaderPosition``).
+            Each batch's ``position`` says where the reader is after it.
     """
 
     def __init__(
@@ -146,6 +179,7 @@ class ParquetReader:
         weights: Mapping[str, str] | None = None,
         prepare: KeyPreparer | None = None,
         validate: bool = True,
+        start: ReaderPosition | Mapping[str, Any] | None = None,
     ) -> None:
         _require(isinstance(batch_size, int) and batch_size >= 1, "batch_size must be >= 1")
         _require(
@@ -185,9 +219,29 @@ class ParquetReader:
         self.null_values = null_values
         self.prepare = prepare
         self.validate = validate
+        self.start = start
         self.stats = ReaderStats()  # since construction, over all iterations
         self._runs: set[_Run] = set()
         self._finalizer = weakref.finalize(self, _close_runs, self._runs)
+
+    @property
+    def start(self) -> ReaderPosition | None:
+        return self._start
+
+    @start.setter
+    def start(self, position: ReaderPosition | Mapping[str, Any] | None) -> None:
+        """Where the next iteration begins (checked against the files)."""
+        if position is not None and not isinstance(position, ReaderPosition):
+            position = ReaderPosition.from_dict(position)
+        if position is not None and self.shuffle_buffer == 0 and position.file:
+            expected = self.files[position.unit % len(self.files)] if position.unit >= 0 else ""
+            if expected != position.file:
+                raise ValueError(
+                    f"reader position is in file #{position.unit} {position.file!r}, "
+                    f"but this reader's file #{position.unit} is {expected!r}: "
+                    "resume with the files of the run that wrote the position"
+                )
+        self._start = position
 
     def __iter__(self) -> Iterator[CsrBatch]:
         """A new pass over the data, on its own threads (iterations are independent)."""
@@ -314,10 +368,12 @@ class _Run:
         k = self.cfg.num_threads
         q = self.unit_queues[thread]
         try:
+            skip_units = self.cfg.skip_units
             for u, path in enumerate(self._units()):
-                if u % k != thread:
+                if u % k != thread or u < skip_units:
                     continue
-                for chunk in self._read_file(path):
+                skip = self.cfg.skip_rows if u == skip_units else 0
+                for chunk in self._read_file(path, skip):
                     if not self._put(q, chunk):
                         return
                 if not self._put(q, _END):
@@ -325,7 +381,8 @@ class _Run:
         except BaseException as e:
             self._put(q, _Failure(e))
 
-    def _read_file(self, path: str) -> Iterator[Chunk]:
+    def _read_file(self, path: str, skip_rows: int = 0) -> Iterator[Chunk]:
+        """The file's rows from row skip_rows on, chunk by chunk."""
         cfg = self.cfg
         try:
             pf = pq.ParquetFile(path, memory_map=True)
@@ -333,9 +390,14 @@ class _Run:
             yield from self._bad_file(path, e)
             return
         cfg.schema.check(pf.schema_arrow, path)
-        first_row = 0
+        groups = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
+        first_group = first_row = 0
+        while first_group < len(groups) and first_row + groups[first_group] <= skip_rows:
+            first_row += groups[first_group]  # whole row groups before the start: not read
+            first_group += 1
         batches = pf.iter_batches(
             batch_size=max(_CHUNK_ROWS, cfg.batch_size),
+            row_groups=range(first_group, len(groups)),
             columns=cfg.schema.column_names,
             use_threads=False,
         )
@@ -347,6 +409,11 @@ class _Run:
             except (OSError, pa.ArrowException) as e:
                 yield from self._bad_file(path, e)
                 return
+            if first_row < skip_rows:  # the part of the first row group before the start
+                cut = min(skip_rows - first_row, rb.num_rows)
+                rb, first_row = rb.slice(cut), first_row + cut
+                if rb.num_rows == 0:
+                    continue
             yield chunk_from_record_batch(rb, cfg.schema, cfg.null_values, path, first_row)
             first_row += rb.num_rows
         with self.cfg.lock:
@@ -360,9 +427,11 @@ class _Run:
         return iter(())
 
     def _chunks(self) -> Iterator[Chunk]:
-        """Chunks of every unit, in unit order."""
+        """Chunks of every unit, in unit order; ``chunk.unit`` set."""
         k = self.cfg.num_threads
         for u, _ in enumerate(self._units()):
+            if u < self.cfg.skip_units:
+                continue
             q = self.unit_queues[u % k]
             while True:
                 item = self._get(q)
@@ -370,6 +439,7 @@ class _Run:
                     break
                 if isinstance(item, _Failure):
                     raise item.error
+                item.unit = u  # type: ignore[union-attr]
                 yield item  # type: ignore[misc]
             if self.stop.is_set():
                 return
@@ -378,9 +448,14 @@ class _Run:
         cfg = self.cfg
         try:
             batcher = _ShuffleBatcher(cfg) if cfg.shuffle_buffer > 0 else _Batcher(cfg)
-            for chunk in batcher.batches(self._chunks()):
+            count = cfg.first_batch - cfg.replay  # batches before the first one read
+            for chunk, (unit, source, row) in batcher.batches(self._chunks()):
+                count += 1
+                if count <= cfg.first_batch:  # replaying up to a shuffled reader's start
+                    continue
                 batch = chunk.to_batch(cfg.single_label)
                 batch.dense_columns = cfg.schema.dense_columns
+                batch.position = ReaderPosition(count, unit, source, row)
                 with cfg.lock:
                     self.stats.rows += batch.size
                     self.stats.batches += 1
@@ -419,7 +494,17 @@ class _Config:
         self.single_label = r.single_label
         self.prepare = r.prepare
         self.validate = r.validate
+        self.start = r.start
+        # seeking (no shuffle): skip `skip_units` files and `skip_rows` rows of the next
+        seek = r.start is not None and r.shuffle_buffer == 0
+        self.skip_units = r.start.unit if seek and r.start else 0
+        self.skip_rows = r.start.row if seek and r.start else 0
+        self.replay = r.start.batches if r.start is not None and not seek else 0
+        self.first_batch = r.start.batches if r.start is not None else 0
         self.lock = threading.Lock()
+
+
+_End = tuple[int, str, int]  # (unit, file, row) just past a batch's rows
 
 
 class _Batcher:
@@ -429,10 +514,12 @@ class _Batcher:
         self.size = cfg.batch_size
         self.drop_remainder = cfg.drop_remainder
 
-    def batches(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+    def batches(self, chunks: Iterator[Chunk]) -> Iterator[tuple[Chunk, _End]]:
+        """Batches, each with the (unit, file, row) just past its last row."""
         pending: list[Chunk] = []
         have = 0
         for chunk in chunks:
+            unit = getattr(chunk, "unit", -1)
             start = 0
             if pending:  # complete the batch begun by earlier chunks
                 take = min(self.size - have, chunk.size)
@@ -440,16 +527,19 @@ class _Batcher:
                 have += take
                 start = take
                 if have == self.size:
-                    yield concat_chunks(pending)
+                    yield concat_chunks(pending), (unit, chunk.source, chunk.first_row + take)
                     pending, have = [], 0
             while chunk.size - start >= self.size:
-                yield slice_chunk(chunk, start, start + self.size)
+                end = (unit, chunk.source, chunk.first_row + start + self.size)
+                yield slice_chunk(chunk, start, start + self.size), end
                 start += self.size
             if start < chunk.size:
                 pending.append(slice_chunk(chunk, start, chunk.size))
                 have += chunk.size - start
+            if pending:  # the batch so far ends with this chunk
+                last = (unit, chunk.source, chunk.first_row + chunk.size)
         if pending and not self.drop_remainder:
-            yield concat_chunks(pending)
+            yield concat_chunks(pending), last
 
 
 class _ShuffleBatcher:
@@ -466,20 +556,23 @@ class _ShuffleBatcher:
         self.drop_remainder = cfg.drop_remainder
         self.rng = np.random.default_rng(cfg.seed)
 
-    def batches(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+    def batches(self, chunks: Iterator[Chunk]) -> Iterator[tuple[Chunk, _End]]:
+        """Batches, each with the input's (unit, file, row) when it was drawn."""
         store: dict[int, Chunk] = {}
+        read: _End = (-1, "", 0)
         refs_chunk = np.zeros(0, dtype=np.int64)
         refs_row = np.zeros(0, dtype=np.int64)
         for chunk_id, chunk in enumerate(chunks):
             store[chunk_id] = chunk
+            read = (getattr(chunk, "unit", -1), chunk.source, chunk.first_row + chunk.size)
             refs_chunk = np.concatenate([refs_chunk, np.full(chunk.size, chunk_id)])
             refs_row = np.concatenate([refs_row, np.arange(chunk.size)])
             while len(refs_row) >= self.capacity + self.size:
                 refs_chunk, refs_row, batch = self._draw(store, refs_chunk, refs_row)
-                yield batch
+                yield batch, read
         while len(refs_row) >= self.size or (len(refs_row) and not self.drop_remainder):
             refs_chunk, refs_row, batch = self._draw(store, refs_chunk, refs_row)
-            yield batch
+            yield batch, read
 
     def _draw(
         self, store: dict[int, Chunk], refs_chunk: np.ndarray, refs_row: np.ndarray
