@@ -427,6 +427,26 @@ class StepFunctions:
 
     # -- running -------------------------------------------------------------
 
+    def trace(self, inputs: StepInputs, rows: Sequence[np.ndarray], train: bool) -> None:
+        """Traces the step for these inputs without running it (its variables,
+        the optimizer's included, exist afterwards)."""
+        if train:
+            fn = self._function("train", inputs.single, inputs.labels)
+            fn.get_concrete_function(*self._feed(inputs, rows), self._labels_in(inputs.labels))
+        else:
+            fn = self._function("eval", inputs.single, None)
+            fn.get_concrete_function(*self._feed(inputs, rows))
+
+    def variables(self) -> list[tf.Variable]:
+        """The variables the traced steps capture (tower and optimizer), in a
+        stable order: the training step's capture order (a function of the
+        code), then any others the evaluation step has."""
+        seen: dict[int, tf.Variable] = {}
+        for key in sorted(self._functions, key=lambda k: (k[0] != "train", repr(k))):
+            for v in self._functions[key].get_concrete_function().variables:
+                seen.setdefault(id(v), v)
+        return list(seen.values())
+
     def gather_indices(self, inputs: StepInputs) -> list[tuple[int, np.ndarray]]:
         """(group, flat row index) of each lookup ``_forward`` makes, in order."""
         found = [

@@ -4,6 +4,7 @@ Import as ``wuliang.hooks``.
 """
 
 from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
+from wuliang.hooks.checkpoint import Checkpoint
 from wuliang.hooks.standard import (
     Eval,
     Logging,
@@ -17,6 +18,7 @@ from wuliang.hooks.standard import (
 RunArgs = SessionRunArgs  # the short name
 
 __all__ = [
+    "Checkpoint",
     "Eval",
     "Logging",
     "NanGuard",

@@ -6,6 +6,7 @@ A hook sees every step of a ``Session``::
     after_create_session(session)         the session exists
     before_run(run_context) -> SessionRunArgs | None   fetch more names this step
     after_run(run_context, run_values)    run_values.results: the fetched values by name
+    sync_after(step) -> bool              ahead of a step: want the engine in sync after it
     end(session)                          after the last step
 
 ``run_context.request_stop()`` ends the training loop after the current step.
@@ -35,6 +36,7 @@ class SessionRunContext:
     batch: Any  # the CsrBatch
     train: bool
     stop_requested: bool = False
+    synced: bool = False  # every push of this step applied and nothing pulled ahead
 
     def request_stop(self) -> None:
         self.stop_requested = True
@@ -62,6 +64,13 @@ class SessionRunHook:
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
         pass
+
+    def sync_after(self, step: int) -> bool:
+        """Asked ahead of step ``step`` (from the pipeline's thread): True makes
+        the session wait, after that step, until its push is applied, and pull
+        nothing of later steps until every ``after_run`` of it returned, which
+        then sees ``run_context.synced`` (to checkpoint or export the engine)."""
+        return False
 
     def end(self, session: Any) -> None:
         pass

@@ -163,6 +163,12 @@ class Engine:
         """Starts a new version and returns it; rows changed later carry it."""
         return self.native.advance_version()
 
+    def restore_version(self, version: int) -> None:
+        """Raises the version to at least ``version`` (after restoring rows)."""
+        if not isinstance(version, int | np.integer) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        self.native.restore_version(int(version))
+
     # -- tables --------------------------------------------------------------
 
     def create_table(self, spec: TableSpec) -> None:

@@ -44,6 +44,7 @@ class Pulled:
     inputs: StepInputs
     rows: list[np.ndarray]  # packed rows per group of tables
     timings: dict[str, float]
+    sync: bool = False  # after this step: wait for its push; release() before the next pull
 
 
 class Pipeline:
@@ -61,6 +62,11 @@ class Pipeline:
         staleness: 0 or 1 (see the module docstring).
         trace: where stage timings go.
         first_step: the global step of the first batch (for the trace).
+        sync_after: global step -> bool, asked before a batch is handed over:
+            True marks it ``sync``: the main thread then calls ``wait_pushed``
+            and ``release`` around that step's hooks, and no later batch is
+            pulled until ``release`` (checkpoints see the engine exactly as
+            the step left it).
 
     Batches read ahead of a stopped loop are dropped (as with tf.data).
     """
@@ -76,8 +82,12 @@ class Pipeline:
         staleness: int,
         trace: Any,
         first_step: int = 0,
+        sync_after: Callable[[int], bool] | None = None,
     ) -> None:
         self.batches = batches
+        self.sync_after = sync_after
+        self.released = -1  # highest sync seq released by the main thread
+        self._sync_seq: int | None = None
         self.first_step = first_step
         self.prepare = prepare
         self.pull = pull
@@ -113,6 +123,17 @@ class Pipeline:
     def push(self, prepared: PreparedKeys, grads: Any, seq: int) -> None:
         self._raise(pull=False)
         self.to_push.put((prepared, grads, seq))
+
+    def wait_pushed(self, seq: int) -> None:
+        """Waits until the push of batch ``seq`` is applied (raising its error)."""
+        self._wait_for_push(seq)
+        self._raise(pull=False)
+
+    def release(self, seq: int) -> None:
+        """Lets the puller go on past the sync batch ``seq``."""
+        with self.pushed_cv:
+            self.released = max(self.released, seq)
+            self.pushed_cv.notify_all()
 
     def close(self) -> None:
         """Applies the pending pushes, then stops and joins the threads."""
@@ -166,6 +187,12 @@ class Pipeline:
                 self.pushed_cv.wait(timeout=0.1)
         return not self.stop.is_set() and self.push_error is None
 
+    def _wait_released(self, seq: int) -> bool:
+        with self.pushed_cv:
+            while self.released < seq and not self.stop.is_set() and self.push_error is None:
+                self.pushed_cv.wait(timeout=0.1)
+        return not self.stop.is_set() and self.push_error is None
+
     def _pull_loop(self) -> None:
         try:
             seq = 0
@@ -181,6 +208,10 @@ class Pipeline:
                 prepared_at = time.perf_counter()
                 self.trace.record("prepare", self.first_step + seq, read, prepared_at)
                 step = self.first_step + seq
+                if self._sync_seq is not None:  # the previous step is a sync step
+                    if not self._wait_released(self._sync_seq):
+                        return
+                    self._sync_seq = None
                 early = self.staleness == 1 or self.refresh is not None
                 if self.push_fn is not None and not self._wait_for_push(
                     seq - 2 if early else seq - 1
@@ -207,7 +238,10 @@ class Pipeline:
                     timings["wait_push"] += refresh_start - pulled
                     timings["refresh"] = refreshed - refresh_start
                 previous = prepared
-                if not self._put(Pulled(seq, batch, prepared, inputs, rows, timings)):
+                sync = self.sync_after is not None and self.sync_after(step)
+                if sync:
+                    self._sync_seq = seq
+                if not self._put(Pulled(seq, batch, prepared, inputs, rows, timings, sync)):
                     return
                 seq += 1
             self._put(_END)

@@ -18,8 +18,10 @@ step (``wuliang.hooks``).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -97,6 +99,8 @@ class Session:
         self.trace = Trace()
         self._output_names: set[str] | None = None
         self._hooks_begun = False
+        self._dense_restore: str | None = None  # checkpoint prefix, restored at the next step
+        self._resume_position: dict[str, Any] | None = None  # for the next train()
 
     # -- public ----------------------------------------------------------------
 
@@ -108,6 +112,35 @@ class Session:
         """Every name ``run`` can fetch (tower outputs once a step has run)."""
         names = [*STANDARD_FETCHES, *(f.name for f in self.sparse)]
         return names + sorted(self._output_names or ())
+
+    def save_checkpoint(
+        self, model_dir: str | os.PathLike, position: Any = None, keep: int | None = 5
+    ) -> Path:
+        """Writes ``model_dir/ckpt-<global step>`` (``wuliang.checkpoint``).
+        Between ``run`` calls or from a hook's ``after_run`` when
+        ``run_context.synced``; ``position``: the reader position to resume at."""
+        from wuliang import checkpoint
+
+        return checkpoint.save(self, model_dir, position, keep)
+
+    def restore_checkpoint(self, path: str | os.PathLike) -> None:
+        """Restores a checkpoint (a ``ckpt-<step>`` folder, or the newest in a
+        model_dir). The next ``train`` resumes its reader where the checkpoint's
+        left off (when it is a ``ParquetReader`` over the same files)."""
+        from wuliang import checkpoint
+
+        target = Path(path)
+        if not (target / "manifest.json").is_file():
+            latest = checkpoint.latest_checkpoint(target)
+            if latest is None:
+                raise FileNotFoundError(f"no checkpoint in {target}")
+            target = latest
+        self._resume_position = checkpoint.restore(self, target)
+
+    def schedule_dense_restore(self, prefix: str) -> None:
+        """Restores the tower and its optimizer from a TF checkpoint prefix
+        at the next step, once traced (so that every variable exists)."""
+        self._dense_restore = prefix
 
     def run(
         self, feed: CsrBatch, fetch: str | Sequence[str] = ("loss",), train: bool = True
@@ -125,7 +158,9 @@ class Session:
             self._output_names = set(probe["outputs"])
         self._check_fetches(names, strict=True)
         rows = self._pull(prepared, train)
-        results, _ = self._step(feed, prepared, inputs, rows, names, train, self.hooks, None, {})
+        results, _ = self._step(
+            feed, prepared, inputs, rows, names, train, self.hooks, None, {}, synced=True
+        )
         return results[fetch] if isinstance(fetch, str) else results
 
     def train(
@@ -142,8 +177,19 @@ class Session:
             for hook in extra:
                 hook.end(self)
             return {"steps": 0, "samples": 0, "samples_per_s": 0.0}
+        if self._resume_position is not None and hasattr(reader, "start"):
+            reader.start = self._resume_position  # continue where the checkpoint left off
+        self._resume_position = None
+        batches = iter(reader)
+        if steps is not None:  # nothing read (or pulled) past the last step
+            batches = _limit(batches, steps)
+
+        def sync_after(step: int) -> bool:
+            wanted = [hook.sync_after(step) for hook in hooks]  # ask every hook
+            return any(wanted)
+
         pipeline = Pipeline(
-            iter(reader),
+            batches,
             self._prepare,
             lambda p: self._pull(p, True),
             self._push_async,
@@ -152,6 +198,7 @@ class Session:
             ctx.staleness,
             self.trace,
             first_step=self.global_step,
+            sync_after=sync_after,
         )
         done = samples = 0
         start = time.perf_counter()
@@ -167,7 +214,10 @@ class Session:
                     hooks,
                     lambda grads, p=item.prepared, s=item.seq: pipeline.push(p, grads, s),
                     item.timings,
+                    synced=(lambda s=item.seq: pipeline.wait_pushed(s)) if item.sync else False,
                 )
+                if item.sync:
+                    pipeline.release(item.seq)
                 done += 1
                 samples += item.batch.size
                 if stop or (steps is not None and done >= steps):
@@ -311,8 +361,11 @@ class Session:
         hooks: Sequence[SessionRunHook],
         push: Callable[[Any], None] | None,
         timings: dict[str, float],
+        synced: bool | Callable[[], None] = False,
     ) -> tuple[dict[str, Any], bool]:
-        """The TF step with hooks around it; returns (fetched, stop requested)."""
+        """The TF step with hooks around it; returns (fetched, stop requested).
+        ``synced``: True, or a function that waits until the step's push is
+        applied (called before ``after_run``); hooks then see it synced."""
         step = self.global_step
         context = SessionRunContext(self, step, batch, train)
         wanted = list(fetch)
@@ -323,6 +376,7 @@ class Session:
             asked.append(names)
             wanted += names
         start = time.perf_counter()
+        self._restore_dense(inputs, rows, train)
         run = self.functions.train if train else self.functions.evaluate
         out = run(inputs, rows)
         if self._output_names is None:
@@ -339,11 +393,28 @@ class Session:
                 push((inputs, grads))
             self.context.advance()
         timings = {**timings, "compute": computed - start}
+        if callable(synced):
+            synced()
+        context.synced = bool(synced)
         fetched = {name: self._fetch(out, name, inputs) for name in dict.fromkeys(wanted)}
         for hook, names in zip(hooks, asked, strict=True):
             values = SessionRunValues({n: fetched[n] for n in names}, timings)
             hook.after_run(context, values)
         return {n: fetched[n] for n in fetch}, context.stop_requested
+
+    def _restore_dense(self, inputs: StepInputs, rows: list[np.ndarray], train: bool) -> None:
+        """A scheduled dense restore: trace (variables exist), then read. A
+        training step clears it; an evaluation keeps it for the first training
+        step (the optimizer's variables exist only once that is traced)."""
+        if self._dense_restore is None or (train and inputs.labels is None):
+            return
+        from wuliang.checkpoint import dense_checkpoint
+
+        self.functions.trace(inputs, rows, train)
+        status = dense_checkpoint(self).read(self._dense_restore)
+        status.assert_existing_objects_matched()
+        if train:
+            self._dense_restore = None
 
     def _fetch(self, out: dict[str, Any], name: str, inputs: StepInputs) -> Any:
         if name == "loss" and "loss" not in out:
@@ -378,9 +449,24 @@ class Session:
                     break
                 if with_labels and item.inputs.labels is None:
                     raise ValueError("evaluate() needs labels: the reader has no label column")
+                self._restore_dense(item.inputs, item.rows, train=False)
                 yield item, self.functions.evaluate(item.inputs, item.rows, labels=with_labels)
         finally:
             pipeline.close()
+
+
+def _limit(batches: Iterator[Any], n: int) -> Iterator[Any]:
+    """The first n batches; closing it closes the reader's iterator."""
+    try:
+        for _ in range(n):
+            batch = next(batches, None)
+            if batch is None:
+                return
+            yield batch
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
 
 
 def _numpy(value: Any) -> Any:

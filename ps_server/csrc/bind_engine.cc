@@ -294,7 +294,8 @@ void BindEngine(py::module_& m) {
           "steps"_a = py::none(), "times"_a = py::none(), "versions"_a = py::none())
       .def_property("step", &Engine::step, &Engine::SetStep)
       .def_property_readonly("version", &Engine::version)
-      .def("advance_version", &Engine::AdvanceVersion);
+      .def("advance_version", &Engine::AdvanceVersion)
+      .def("restore_version", &Engine::RestoreVersion, "version"_a);
 }
 
 void BindNaive(py::module_& m) {

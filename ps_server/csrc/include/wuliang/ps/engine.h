@@ -170,6 +170,14 @@ class Engine {
   uint64_t version() const { return version_.load(std::memory_order_acquire); }
   // Starts a new version and returns it.
   uint64_t AdvanceVersion() { return version_.fetch_add(1, std::memory_order_acq_rel) + 1; }
+  // Raises the version to at least `version` (restoring a checkpoint), so
+  // rows changed later carry versions above every restored row's.
+  void RestoreVersion(uint64_t version) {
+    uint64_t current = version_.load(std::memory_order_acquire);
+    while (current < version &&
+           !version_.compare_exchange_weak(current, version, std::memory_order_acq_rel)) {
+    }
+  }
 
  private:
   // Table ids are never reused, so a stale id cannot reach another table.

@@ -1,0 +1,218 @@
+"""Checkpoints: exact resume, restore into other shard counts, corruption
+refused by name, and a SIGKILL mid-checkpoint leaves the previous one valid."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import wuliang as wl
+from wuliang.checkpoint import checkpoints, latest_checkpoint
+from wuliang.reader import ParquetReader
+from wuliang.storage import CorruptVersionError, Version
+
+BATCH = 64
+
+
+def write_data(folder: Path) -> list[str]:
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(2):
+        n = 700
+        users = rng.integers(0, 300, n)
+        items = [rng.integers(0, 500, rng.integers(0, 4)).tolist() for _ in range(n)]
+        x = rng.normal(size=n).astype(np.float32)
+        label = ((users % 3 == 0) ^ (x > 0.5)).astype(np.float32)
+        table = pa.table({"user": users, "items": items, "x": x, "label": label})
+        path = folder / f"part-{i}.parquet"
+        pq.write_table(table, path, row_group_size=128)
+        paths.append(str(path))
+    return paths
+
+
+class Losses(wl.hooks.SessionRunHook):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def before_run(self, run_context: Any) -> Any:
+        return wl.hooks.SessionRunArgs(["loss"])
+
+    def after_run(self, run_context: Any, run_values: Any) -> None:
+        self.values.append(float(run_values.results["loss"]))
+
+
+def make_session(num_shards: int = 2) -> wl.Session:
+    keras.utils.set_random_seed(5)
+    users = wl.EmbeddingTable("users", 8, optimizer=wl.optimizers.Adagrad(0.1))
+    items = wl.EmbeddingTable("items", 4, optimizer=wl.optimizers.Adam(0.01))
+    features = [
+        wl.SparseFeature("user", users),
+        wl.SparseFeature("items", items, combiner="mean"),
+        wl.DenseFeature("x"),
+    ]
+    mlp = keras.Sequential([keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+
+    def tower(embeddings: dict, dense: dict) -> Any:
+        return mlp(wl.embedding.concat([embeddings["user"], embeddings["items"], dense["x"]]))
+
+    context = wl.Context(num_shards=num_shards, staleness=0)
+    return wl.Session(tower, features, context, optimizer=keras.optimizers.Adam(0.01))
+
+
+def reader(files: list[str], shuffle: int) -> ParquetReader:
+    return ParquetReader(
+        files,
+        BATCH,
+        ["user", "items", "x"],
+        label="label",
+        shuffle_buffer=shuffle,
+        seed=1,
+        epochs=3,
+    )
+
+
+def train(files: list[str], shuffle: int, steps: int, hooks: list[Any]) -> list[float]:
+    losses = Losses()
+    session = make_session()
+    try:
+        session.train(reader(files, shuffle), steps=steps, hooks=[*hooks, losses])
+    finally:
+        session.close()
+        session.context.close()
+    return losses.values
+
+
+@pytest.mark.parametrize("shuffle", [0, 300])
+def test_resume_equals_uninterrupted(tmp_path: Path, shuffle: int) -> None:
+    files = write_data(tmp_path)
+    model_dir = tmp_path / "model"
+    n, m = 12, 15
+    whole = train(files, shuffle, n + m, [])
+
+    first = train(files, shuffle, n, [wl.hooks.Checkpoint(model_dir, every_steps=5, keep=None)])
+    assert [s for s, _ in checkpoints(model_dir)] == [5, 10, 12]  # periodic, then at the end
+    second = train(files, shuffle, m, [wl.hooks.Checkpoint(model_dir, every_steps=1000)])
+    assert first + second == whole  # bit for bit
+
+    # a periodic checkpoint (taken mid-run, pipeline synced) resumes exactly too
+    for step in (12, n + m):
+        os.rename(model_dir / f"ckpt-{step}", tmp_path / f"moved-{step}")
+    again = train(files, shuffle, m, [wl.hooks.Checkpoint(model_dir, every_steps=1000)])
+    assert again == whole[10 : 10 + m]
+
+
+def table_state(session: wl.Session) -> dict[str, dict[int, tuple]]:
+    state: dict[str, dict[int, tuple]] = {}
+    for table in session.context.tables:
+        rows = state.setdefault(table, {})
+        for chunk in session.context.engine.export(table):
+            for i, key in enumerate(chunk.keys.tolist()):
+                rows[key] = (
+                    chunk.weights[i].tobytes(),
+                    chunk.state[i].tobytes(),
+                    int(chunk.counts[i]),
+                    int(chunk.steps[i]),
+                )
+    return state
+
+
+def test_restore_into_1_3_8_shards(tmp_path: Path) -> None:
+    files = write_data(tmp_path)
+    model_dir = tmp_path / "model"
+    session = make_session()
+    session.train(reader(files, 0), steps=6)
+    path = session.save_checkpoint(model_dir)
+    want = table_state(session)
+    keys = {t: np.array(sorted(rows), np.uint64) for t, rows in want.items()}
+    pulled = {t: session.context.engine.pull(t, k, train=False) for t, k in keys.items()}
+    session.context.close()
+    assert all(len(rows) > 50 for rows in want.values())
+    for shards in (1, 3, 8):
+        other = make_session(num_shards=shards)
+        other.restore_checkpoint(model_dir)  # the newest one in the folder
+        assert other.global_step == 6
+        assert table_state(other) == want
+        for t, k in keys.items():
+            np.testing.assert_array_equal(other.context.engine.pull(t, k, train=False), pulled[t])
+        other.context.close()
+    assert Version(path)["step"] == 6
+
+
+def test_tampered_or_missing_file_is_refused_by_name(tmp_path: Path) -> None:
+    files = write_data(tmp_path)
+    model_dir = tmp_path / "model"
+    session = make_session()
+    session.train(reader(files, 0), steps=3)
+    path = session.save_checkpoint(model_dir)
+    before = table_state(session)
+    part = path / "tables" / "users" / "part-00000.arrow"
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit
+    part.write_bytes(bytes(data))
+    with pytest.raises(CorruptVersionError, match=r"users/part-00000\.arrow"):
+        session.restore_checkpoint(path)
+    assert table_state(session) == before  # nothing changed
+    dense = sorted((path / "dense").iterdir())[0]
+    dense.unlink()
+    part.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(CorruptVersionError, match=r"bytes|missing"):
+        session.restore_checkpoint(path)
+    session.context.close()
+
+
+KILL_CHILD = """
+import sys, numpy as np, keras, wuliang as wl
+keras.utils.set_random_seed(1)
+table = wl.EmbeddingTable("t", 16, optimizer=wl.optimizers.Adagrad(0.1))
+mlp = keras.Sequential([keras.layers.Dense(1)])
+session = wl.Session(lambda e, d: mlp(e["f"]), [wl.SparseFeature("f", table)], wl.Context())
+keys = np.arange(1, 400_001, dtype=np.uint64)
+engine = session.context.engine
+engine.load("t", keys, np.ones((len(keys), 16), np.float32))
+while True:
+    session.context.global_step += 1
+    session.save_checkpoint(sys.argv[1], keep=3)
+    print(session.context.global_step, flush=True)
+"""
+
+
+def test_sigkill_mid_checkpoint_keeps_the_previous_one(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    rng = np.random.default_rng(2)
+    for attempt in range(3):
+        with subprocess.Popen(
+            [sys.executable, "-c", KILL_CHILD, str(model_dir)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        ) as child:
+            try:
+                assert child.stdout is not None
+                assert child.stdout.readline().strip(), "the child wrote no checkpoint"
+                time.sleep(float(rng.uniform(0.05, 0.6)))  # somewhere inside a later one
+                child.send_signal(signal.SIGKILL)
+                child.wait(timeout=30)
+            finally:
+                if child.poll() is None:
+                    child.kill()
+        found = checkpoints(model_dir)
+        assert found, attempt
+        for _, path in found:
+            Version(path).verify()  # every committed checkpoint is whole
+    latest = latest_checkpoint(model_dir)
+    assert latest is not None
+    session = make_session()
+    with pytest.raises(ValueError, match="table 't'"):  # another model: refused, by name
+        session.restore_checkpoint(latest)
+    session.context.close()

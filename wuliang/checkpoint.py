@@ -1,0 +1,190 @@
+"""Checkpoints: everything a Session needs to continue training exactly.
+
+``model_dir/ckpt-<step>/`` is a version of kind ``checkpoint``
+(``wuliang.storage``: atomic, every file checksummed):
+
+* every table's rows with optimizer state and metadata (count, last-update
+  step and time, version): ``tables/<table>/part-*.arrow``;
+* the tower's variables and the tower optimizer's state:
+  ``dense/model.*`` (``tf.train.Checkpoint`` of the tower, or of the variables
+  the traced step captures when the tower is a plain function, and the
+  optimizer);
+* in the manifest: the global step, the engine version, the reader position
+  after the last trained batch (``ReaderPosition``) and the tables' specs.
+
+Saving advances the engine version: the rows of ``ckpt-<step>`` all carry
+versions <= its ``engine_version``, and rows changed later carry higher ones,
+which is what an incremental export of a later checkpoint selects.
+
+Restoring verifies every file first (a corrupt checkpoint changes nothing),
+replaces each table's rows (the engine's shard count may differ from the
+writer's: rows are re-partitioned by key), sets the step and the version,
+and restores the dense state at the next step, once the step function is
+traced (so its variables exist). What is not restored: the engine's log of
+removed keys (used by delta exports), and the sighting counts of keys still
+waiting for admission.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from wuliang.storage import Version, VersionWriter
+
+if TYPE_CHECKING:
+    from wuliang.session import Session
+
+PREFIX = "ckpt-"
+DENSE_PREFIX = "dense/model"
+_NAME = re.compile(r"ckpt-(\d+)")
+
+
+def checkpoints(model_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, path) of the committed checkpoints in model_dir, oldest first."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _NAME.fullmatch(p.name)
+        if m and (p / "manifest.json").is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_checkpoint(model_dir: str | os.PathLike) -> Path | None:
+    found = checkpoints(model_dir)
+    return found[-1][1] if found else None
+
+
+def dense_checkpoint(session: Session) -> Any:
+    """A ``tf.train.Checkpoint`` of the tower and the tower's optimizer.
+
+    A tower that is a Keras model or layer or a ``tf.Module`` is tracked as
+    is. A plain function is tracked through the objects it closes over or
+    reads as globals (``inspect.getclosurevars``): each Keras layer/model,
+    ``tf.Module`` or variable under the name the code gives it, so a new
+    process (or a second model in this one) restores by those names. A
+    function that reaches no such object falls back to the variables its
+    traced steps capture, ordered by name (stable only in a fresh process).
+    """
+    import tensorflow as tf
+
+    tower, optimizer = session.functions.tower, session.optimizer
+    try:
+        return tf.train.Checkpoint(tower=tower, optimizer=optimizer)
+    except (ValueError, TypeError):
+        pass
+    objects = _trackables_of(tower) if callable(tower) else {}
+    if objects:
+        tracked = {f"tower_{name}": value for name, value in objects.items()}
+        return tf.train.Checkpoint(optimizer=optimizer, **tracked)
+    own = {id(v) for v in getattr(optimizer, "variables", [])}
+    variables = sorted(
+        (v for v in session.functions.variables() if id(v) not in own), key=lambda v: v.name
+    )
+    return tf.train.Checkpoint(optimizer=optimizer, variables=variables)
+
+
+def _trackables_of(fn: Any) -> dict[str, Any]:
+    """The trackable objects a function reaches by name (closure, globals)."""
+    import inspect
+
+    import tensorflow as tf
+
+    try:
+        found = inspect.getclosurevars(fn)
+    except TypeError:  # not a Python function (a callable object, a builtin)
+        return {}
+    objects = {}
+    for name, value in sorted({**found.globals, **found.nonlocals}.items()):
+        if isinstance(value, type) or inspect.ismodule(value):
+            continue
+        try:
+            tf.train.Checkpoint(probe=value)
+        except (ValueError, TypeError):
+            continue
+        objects[name] = value
+    return objects
+
+
+def save(
+    session: Session,
+    model_dir: str | os.PathLike,
+    position: Any = None,
+    keep: int | None = 5,
+) -> Path:
+    """Writes ``model_dir/ckpt-<global step>`` and keeps the newest ``keep``.
+
+    Call when the engine is in sync with the step (every push applied, no
+    pull ahead): ``Session.save_checkpoint`` and the ``Checkpoint`` hook do.
+    A checkpoint of the same step already there is kept as is.
+    """
+    ctx = session.context
+    engine = ctx.engine
+    step = ctx.global_step
+    final = Path(model_dir) / f"{PREFIX}{step}"
+    if (final / "manifest.json").is_file():
+        return final
+    version = engine.version
+    engine.advance_version()  # later changes: versions above every row saved here
+    with VersionWriter(model_dir, final.name, "checkpoint") as writer:
+        specs = {}
+        for name in ctx.tables:
+            spec = engine.spec(name)
+            writer.write_table(
+                name, spec.dim, spec.state_dim, engine.export(name), optimizer=repr(spec.optimizer)
+            )
+            specs[name] = {"dim": spec.dim, "state_dim": spec.state_dim}
+        dense = dense_checkpoint(session)
+        dense.write(str(writer.path(DENSE_PREFIX)))
+        writer.add_tree("dense")
+        path = writer.commit(
+            step=step,
+            engine_version=version,
+            reader_position=None if position is None else position.to_dict(),
+            num_shards=ctx.num_shards,
+        )
+    if keep is not None:
+        for _, old in checkpoints(model_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def restore(session: Session, path: str | os.PathLike) -> dict[str, Any] | None:
+    """Restores a checkpoint into the session; returns its reader position
+    (a dict, or None). The dense state follows at the session's next step."""
+    version = Version(path)
+    if version.kind != "checkpoint":
+        raise ValueError(f"{path} is a {version.kind} export, not a checkpoint")
+    ctx = session.context
+    engine = ctx.engine
+    for name, saved in version.tables.items():
+        if name not in ctx.tables:
+            raise ValueError(
+                f"checkpoint {path} has table {name!r}, which this model does not "
+                f"(tables: {', '.join(sorted(ctx.tables)) or 'none'})"
+            )
+        spec = engine.spec(name)
+        if (saved["dim"], saved["state_dim"]) != (spec.dim, spec.state_dim):
+            raise ValueError(
+                f"checkpoint {path}: table {name!r} has dim {saved['dim']} and "
+                f"{saved['state_dim']} optimizer state floats; the model's has "
+                f"{spec.dim} and {spec.state_dim}"
+            )
+    version.verify()  # every file, before changing anything
+    for name in ctx.tables:
+        engine.drop_table(name)
+        engine.create_table(ctx.tables[name].spec())
+        if name in version.tables:
+            for rows in version.read_rows(name, verified=True):
+                engine.load(name, **rows.as_load_args())
+    ctx.global_step = int(version["step"])
+    engine.step = ctx.global_step
+    engine.restore_version(int(version["engine_version"]) + 1)
+    session.schedule_dense_restore(str(version.path / DENSE_PREFIX))
+    return version.get("reader_position")

@@ -1,0 +1,419 @@
+"""The on-disk format of checkpoints and exports. Checkpoint, export and
+serving read and write versions only through this module.
+
+A *version* is a directory::
+
+    <root>/<name>/
+        manifest.json                     what is here, with a sha256 per file
+        tables/<table>/part-00000.arrow   rows (Arrow IPC file, uncompressed)
+        tables/<table>/removed.arrow      keys removed (deltas only)
+        dense/...                         TF checkpoint or SavedModel files
+
+A rows file has the columns ``key`` (uint64), ``vector`` (fixed-size list of
+``dim`` float32), ``state`` (fixed-size list of the optimizer's state floats),
+``count`` (uint32), ``step`` (uint64), ``time`` (uint32) and ``version``
+(uint64): everything ``Engine.load`` takes, so a restore is exact. Arrow IPC
+(not Parquet) because rows are written and read at memory speed: no encoding,
+and the reader maps the file and hands the columns to the engine as views.
+Parts hold at most ``PART_ROWS`` rows; the part files are independent of the
+engine's shard count, so a version restores into any number of shards.
+
+``manifest.json``::
+
+    {"format": "wuliang-version/1", "kind": "checkpoint" | "full" | "delta",
+     "created": unix time, ...caller's fields (step, version, parent, ...),
+     "tables": {name: {"dim", "state_dim", "optimizer", "rows", "removed"}},
+     "files": {relative path: {"sha256", "bytes", "rows"}}}
+
+Writes are atomic: ``VersionWriter`` writes under ``<root>/.tmp-<name>-*``,
+fsyncs every file, writes the manifest last and renames the directory into
+place; a crash at any point leaves the versions already there intact (and a
+``.tmp-`` directory that the next writer in the same root removes). Reads
+check each file's size and sha256 before using it: a missing, truncated or
+altered file raises ``CorruptVersionError`` naming it, never loads silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+FORMAT = "wuliang-version/1"
+MANIFEST = "manifest.json"
+PART_ROWS = 1 << 20
+TMP_PREFIX = ".tmp-"
+_HASH_BLOCK = 1 << 24
+
+
+class CorruptVersionError(ValueError):
+    """A version directory whose manifest or files do not check out."""
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows of one table: what ``Engine.export`` yields and ``Engine.load`` takes."""
+
+    keys: np.ndarray  # uint64 [n]
+    weights: np.ndarray  # float32 [n, dim]
+    state: np.ndarray  # float32 [n, state_dim]
+    counts: np.ndarray  # uint32 [n]
+    steps: np.ndarray  # uint64 [n]
+    times: np.ndarray  # uint32 [n]
+    versions: np.ndarray  # uint64 [n]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def as_load_args(self) -> dict[str, np.ndarray]:
+        return {
+            "keys": self.keys,
+            "weights": self.weights,
+            "state": self.state,
+            "counts": self.counts,
+            "steps": self.steps,
+            "times": self.times,
+            "versions": self.versions,
+        }
+
+
+def _fsl(values: np.ndarray, width: int) -> pa.Array:
+    flat = pa.array(np.ascontiguousarray(values, np.float32).reshape(-1), pa.float32())
+    return pa.FixedSizeListArray.from_arrays(flat, width)
+
+
+def rows_schema(dim: int, state_dim: int) -> pa.Schema:
+    return pa.schema(
+        [
+            ("key", pa.uint64()),
+            ("vector", pa.list_(pa.float32(), dim)),
+            ("state", pa.list_(pa.float32(), state_dim)),
+            ("count", pa.uint32()),
+            ("step", pa.uint64()),
+            ("time", pa.uint32()),
+            ("version", pa.uint64()),
+        ]
+    )
+
+
+def rows_to_batch(rows: Any, dim: int, state_dim: int) -> pa.RecordBatch:
+    """A RecordBatch of rows (a ``Rows`` or an engine ``RowChunk``)."""
+    return pa.record_batch(
+        [
+            pa.array(rows.keys, pa.uint64()),
+            _fsl(rows.weights, dim),
+            _fsl(rows.state, state_dim),
+            pa.array(rows.counts, pa.uint32()),
+            pa.array(rows.steps, pa.uint64()),
+            pa.array(rows.times, pa.uint32()),
+            pa.array(rows.versions, pa.uint64()),
+        ],
+        schema=rows_schema(dim, state_dim),
+    )
+
+
+def _fsl_numpy(column: pa.Array, width: int) -> np.ndarray:
+    flat = column.values.to_numpy(zero_copy_only=False)
+    offset = column.offset * width
+    return flat[offset : offset + len(column) * width].reshape(len(column), width)
+
+
+def batch_to_rows(batch: pa.RecordBatch) -> Rows:
+    """Rows of a rows-file RecordBatch (numpy views where Arrow allows)."""
+    dim = batch.schema.field("vector").type.list_size
+    state_dim = batch.schema.field("state").type.list_size
+    return Rows(
+        keys=batch.column("key").to_numpy(),
+        weights=_fsl_numpy(batch.column("vector"), dim),
+        state=_fsl_numpy(batch.column("state"), state_dim),
+        counts=batch.column("count").to_numpy(),
+        steps=batch.column("step").to_numpy(),
+        times=batch.column("time").to_numpy(),
+        versions=batch.column("version").to_numpy(),
+    )
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                view = memoryview(m)
+                for start in range(0, size, _HASH_BLOCK):
+                    digest.update(view[start : start + _HASH_BLOCK])  # releases the GIL
+                view.release()
+    return digest.hexdigest()
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class VersionWriter:
+    """Writes one version directory atomically (see the module docstring).
+
+    Use as a context manager: leaving the block without ``commit()`` (an
+    exception) removes the temporary directory.
+    """
+
+    def __init__(self, root: str | os.PathLike, name: str, kind: str) -> None:
+        if kind not in ("checkpoint", "full", "delta"):
+            raise ValueError(f"kind must be checkpoint, full or delta, got {kind!r}")
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"bad version name {name!r}")
+        self.root = Path(root)
+        self.name = name
+        self.kind = kind
+        self.root.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(self.root)
+        self.final = self.root / name
+        if self.final.exists():
+            raise FileExistsError(f"version {self.final} already exists")
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}-", dir=self.root))
+        self.files: dict[str, dict[str, Any]] = {}
+        self.tables: dict[str, dict[str, Any]] = {}
+        self.committed = False
+
+    def __enter__(self) -> VersionWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if not self.committed:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def path(self, relative: str) -> Path:
+        """Where a file of this version goes (its folder created)."""
+        p = self.dir / relative
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def add_file(self, relative: str, rows: int | None = None) -> None:
+        """Records a file written under ``path(relative)`` in the manifest."""
+        p = self.dir / relative
+        _fsync_path(p)
+        entry: dict[str, Any] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+        if rows is not None:
+            entry["rows"] = rows
+        self.files[relative] = entry
+
+    def add_tree(self, relative: str) -> None:
+        """Records every file under the folder ``path(relative)``."""
+        base = self.dir / relative
+        for p in sorted(base.rglob("*")):
+            if p.is_file():
+                self.add_file(str(p.relative_to(self.dir)))
+
+    def write_table(
+        self,
+        table: str,
+        dim: int,
+        state_dim: int,
+        chunks: Iterable[Any],
+        optimizer: str = "",
+        removed: np.ndarray | None = None,
+    ) -> int:
+        """Writes a table's rows (chunks of ``Rows``/``RowChunk``) in parts of
+        at most ``PART_ROWS`` rows, and its removed keys; returns the rows."""
+        schema = rows_schema(dim, state_dim)
+        total = part = 0
+        writer: pa.ipc.RecordBatchFileWriter | None = None
+        sink: pa.OSFile | None = None
+        in_part = 0
+        relative = ""
+
+        def close_part() -> None:
+            nonlocal writer, sink
+            if writer is not None and sink is not None:
+                writer.close()
+                sink.close()
+                self.add_file(relative, in_part)
+            writer = sink = None
+
+        for chunk in chunks:
+            start = 0
+            while start < len(chunk.keys):
+                if writer is None:
+                    relative = f"tables/{table}/part-{part:05d}.arrow"
+                    sink = pa.OSFile(str(self.path(relative)), "wb")
+                    writer = pa.ipc.new_file(sink, schema)
+                    part += 1
+                    in_part = 0
+                take = min(len(chunk.keys) - start, PART_ROWS - in_part)
+                piece = chunk if take == len(chunk.keys) else _slice_rows(chunk, start, take)
+                writer.write_batch(rows_to_batch(piece, dim, state_dim))
+                in_part += take
+                total += take
+                start += take
+                if in_part == PART_ROWS:
+                    close_part()
+        close_part()
+        entry: dict[str, Any] = {
+            "dim": dim,
+            "state_dim": state_dim,
+            "optimizer": optimizer,
+            "rows": total,
+            "parts": part,
+        }
+        if removed is not None:
+            removed = np.ascontiguousarray(removed, np.uint64)
+            relative = f"tables/{table}/removed.arrow"
+            keys = pa.record_batch([pa.array(removed, pa.uint64())], names=["key"])
+            with (
+                pa.OSFile(str(self.path(relative)), "wb") as sink_removed,
+                pa.ipc.new_file(sink_removed, keys.schema) as w,
+            ):
+                w.write_batch(keys)
+            self.add_file(relative, len(removed))
+            entry["removed"] = len(removed)
+        self.tables[table] = entry
+        return total
+
+    def commit(self, **fields: Any) -> Path:
+        """Writes the manifest and renames the version into place."""
+        manifest = {
+            "format": FORMAT,
+            "kind": self.kind,
+            "name": self.name,
+            "created": time.time(),
+            **fields,
+            "tables": self.tables,
+            "files": self.files,
+        }
+        write_json_atomic(self.dir / MANIFEST, manifest)
+        _fsync_path(self.dir)
+        os.rename(self.dir, self.final)  # atomic; fails if final appeared meanwhile
+        _fsync_path(self.root)
+        self.committed = True
+        return self.final
+
+
+def _slice_rows(chunk: Any, start: int, n: int) -> Rows:
+    s = slice(start, start + n)
+    return Rows(
+        chunk.keys[s],
+        chunk.weights[s],
+        chunk.state[s],
+        chunk.counts[s],
+        chunk.steps[s],
+        chunk.times[s],
+        chunk.versions[s],
+    )
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    """Writes JSON to path via a temporary file, fsync and rename."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def remove_stale_temporaries(root: Path) -> None:
+    """Removes what crashed writers left in root (``.tmp-*``)."""
+    for p in root.glob(f"{TMP_PREFIX}*"):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
+class Version:
+    """A committed version directory, read with every file checked."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        manifest_path = self.path / MANIFEST
+        try:
+            self.manifest: dict[str, Any] = json.loads(manifest_path.read_text())
+        except FileNotFoundError:
+            raise CorruptVersionError(f"{manifest_path} is missing") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CorruptVersionError(f"{manifest_path} is not valid JSON: {e}") from None
+        if self.manifest.get("format") != FORMAT:
+            raise CorruptVersionError(
+                f"{manifest_path}: format {self.manifest.get('format')!r}, expected {FORMAT!r}"
+            )
+
+    @property
+    def kind(self) -> str:
+        return str(self.manifest["kind"])
+
+    @property
+    def tables(self) -> dict[str, dict[str, Any]]:
+        return dict(self.manifest["tables"])
+
+    def __getitem__(self, field: str) -> Any:
+        return self.manifest[field]
+
+    def get(self, field: str, default: Any = None) -> Any:
+        return self.manifest.get(field, default)
+
+    def checked(self, relative: str) -> Path:
+        """The path of one of the version's files, after checking its size and
+        sha256 against the manifest."""
+        entry = self.manifest["files"].get(relative)
+        p = self.path / relative
+        if entry is None:
+            raise CorruptVersionError(f"{p} is not in {self.path / MANIFEST}")
+        if not p.is_file():
+            raise CorruptVersionError(f"{p} is missing")
+        if p.stat().st_size != entry["bytes"]:
+            raise CorruptVersionError(
+                f"{p} has {p.stat().st_size} bytes, the manifest says {entry['bytes']}"
+            )
+        if sha256_file(p) != entry["sha256"]:
+            raise CorruptVersionError(f"{p} does not match its sha256 in the manifest")
+        return p
+
+    def verify(self) -> None:
+        """Checks every file of the version."""
+        for relative in self.manifest["files"]:
+            self.checked(relative)
+
+    def files_under(self, folder: str) -> list[str]:
+        prefix = folder.rstrip("/") + "/"
+        return sorted(f for f in self.manifest["files"] if f.startswith(prefix))
+
+    def read_rows(self, table: str, verified: bool = False) -> Iterator[Rows]:
+        """The table's rows, part by part (each file checked first, unless
+        ``verify()`` already checked them all: ``verified=True``)."""
+        if table not in self.manifest["tables"]:
+            known = ", ".join(sorted(self.manifest["tables"])) or "none"
+            raise KeyError(f"{self.path} has no table {table!r} (tables: {known})")
+        for relative in self.files_under(f"tables/{table}"):
+            if not relative.rsplit("/", 1)[-1].startswith("part-"):
+                continue
+            path = self.path / relative if verified else self.checked(relative)
+            with pa.memory_map(str(path)) as source:
+                reader = pa.ipc.open_file(source)
+                for i in range(reader.num_record_batches):
+                    yield batch_to_rows(reader.get_batch(i))
+
+    def removed_keys(self, table: str) -> np.ndarray:
+        relative = f"tables/{table}/removed.arrow"
+        if relative not in self.manifest["files"]:
+            return np.zeros(0, np.uint64)
+        with pa.memory_map(str(self.checked(relative))) as source:
+            reader = pa.ipc.open_file(source)
+            parts = [
+                reader.get_batch(i).column(0).to_numpy() for i in range(reader.num_record_batches)
+            ]
+        return np.concatenate(parts) if parts else np.zeros(0, np.uint64)
