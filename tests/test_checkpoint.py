@@ -191,15 +191,21 @@ def test_sigkill_mid_checkpoint_keeps_the_previous_one(tmp_path: Path) -> None:
     model_dir = tmp_path / "model"
     rng = np.random.default_rng(2)
     for attempt in range(3):
-        with subprocess.Popen(
-            [sys.executable, "-c", KILL_CHILD, str(model_dir)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        ) as child:
+        log = tmp_path / f"child-{attempt}.log"
+        with (
+            open(log, "w") as stderr,
+            subprocess.Popen(
+                [sys.executable, "-c", KILL_CHILD, str(model_dir)],
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                cwd=tmp_path,  # not the source tree: the installed package
+            ) as child,
+        ):
             try:
                 assert child.stdout is not None
-                assert child.stdout.readline().strip(), "the child wrote no checkpoint"
+                line = child.stdout.readline().strip()
+                assert line, f"the child wrote no checkpoint:\n{log.read_text()[-3000:]}"
                 time.sleep(float(rng.uniform(0.05, 0.6)))  # somewhere inside a later one
                 child.send_signal(signal.SIGKILL)
                 child.wait(timeout=30)
