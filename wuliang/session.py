@@ -177,10 +177,13 @@ class Session:
             for hook in extra:
                 hook.end(self)
             return {"steps": 0, "samples": 0, "samples_per_s": 0.0}
-        if self._resume_position is not None and hasattr(reader, "start"):
-            reader.start = self._resume_position  # continue where the checkpoint left off
+        resume = self._resume_position is not None and hasattr(reader, "start")
+        if resume:  # this pass continues where the checkpoint left off; later ones do not
+            previous, reader.start = reader.start, self._resume_position
         self._resume_position = None
         batches = iter(reader)
+        if resume:
+            reader.start = previous
         if steps is not None:  # nothing read (or pulled) past the last step
             batches = _limit(batches, steps)
 
