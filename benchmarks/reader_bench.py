@@ -69,9 +69,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from bench_data import cores, parquet_files  # benchmarks/, the script's folder
 
 from wuliang.reader import KeyPreparer, ParquetReader
-from wuliang.reader.datagen import DENSE, LABEL, MULTI, SINGLE, DatagenConfig, generate
+from wuliang.reader.datagen import DENSE, LABEL, MULTI, SINGLE
 
 SPARSE = SINGLE + MULTI
 FLOATS = [*DENSE, LABEL]
@@ -100,29 +101,7 @@ class Result:
         return self.best.rows / self.best.seconds
 
 
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
 # -- data ------------------------------------------------------------------------------
-
-
-def parquet_files(folder: Path, rows: int) -> list[Path]:
-    """The datagen files of `rows` rows in folder: reused when present, else written."""
-    cfg = DatagenConfig(rows=rows)
-    n_files = (rows + cfg.rows_per_file - 1) // cfg.rows_per_file
-    expected = [folder / f"part-{i:05d}.parquet" for i in range(n_files)]
-    present = sorted(folder.glob("part-*.parquet"))
-    if present == expected and sum(pq.ParquetFile(f).metadata.num_rows for f in present) == rows:
-        print(f"parquet: reusing {n_files} files in {folder}", flush=True)
-        return expected
-    for f in present:
-        f.unlink()
-    (folder.parent / "tfrecord" / "_DONE").unlink(missing_ok=True)
-    t0 = time.perf_counter()
-    files = generate(folder, cfg)
-    print(f"parquet: wrote {n_files} files in {time.perf_counter() - t0:.1f} s", flush=True)
-    return files
 
 
 def varint_lengths(x: np.ndarray) -> np.ndarray:
@@ -440,7 +419,9 @@ def main() -> None:
         args.rows = 200_000
     data_dir = args.data_dir or Path(tempfile.gettempdir()) / f"wuliang-reader-bench-{args.rows}"
 
-    files = parquet_files(data_dir / "parquet", args.rows)
+    files, written = parquet_files(data_dir / "parquet", args.rows)
+    if written:  # the TFRecord copy is of the old files
+        (data_dir / "tfrecord" / "_DONE").unlink(missing_ok=True)
     tf, tf_error = (None, "skipped (--skip-tfdata)") if args.skip_tfdata else import_tensorflow()
     records: list[Path] = []
     if tf is not None:

@@ -87,9 +87,10 @@ from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
+from bench_data import cores, parquet_files  # benchmarks/, the script's folder
 
 from wuliang.reader import ParquetReader
-from wuliang.reader.datagen import DENSE, LABEL, SINGLE, DatagenConfig, generate
+from wuliang.reader.datagen import DENSE, LABEL, SINGLE
 
 DIM = 16
 BUCKETS = 4_194_304  # 2**22: the TF-native table
@@ -124,32 +125,7 @@ class Run:
         }
 
 
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
 # -- data ------------------------------------------------------------------------------
-
-
-def parquet_files(folder: Path, rows: int) -> list[Path]:
-    """The datagen files of `rows` rows in folder: reused when present, else written."""
-    cfg = DatagenConfig(rows=rows)
-    n_files = (rows + cfg.rows_per_file - 1) // cfg.rows_per_file
-    expected = [folder / f"part-{i:05d}.parquet" for i in range(n_files)]
-    present = sorted(folder.glob("part-*.parquet"))
-    if present == expected and sum(pq.ParquetFile(f).metadata.num_rows for f in present) == rows:
-        print(f"data: reusing {n_files} Parquet files in {folder}", flush=True)
-        return expected
-    for f in present:
-        f.unlink()
-    t0 = time.perf_counter()
-    files = generate(folder, cfg)
-    print(
-        f"data: wrote {rows:,} rows in {n_files} Parquet files to {folder} "
-        f"in {time.perf_counter() - t0:.1f} s",
-        flush=True,
-    )
-    return files
 
 
 @dataclass
@@ -501,7 +477,7 @@ def main() -> None:
 
     import tensorflow as tf
 
-    files = parquet_files(data_dir, rows)
+    files, _ = parquet_files(data_dir, rows)
     data = read_batches(files, args.batch, count)
     print(
         f"model: 26 fields x dim {DIM} + {len(DENSE)} dense -> MLP "

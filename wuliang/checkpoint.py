@@ -33,7 +33,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from wuliang.storage import Version, VersionWriter
+from wuliang.storage import Version, VersionWriter, load_args
 
 if TYPE_CHECKING:
     from wuliang.session import Session
@@ -182,7 +182,7 @@ def restore(session: Session, path: str | os.PathLike) -> dict[str, Any] | None:
         engine.create_table(ctx.tables[name].spec())
         if name in version.tables:
             for rows in version.read_rows(name, verified=True):
-                engine.load(name, **rows.as_load_args())
+                engine.load(name, **load_args(rows))
     ctx.global_step = int(version["step"])
     engine.step = ctx.global_step
     engine.restore_version(int(version["engine_version"]) + 1)

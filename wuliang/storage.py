@@ -35,6 +35,7 @@ altered file raises ``CorruptVersionError`` naming it, never loads silently.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import mmap
@@ -43,12 +44,13 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
+from wuliang.ps_server import RowChunk
 
 FORMAT = "wuliang-version/1"
 MANIFEST = "manifest.json"
@@ -59,33 +61,6 @@ _HASH_BLOCK = 1 << 24
 
 class CorruptVersionError(ValueError):
     """A version directory whose manifest or files do not check out."""
-
-
-@dataclass(frozen=True)
-class Rows:
-    """Rows of one table: what ``Engine.export`` yields and ``Engine.load`` takes."""
-
-    keys: np.ndarray  # uint64 [n]
-    weights: np.ndarray  # float32 [n, dim]
-    state: np.ndarray  # float32 [n, state_dim]
-    counts: np.ndarray  # uint32 [n]
-    steps: np.ndarray  # uint64 [n]
-    times: np.ndarray  # uint32 [n]
-    versions: np.ndarray  # uint64 [n]
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def as_load_args(self) -> dict[str, np.ndarray]:
-        return {
-            "keys": self.keys,
-            "weights": self.weights,
-            "state": self.state,
-            "counts": self.counts,
-            "steps": self.steps,
-            "times": self.times,
-            "versions": self.versions,
-        }
 
 
 def _fsl(values: np.ndarray, width: int) -> pa.Array:
@@ -107,8 +82,8 @@ def rows_schema(dim: int, state_dim: int) -> pa.Schema:
     )
 
 
-def rows_to_batch(rows: Any, dim: int, state_dim: int) -> pa.RecordBatch:
-    """A RecordBatch of rows (a ``Rows`` or an engine ``RowChunk``)."""
+def rows_to_batch(rows: RowChunk, dim: int, state_dim: int) -> pa.RecordBatch:
+    """A RecordBatch of a ``RowChunk``."""
     return pa.record_batch(
         [
             pa.array(rows.keys, pa.uint64()),
@@ -129,11 +104,11 @@ def _fsl_numpy(column: pa.Array, width: int) -> np.ndarray:
     return flat[offset : offset + len(column) * width].reshape(len(column), width)
 
 
-def batch_to_rows(batch: pa.RecordBatch) -> Rows:
-    """Rows of a rows-file RecordBatch (numpy views where Arrow allows)."""
+def batch_to_rows(batch: pa.RecordBatch) -> RowChunk:
+    """A rows-file RecordBatch as a ``RowChunk`` (numpy views where Arrow allows)."""
     dim = batch.schema.field("vector").type.list_size
     state_dim = batch.schema.field("state").type.list_size
-    return Rows(
+    return RowChunk(
         keys=batch.column("key").to_numpy(),
         weights=_fsl_numpy(batch.column("vector"), dim),
         state=_fsl_numpy(batch.column("state"), state_dim),
@@ -224,11 +199,11 @@ class VersionWriter:
         table: str,
         dim: int,
         state_dim: int,
-        chunks: Iterable[Any],
+        chunks: Iterable[RowChunk],
         optimizer: str = "",
         removed: np.ndarray | None = None,
     ) -> int:
-        """Writes a table's rows (chunks of ``Rows``/``RowChunk``) in parts of
+        """Writes a table's rows (``RowChunk`` s) in parts of
         at most ``PART_ROWS`` rows, and its removed keys; returns the rows."""
         schema = rows_schema(dim, state_dim)
         total = part = 0
@@ -303,17 +278,15 @@ class VersionWriter:
         return self.final
 
 
-def _slice_rows(chunk: Any, start: int, n: int) -> Rows:
-    s = slice(start, start + n)
-    return Rows(
-        chunk.keys[s],
-        chunk.weights[s],
-        chunk.state[s],
-        chunk.counts[s],
-        chunk.steps[s],
-        chunk.times[s],
-        chunk.versions[s],
+def _slice_rows(chunk: RowChunk, start: int, n: int) -> RowChunk:
+    return RowChunk(
+        **{f.name: getattr(chunk, f.name)[start : start + n] for f in dataclasses.fields(chunk)}
     )
+
+
+def load_args(rows: RowChunk) -> dict[str, np.ndarray]:
+    """``Engine.load`` keyword arguments of a chunk (same names as its fields)."""
+    return {f.name: getattr(rows, f.name) for f in dataclasses.fields(rows)}
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
@@ -392,7 +365,7 @@ class Version:
         prefix = folder.rstrip("/") + "/"
         return sorted(f for f in self.manifest["files"] if f.startswith(prefix))
 
-    def read_rows(self, table: str, verified: bool = False) -> Iterator[Rows]:
+    def read_rows(self, table: str, verified: bool = False) -> Iterator[RowChunk]:
         """The table's rows, part by part (each file checked first, unless
         ``verify()`` already checked them all: ``verified=True``)."""
         if table not in self.manifest["tables"]:

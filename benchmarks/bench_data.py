@@ -1,0 +1,37 @@
+"""What the benchmarks share: the core count and the datagen Parquet files."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from wuliang.reader.datagen import DatagenConfig, generate
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def parquet_files(folder: Path, rows: int) -> tuple[list[Path], bool]:
+    """The datagen files of `rows` rows in folder: reused when present, else
+    written; returns (files, written)."""
+    cfg = DatagenConfig(rows=rows)
+    n_files = (rows + cfg.rows_per_file - 1) // cfg.rows_per_file
+    expected = [folder / f"part-{i:05d}.parquet" for i in range(n_files)]
+    present = sorted(folder.glob("part-*.parquet"))
+    if present == expected and sum(pq.ParquetFile(f).metadata.num_rows for f in present) == rows:
+        print(f"data: reusing {n_files} Parquet files in {folder}", flush=True)
+        return expected, False
+    for f in present:
+        f.unlink()
+    t0 = time.perf_counter()
+    files = generate(folder, cfg)
+    print(
+        f"data: wrote {rows:,} rows in {n_files} Parquet files to {folder} "
+        f"in {time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
+    return files, True
