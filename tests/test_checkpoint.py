@@ -222,3 +222,28 @@ def test_sigkill_mid_checkpoint_keeps_the_previous_one(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="table 't'"):  # another model: refused, by name
         session.restore_checkpoint(latest)
     session.context.close()
+
+
+def test_bad_arguments_and_mismatched_tables_are_refused(tmp_path: Path) -> None:
+    for kwargs, message in [
+        ({"every_steps": 0}, "every_steps"),
+        ({"every_secs": -1}, "every_secs"),
+        ({"keep": 0}, "keep"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            wl.hooks.Checkpoint(tmp_path, **kwargs)
+    files = write_data(tmp_path)
+    session = make_session()
+    session.train(reader(files, 0), steps=2)
+    path = session.save_checkpoint(tmp_path / "model")
+    session.context.close()
+    keras.utils.set_random_seed(5)
+    wider = wl.EmbeddingTable("users", 16, optimizer=wl.optimizers.Adagrad(0.1))
+    items = wl.EmbeddingTable("items", 4, optimizer=wl.optimizers.Adam(0.01))
+    features = [wl.SparseFeature("user", wider), wl.SparseFeature("items", items)]
+    other = wl.Session(lambda e, d: keras.layers.Dense(1)(e["user"]), features)
+    with pytest.raises(ValueError, match="table 'users' has dim 8"):
+        other.restore_checkpoint(path)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        other.restore_checkpoint(tmp_path / "empty")
+    other.context.close()
