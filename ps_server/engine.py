@@ -285,9 +285,11 @@ class Engine:
         """Yields the rows modified after version ``since`` (0: all rows).
 
         Arguments are checked at the call. Each shard is read on its own
-        thread, chunk by chunk; inserts and updates may go on meanwhile, but
-        iteration raises RuntimeError if rows are removed or the index is
-        resized in a shard being read: pause training while exporting.
+        thread, chunk by chunk. A delta (``since`` > 0) that the engine's
+        change log still reaches (``since`` >= ``stats(table)["change_floor"]``)
+        visits only the rows changed; otherwise every row is scanned, and a
+        scan raises RuntimeError if rows are removed or the index is resized
+        in the shard being read: pause training while exporting.
         """
         tid = self._id(table)
         if not isinstance(chunk_rows, int) or chunk_rows < 1:
@@ -305,7 +307,22 @@ class Engine:
 
     def removed_keys(self, table: str, since: int = 0) -> np.ndarray:
         """Keys erased or evicted after version ``since`` (uint64)."""
-        return self.native.removed_keys(self._id(table), since)
+        return self.removed_log(table, since)[0]
+
+    def removed_log(self, table: str, since: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, versions) of the removals after version ``since``, oldest
+        first. The log is bounded: it is complete only when ``since`` >=
+        ``stats(table)["removed_floor"]``."""
+        return self.native.removed_log(self._id(table), since)
+
+    def load_removed(
+        self, table: str, keys: KeyArray, versions: np.ndarray, floor: int = 0
+    ) -> None:
+        """Restores removal records (e.g. a checkpoint's), sorted by version;
+        ``floor``: the records are incomplete up to this version."""
+        keys = as_keys(keys)
+        versions = _as_column(versions, np.uint64, (len(keys),), "versions")
+        self.native.load_removed(self._id(table), keys, versions, int(floor))
 
     def trim_removed(self, table: str, upto: int) -> None:
         """Forgets removal records of versions <= upto (after exporting them)."""

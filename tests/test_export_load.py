@@ -170,3 +170,73 @@ def test_export_refuses_a_table_changed_under_it(make_engine: MakeEngine) -> Non
     with pytest.raises(RuntimeError, match="table 'emb' shard 0 changed during export"):
         next(chunks)
     assert sum(len(c) for c in engine.export("emb", chunk_rows=100)) == 999
+
+
+def test_delta_follows_the_change_log_and_falls_back_to_a_scan(
+    make_engine: MakeEngine, export_all: ExportAll
+) -> None:
+    """The change log lists the keys changed per version; once it is cut
+    (bounded memory, rows loaded with old versions) a delta reaching further
+    back scans the rows instead, with the same result."""
+    engine = make_engine(1)
+    spec = TableSpec("big", dim=2, optimizer=SGD())
+    engine.create_table(spec)
+    first = engine.version
+    keys = np.arange(200_000, dtype=np.int64)
+    engine.pull("big", keys)  # 200K new rows at the first version
+    second = engine.advance_version()
+    engine.push("big", keys[:5], np.ones((5, 2), np.float32))
+    assert engine.erase("big", keys[10_000:]) == 190_000
+    third = engine.advance_version()
+    engine.push("big", keys[3:13], np.ones((10, 2), np.float32))  # 3, 4 changed twice
+
+    stats = engine.stats("big")
+    assert stats["change_floor"] == first  # the first version was dropped: 10K rows left
+    assert stats["change_log"] == 15
+    everything = export_all(engine, "big")
+    for since in (first - 1, first, second):  # a scan, then the log twice
+        delta = export_all(engine, "big", since=since)
+        expected = everything.keys[everything.versions > since]
+        assert delta.keys.tolist() == expected.tolist()
+    assert export_all(engine, "big", since=first).keys.tolist() == list(range(13))
+    assert export_all(engine, "big", since=second).keys.tolist() == list(range(3, 13))
+
+    rows = export_all(engine, "big")  # loading rows with their versions cuts the log
+    engine.load("big", rows.keys, rows.weights, versions=np.full(len(rows), third, np.uint64))
+    assert engine.stats("big")["change_floor"] == third
+    assert len(export_all(engine, "big", since=second)) == len(rows)  # a scan
+
+
+def test_removal_log_round_trip_and_bounds(make_engine: MakeEngine) -> None:
+    engine = make_engine(3)
+    engine.create_table(SPEC)
+    engine.pull("emb", np.arange(10, dtype=np.int64))
+    v1 = engine.version
+    engine.erase("emb", [1, 2])
+    v2 = engine.advance_version()
+    engine.erase("emb", [3])
+    keys, versions = engine.removed_log("emb")
+    assert sorted(keys[:2].tolist()) == [1, 2] and keys[2] == 3
+    assert versions.tolist() == [v1, v1, v2]
+
+    other = make_engine(2)
+    other.create_table(SPEC)
+    other.load_removed("emb", keys, versions, floor=v1 - 1)
+    assert other.removed_log("emb", since=v1)[0].tolist() == [3]
+    assert other.stats("emb")["removed_floor"] == v1 - 1
+    with pytest.raises(ValueError, match="sorted by version"):
+        other.load_removed("emb", keys[::-1].copy(), versions[::-1].copy())
+    with pytest.raises(ValueError, match="versions"):
+        other.load_removed("emb", keys, versions[:1])
+
+    # Bounded: about twice the live rows (+ 65536 per shard) are kept.
+    one = make_engine(1)
+    one.create_table(TableSpec("churn", dim=1, optimizer=SGD()))
+    for start in range(0, 400_000, 100_000):
+        batch = np.arange(start, start + 100_000, dtype=np.int64)
+        one.pull("churn", batch)
+        one.erase("churn", batch)
+        one.advance_version()
+    stats = one.stats("churn")
+    assert stats["removed_log"] <= 2 * 65_536 and stats["removed_floor"] > 0
+    assert stats["change_log"] <= 2 * 65_536 and stats["change_floor"] > 0

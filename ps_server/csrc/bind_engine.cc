@@ -8,6 +8,9 @@
 
 #include <cstring>
 #include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include "wuliang/ps/engine.h"
 #include "wuliang/ps/hash.h"
@@ -63,13 +66,15 @@ py::dict StatsDict(const TableStats& t) {
   return py::dict("rows"_a = t.rows, "bytes"_a = t.bytes(), "row_bytes"_a = t.row_bytes,
                   "index_bytes"_a = t.index_bytes, "pending_keys"_a = t.pending_keys,
                   "pending_bytes"_a = t.pending_bytes, "removed_log"_a = t.removed_log,
-                  "pulled_keys"_a = t.pulled_keys, "pull_misses"_a = t.pull_misses,
-                  "pushed_keys"_a = t.pushed_keys, "inserted"_a = t.inserted,
-                  "admitted"_a = t.admitted, "dropped_pending"_a = t.dropped_pending,
-                  "dropped_nan"_a = t.dropped_nan, "pending_forgotten"_a = t.pending_forgotten,
-                  "erased"_a = t.erased, "evicted_ttl"_a = t.evicted_ttl,
-                  "evicted_min_count"_a = t.evicted_min_count, "evicted_lfu"_a = t.evicted_lfu,
-                  "rows_moved"_a = t.rows_moved, "chunks_released"_a = t.chunks_released);
+                  "removed_floor"_a = t.removed_floor, "change_log"_a = t.change_log,
+                  "change_floor"_a = t.change_floor, "pulled_keys"_a = t.pulled_keys,
+                  "pull_misses"_a = t.pull_misses, "pushed_keys"_a = t.pushed_keys,
+                  "inserted"_a = t.inserted, "admitted"_a = t.admitted,
+                  "dropped_pending"_a = t.dropped_pending, "dropped_nan"_a = t.dropped_nan,
+                  "pending_forgotten"_a = t.pending_forgotten, "erased"_a = t.erased,
+                  "evicted_ttl"_a = t.evicted_ttl, "evicted_min_count"_a = t.evicted_min_count,
+                  "evicted_lfu"_a = t.evicted_lfu, "rows_moved"_a = t.rows_moved,
+                  "chunks_released"_a = t.chunks_released);
 }
 
 py::array_t<float> PullInto(int dim, size_t n, const py::object& out) {
@@ -258,18 +263,30 @@ void BindEngine(py::module_& m) {
           },
           "table"_a, "since"_a, "max_rows"_a, "cursor"_a)
       .def(
-          "removed_keys",
+          "removed_log",
           [](Engine& e, int table, uint64_t since) {
-            std::vector<uint64_t> keys;
+            std::vector<std::pair<uint64_t, uint64_t>> records;
             {
               py::gil_scoped_release release;
-              keys = e.RemovedKeys(table, since);
+              records = e.RemovedLog(table, since);
             }
-            py::array_t<uint64_t> out(keys.size());
-            if (!keys.empty()) std::memcpy(out.mutable_data(), keys.data(), keys.size() * 8);
-            return out;
+            py::array_t<uint64_t> keys(records.size()), versions(records.size());
+            uint64_t* k = keys.mutable_data();
+            uint64_t* v = versions.mutable_data();
+            for (size_t i = 0; i < records.size(); ++i) std::tie(k[i], v[i]) = records[i];
+            return py::make_tuple(keys, versions);
           },
           "table"_a, "since"_a)
+      .def(
+          "load_removed",
+          [](Engine& e, int table, const py::array& keys, const py::object& versions,
+             uint64_t floor) {
+            const KeyArray k = Keys(keys);
+            const uint64_t* v = Column<uint64_t>(versions, k.size, 1, "versions");
+            py::gil_scoped_release release;
+            e.LoadRemoved(table, k.data, v, k.size, floor);
+          },
+          "table"_a, "keys"_a, "versions"_a, "floor"_a)
       .def("trim_removed", &Engine::TrimRemoved, "table"_a, "upto"_a, Release())
       .def(
           "load",

@@ -69,6 +69,9 @@ TableStats& TableStats::operator+=(const TableStats& o) {
   pending_keys += o.pending_keys;
   pending_bytes += o.pending_bytes;
   removed_log += o.removed_log;
+  change_log += o.change_log;
+  removed_floor = std::max(removed_floor, o.removed_floor);
+  change_floor = std::max(change_floor, o.change_floor);
   pulled_keys += o.pulled_keys;
   pull_misses += o.pull_misses;
   pushed_keys += o.pushed_keys;
@@ -492,35 +495,58 @@ size_t Engine::Export(int table, uint64_t since, size_t max_rows, ExportCursor* 
     bool shard_done = false;
     RunOn({s}, [&](int) {
       TableShard* t = ShardOfDef(def, s);
-      if (cursor->slot == 0) {
-        cursor->generation = t->generation();
-      } else if (t->generation() != cursor->generation) {
+      if (!cursor->started) {
+        t->BeginExport(since, cursor);
+        cursor->started = true;
+      } else if (!cursor->by_key && t->generation() != cursor->generation) {
         throw std::runtime_error("table '" + def->spec.name + "' shard " + std::to_string(s) +
                                  " changed during export (rows removed or index resized); "
                                  "pause training while exporting");
       }
-      written += t->Export(since, max_rows - written, &cursor->slot, out, written, &shard_done);
+      written += t->Export(since, max_rows - written, cursor, out, written, &shard_done);
     });
     if (shard_done) {
-      cursor->slot = 0;
+      cursor->started = false;
+      cursor->keys = {};
       if (++cursor->shard == num_shards_) cursor->done = true;
     }
   }
   return written;
 }
 
-std::vector<uint64_t> Engine::RemovedKeys(int table, uint64_t since) {
+std::vector<std::pair<uint64_t, uint64_t>> Engine::RemovedLog(int table, uint64_t since) {
   TableDef* def = Def(table);
-  std::vector<std::vector<uint64_t>> per_shard(num_shards_);
+  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> per_shard(num_shards_);
   RunOnShards([&](int s) { ShardOfDef(def, s)->RemovedSince(since, &per_shard[s]); });
-  std::vector<uint64_t> keys;
-  for (const auto& k : per_shard) keys.insert(keys.end(), k.begin(), k.end());
-  return keys;
+  std::vector<std::pair<uint64_t, uint64_t>> records;
+  for (const auto& r : per_shard) records.insert(records.end(), r.begin(), r.end());
+  std::stable_sort(records.begin(), records.end(),
+                   [](const auto& a, const auto& b) { return a.second < b.second; });
+  return records;
 }
 
 void Engine::TrimRemoved(int table, uint64_t upto) {
   TableDef* def = Def(table);
   RunOnShards([&](int s) { ShardOfDef(def, s)->TrimRemoved(upto); });
+}
+
+void Engine::LoadRemoved(int table, const uint64_t* keys, const uint64_t* versions, size_t n,
+                         uint64_t floor) {
+  for (size_t i = 1; i < n; ++i) {
+    if (versions[i] < versions[i - 1])
+      throw std::invalid_argument("removal records must be sorted by version");
+  }
+  TableDef* def = Def(table);
+  std::vector<std::vector<uint64_t>> shard_keys(num_shards_), shard_versions(num_shards_);
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t s = ShardOf(keys[i], num_shards_);
+    shard_keys[s].push_back(keys[i]);
+    shard_versions[s].push_back(versions[i]);
+  }
+  RunOnShards([&](int s) {
+    ShardOfDef(def, s)->LoadRemoved(shard_keys[s].data(), shard_versions[s].data(),
+                                    shard_keys[s].size(), floor);
+  });
 }
 
 }  // namespace wuliang::ps

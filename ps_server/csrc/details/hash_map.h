@@ -49,6 +49,9 @@ class OpenHashMap {
   }
 
   // The value stored for key, or nullptr.
+  const V* Find(uint64_t key, uint64_t hash) const {
+    return const_cast<OpenHashMap*>(this)->Find(key, hash);
+  }
   V* Find(uint64_t key, uint64_t hash) {
     if (capacity_ == 0) return nullptr;
     for (size_t i = hash & mask_;; i = (i + 1) & mask_) {

@@ -18,6 +18,7 @@ namespace {
 #endif
 constexpr size_t kSlotsAhead = WL_SLOTS_AHEAD;  // prefetch distance of index probes
 constexpr size_t kRowsAhead = WL_ROWS_AHEAD;    // prefetch distance of row reads
+constexpr size_t kMinLog = 1 << 16;             // change/removal log entries always kept
 
 // Copies n floats. Whole 64-byte blocks are fixed-size moves (inlined); a
 // plain loop would be turned into a libc memmove call per row.
@@ -81,16 +82,19 @@ Slice TableShard::Select(const ShardBatch& b) {
   return Slice{b.keys, order_.data(), 0, m};
 }
 
-char* TableShard::CreateRow(uint64_t key, uint64_t hash, const Clock& clock, uint32_t count) {
+char* TableShard::CreateRow(uint64_t key, uint64_t hash, const Clock& clock, uint32_t count,
+                            bool blank) {
   char* row = pool_.Allocate();
   char* cold = pool_.Cold(row);
   RowMeta* meta = RowLayout::Meta(cold);
   meta->update_step = clock.step;
-  meta->version = clock.version;
+  meta->version = blank ? 0 : clock.version;
   meta->update_time = clock.now;
   meta->count = count;
-  InitializeWeights(spec_.initializer, spec_.seed, key, layout_.dim, RowLayout::Weights(row));
-  InitState(spec_.optimizer, layout_.dim, RowLayout::State(cold));
+  if (!blank) {
+    InitializeWeights(spec_.initializer, spec_.seed, key, layout_.dim, RowLayout::Weights(row));
+    InitState(spec_.optimizer, layout_.dim, RowLayout::State(cold));
+  }
   try {
     *index_.InsertNew(key, hash) = row;
   } catch (...) {
@@ -98,7 +102,21 @@ char* TableShard::CreateRow(uint64_t key, uint64_t hash, const Clock& clock, uin
     throw;
   }
   ++counters_.inserted;
+  if (!blank) LogChange(key, clock.version);
   return row;
+}
+
+// Logs stay within about twice the live rows (+ a floor for small tables):
+// past that the oldest versions are dropped, and delta exports reaching back
+// to them scan the index instead.
+void TableShard::LogChange(uint64_t key, uint64_t version) {
+  changes_.Record(key, version);
+  BoundLog(&changes_);
+}
+
+void TableShard::BoundLog(ChangeLog* log) const {
+  const size_t keep = index_.size() + kMinLog;
+  if (log->size() > 2 * keep) log->DropOldest(keep);
 }
 
 // A new row's count is the sightings before this one; the push of this
@@ -117,7 +135,9 @@ void TableShard::RemoveRow(uint64_t key, uint64_t hash, const Clock& clock) {
   char* row = index_.Erase(key, hash);
   if (row == nullptr) return;
   pool_.Free(row);
-  removed_.emplace_back(key, clock.version);
+  removed_.Record(key, clock.version);
+  BoundLog(&removed_);
+  BoundLog(&changes_);
 }
 
 char* TableShard::ResolveMissing(const Slice& s, size_t k, Create create, const Clock& clock) {
@@ -128,6 +148,8 @@ char* TableShard::ResolveMissing(const Slice& s, size_t k, Create create, const 
       return Admit(s.key(k), hashes_[k], clock);
     case Create::kAlways:
       return CreateRow(s.key(k), hashes_[k], clock, 0);
+    case Create::kBlank:
+      return CreateRow(s.key(k), hashes_[k], clock, 0, /*blank=*/true);
   }
   return nullptr;
 }
@@ -271,7 +293,10 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
       RowMeta* meta = RowLayout::Meta(cold);
       meta->update_step = clock.step;
       meta->update_time = clock.now;
-      meta->version = clock.version;
+      if (meta->version != clock.version) {
+        meta->version = clock.version;
+        LogChange(s.key(k), clock.version);
+      }
       BumpCount(meta);
       ++applied;
     });
@@ -307,7 +332,8 @@ void TableShard::Load(const ShardBatch& batch, const RowColumns& cols, const Clo
   const Slice s = Select(batch);
   const int dim = layout_.dim;
   const int state_dim = layout_.state_dim;
-  Pipeline</*kCold=*/true>(s, Create::kAlways, clock, [&](size_t k, char* row) {
+  uint64_t newest = 0;
+  Pipeline</*kCold=*/true>(s, Create::kBlank, clock, [&](size_t k, char* row) {
     const size_t p = s.pos(k);
     char* cold = pool_.Cold(row);
     CopyFloats(RowLayout::Weights(row), cols.weights + p * dim, dim);
@@ -320,8 +346,17 @@ void TableShard::Load(const ShardBatch& batch, const RowColumns& cols, const Clo
     meta->count = cols.counts != nullptr ? cols.counts[p] : 0;
     meta->update_step = cols.steps != nullptr ? cols.steps[p] : clock.step;
     meta->update_time = cols.times != nullptr ? cols.times[p] : clock.now;
-    meta->version = cols.versions != nullptr ? cols.versions[p] : clock.version;
+    if (cols.versions != nullptr) {
+      meta->version = cols.versions[p];
+      newest = std::max(newest, meta->version);
+    } else if (meta->version != clock.version) {
+      meta->version = clock.version;
+      LogChange(s.key(k), clock.version);
+    }
   });
+  // Rows loaded with their own (older) versions are not in the change log:
+  // it no longer lists every change up to the newest of them.
+  changes_.Forget(newest);
 }
 
 void TableShard::EvictByAge(const Clock& clock, EvictResult* result) {
@@ -395,29 +430,28 @@ void TableShard::Compact() {
   index_.MaybeShrink();
 }
 
-size_t TableShard::Export(uint64_t since, size_t max_rows, uint64_t* slot, const RowColumns& out,
-                          size_t offset, bool* done) const {
-  const size_t capacity = index_.capacity();
+void TableShard::BeginExport(uint64_t since, ExportCursor* cursor) const {
+  cursor->slot = 0;
+  cursor->keys.clear();
+  cursor->by_key = since > 0 && changes_.Covers(since);
+  if (cursor->by_key) {
+    changes_.KeysSince(since, &cursor->keys);
+  } else {
+    cursor->generation = index_.generation();
+  }
+}
+
+size_t TableShard::Export(uint64_t since, size_t max_rows, ExportCursor* cursor,
+                          const RowColumns& out, size_t offset, bool* done) const {
   const int dim = layout_.dim;
   const int state_dim = layout_.state_dim;
   size_t written = 0;
-  size_t i = *slot;
-  for (; i < capacity && written < max_rows; ++i) {
-    if (i + kRowsAhead < capacity) {
-      const auto& ahead = index_.slot(i + kRowsAhead);
-      if (index_.Occupied(ahead)) {
-        PrefetchBytes<false>(ahead.value, layout_.hot_stride);
-        PrefetchBytes<false>(pool_.Cold(ahead.value), layout_.cold_stride);
-      }
-    }
-    const auto& entry = index_.slot(i);
-    if (!index_.Occupied(entry)) continue;
-    char* row = entry.value;
+  const auto emit = [&](uint64_t key, char* row) {
     char* cold = pool_.Cold(row);
     const RowMeta* meta = RowLayout::Meta(cold);
-    if (meta->version <= since) continue;
+    if (meta->version <= since) return;
     const size_t o = offset + written;
-    if (out.keys != nullptr) out.keys[o] = entry.key;
+    if (out.keys != nullptr) out.keys[o] = key;
     if (out.weights != nullptr) CopyFloats(out.weights + o * dim, RowLayout::Weights(row), dim);
     if (out.state != nullptr)
       CopyFloats(out.state + o * state_dim, RowLayout::State(cold), state_dim);
@@ -426,20 +460,44 @@ size_t TableShard::Export(uint64_t since, size_t max_rows, uint64_t* slot, const
     if (out.times != nullptr) out.times[o] = meta->update_time;
     if (out.versions != nullptr) out.versions[o] = meta->version;
     ++written;
+  };
+  size_t i = cursor->slot;
+  if (cursor->by_key) {  // the keys the change log lists; removed ones are skipped
+    const std::vector<uint64_t>& keys = cursor->keys;
+    for (; i < keys.size() && written < max_rows; ++i) {
+      if (i + kSlotsAhead < keys.size()) index_.Prefetch(Mix64(keys[i + kSlotsAhead]));
+      char* const* found = index_.Find(keys[i], Mix64(keys[i]));
+      if (found != nullptr) emit(keys[i], *found);
+    }
+    *done = i >= keys.size();
+  } else {
+    const size_t capacity = index_.capacity();
+    for (; i < capacity && written < max_rows; ++i) {
+      if (i + kRowsAhead < capacity) {
+        const auto& ahead = index_.slot(i + kRowsAhead);
+        if (index_.Occupied(ahead)) {
+          PrefetchBytes<false>(ahead.value, layout_.hot_stride);
+          PrefetchBytes<false>(pool_.Cold(ahead.value), layout_.cold_stride);
+        }
+      }
+      const auto& entry = index_.slot(i);
+      if (index_.Occupied(entry)) emit(entry.key, entry.value);
+    }
+    *done = i >= capacity;
   }
-  *slot = i;
-  *done = i >= capacity;
+  cursor->slot = i;
   return written;
 }
 
-void TableShard::RemovedSince(uint64_t since, std::vector<uint64_t>* keys) const {
-  for (const auto& [key, version] : removed_) {
-    if (version > since) keys->push_back(key);
-  }
+void TableShard::RemovedSince(uint64_t since,
+                              std::vector<std::pair<uint64_t, uint64_t>>* records) const {
+  removed_.RecordsSince(since, records);
 }
 
-void TableShard::TrimRemoved(uint64_t upto) {
-  std::erase_if(removed_, [upto](const auto& r) { return r.second <= upto; });
+void TableShard::LoadRemoved(const uint64_t* keys, const uint64_t* versions, size_t n,
+                             uint64_t floor) {
+  removed_.Forget(floor);
+  for (size_t i = 0; i < n; ++i) removed_.Record(keys[i], versions[i]);
 }
 
 TableStats TableShard::Snapshot() const {
@@ -450,6 +508,9 @@ TableStats TableShard::Snapshot() const {
   t.pending_keys = pending_.size();
   t.pending_bytes = pending_.bytes();
   t.removed_log = removed_.size();
+  t.removed_floor = removed_.floor();
+  t.change_log = changes_.size();
+  t.change_floor = changes_.floor();
   t.pending_forgotten = pending_.forgotten();
   t.chunks_released = pool_.chunks_released();
   return t;

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "details/change_log.h"
 #include "details/hash_map.h"
 #include "details/memory_pool.h"
 #include "details/pending_counter.h"
@@ -89,23 +90,36 @@ class TableShard {
                           EvictResult* result);
   void Compact();
 
-  // Chunked export from slot *slot; returns rows written, sets *done.
-  size_t Export(uint64_t since, size_t max_rows, uint64_t* slot, const RowColumns& out,
+  // Chunked export of the rows with version > since. BeginExport picks the
+  // way: the change log's keys when it covers `since` (cost follows the rows
+  // changed), else a scan of the index (raises in Export if the index is
+  // rehashed or loses rows meanwhile). Export returns rows written from
+  // `offset` on and sets *done at the shard's end.
+  void BeginExport(uint64_t since, ExportCursor* cursor) const;
+  size_t Export(uint64_t since, size_t max_rows, ExportCursor* cursor, const RowColumns& out,
                 size_t offset, bool* done) const;
   uint64_t generation() const { return index_.generation(); }
-  void RemovedSince(uint64_t since, std::vector<uint64_t>* keys) const;
-  void TrimRemoved(uint64_t upto);
+  // Removal records (key, version) with version > since, oldest first.
+  void RemovedSince(uint64_t since, std::vector<std::pair<uint64_t, uint64_t>>* records) const;
+  void TrimRemoved(uint64_t upto) { removed_.Forget(upto); }
+  // Appends removal records (sorted by version), incomplete up to `floor`.
+  void LoadRemoved(const uint64_t* keys, const uint64_t* versions, size_t n, uint64_t floor);
 
   TableStats Snapshot() const;
   size_t rows() const { return index_.size(); }
 
  private:
-  char* CreateRow(uint64_t key, uint64_t hash, const Clock& clock, uint32_t count);
+  char* CreateRow(uint64_t key, uint64_t hash, const Clock& clock, uint32_t count,
+                  bool blank = false);
+  // Records a change in the change log, keeping the log bounded.
+  void LogChange(uint64_t key, uint64_t version);
+  void BoundLog(ChangeLog* log) const;
   char* Admit(uint64_t key, uint64_t hash, const Clock& clock);
   void RemoveRow(uint64_t key, uint64_t hash, const Clock& clock);
   // This shard's keys of the batch; fills hashes_ (and order_ if filtering).
   Slice Select(const ShardBatch& batch);
-  enum class Create { kNever, kAdmit, kAlways };
+  // kBlank: a row for Load to fill (no initializer, not logged).
+  enum class Create { kNever, kAdmit, kAlways, kBlank };
   // Key k of the slice has no row: create it as `create` says, or null.
   [[gnu::noinline]] char* ResolveMissing(const Slice& s, size_t k, Create create,
                                          const Clock& clock);
@@ -122,7 +136,8 @@ class TableShard {
   OpenHashMap<char*> index_;
   MemoryPool pool_;
   PendingCounter pending_;
-  std::vector<std::pair<uint64_t, uint64_t>> removed_;  // (key, version)
+  ChangeLog changes_;  // keys of modified rows, for delta export
+  ChangeLog removed_;  // keys erased or evicted, for delta export
   uint64_t prev_evict_step_ = 0;
   TableStats counters_;  // only the counter fields are used
 

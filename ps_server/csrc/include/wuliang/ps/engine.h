@@ -18,7 +18,9 @@
 // ------------------
 // Every modification stamps the row with the engine's current `version`;
 // AdvanceVersion() starts a new one. Export(since=v) yields the rows modified
-// after v and RemovedKeys(since=v) the keys erased or evicted after v.
+// after v and RemovedLog(since=v) the keys erased or evicted after v. Each
+// shard logs the keys it changes and removes per version (bounded: about
+// twice its rows), so a delta costs what it contains, not the table size.
 // Pushes stamp rows with the current global step (SetStep) and wall time.
 #pragma once
 
@@ -30,6 +32,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "wuliang/ps/table_spec.h"
@@ -79,7 +82,12 @@ struct TableStats {
   uint64_t index_bytes = 0;    // hash map slots
   uint64_t pending_keys = 0;   // seen but not admitted yet
   uint64_t pending_bytes = 0;  // admission counters
-  uint64_t removed_log = 0;    // removed keys kept for delta export
+  uint64_t removed_log = 0;    // removal records kept for delta export
+  uint64_t change_log = 0;     // change records kept for delta export
+  // The logs list every change with version > floor (max over shards):
+  // a delta since an older version scans rows and cannot list removals.
+  uint64_t removed_floor = 0;
+  uint64_t change_floor = 0;
   uint64_t bytes() const { return row_bytes + index_bytes + pending_bytes; }
   // Counters since creation.
   uint64_t pulled_keys = 0;
@@ -100,11 +108,15 @@ struct TableStats {
   TableStats& operator+=(const TableStats& other);
 };
 
-// Position of a chunked export: shard and slot to resume from.
+// Position of a chunked export: shard, and slot (or position in `keys`)
+// to resume from.
 struct ExportCursor {
   int shard = 0;
+  bool started = false;  // the current shard's export has begun
   uint64_t slot = 0;
-  uint64_t generation = 0;  // of the shard's index when the shard started
+  uint64_t generation = 0;  // of the shard's index when a scan started
+  bool by_key = false;      // visiting the change log's keys, not scanning
+  std::vector<uint64_t> keys;
   bool done = false;
 };
 
@@ -150,16 +162,22 @@ class Engine {
   TableStats Stats(int table);
 
   // Writes up to max_rows rows with version > since into `out` and advances
-  // the cursor; returns the number written. Throws std::runtime_error if the
-  // shard's index was rehashed or had rows removed since the cursor started
-  // on it (pause training while exporting).
+  // the cursor; returns the number written. A delta whose version the change
+  // log still reaches visits the logged keys only; otherwise every row is
+  // scanned, and a shard's index rehashed or losing rows during the scan
+  // throws std::runtime_error (pause training while exporting).
   size_t Export(int table, uint64_t since, size_t max_rows, ExportCursor* cursor,
                 const RowColumns& out);
-  // Keys erased or evicted after version `since` (a key may reappear later
-  // as a row; apply removals before rows).
-  std::vector<uint64_t> RemovedKeys(int table, uint64_t since);
+  // (key, version) of the rows erased or evicted after version `since`,
+  // oldest first (a key may reappear later as a row). Complete only when
+  // since >= Stats().removed_floor.
+  std::vector<std::pair<uint64_t, uint64_t>> RemovedLog(int table, uint64_t since);
   // Forgets removal records with version <= upto.
   void TrimRemoved(int table, uint64_t upto);
+  // Restores removal records (a checkpoint's), sorted by version; the log is
+  // incomplete up to `floor`.
+  void LoadRemoved(int table, const uint64_t* keys, const uint64_t* versions, size_t n,
+                   uint64_t floor);
   // Inserts or overwrites rows exactly. keys and weights are required; state
   // defaults to the optimizer's initial state, counts to 0, steps/times to
   // now and versions to the current version.
