@@ -402,7 +402,7 @@ class StepFunctions:
                 raise ValueError("the labels are a dict (multi-task): the tower must return a dict")
             loss = self._task_loss(None)
             return (None if labels is None else loss(labels, logits)), loss.predictions(logits)
-        predictions = {k: self._task_loss(k).predictions(v) for k, v in logits.items()}
+        predictions = self.predictions(logits)
         if labels is None:
             return None, predictions
         if self._label_names is None:
@@ -417,6 +417,12 @@ class StepFunctions:
         for name in self._label_names:
             total += self._task_loss(name)(label_map[name], logits[name])
         return total, predictions
+
+    def predictions(self, logits: Any) -> Any:
+        """Predictions of the tower's logits (a dict per task for a dict)."""
+        if isinstance(logits, dict):
+            return {k: self._task_loss(k).predictions(v) for k, v in logits.items()}
+        return self._task_loss(None).predictions(logits)
 
     def _task_loss(self, task: str | None) -> LossFn:
         if not isinstance(self.loss, Mapping):

@@ -5,12 +5,17 @@
 
 * every table's rows with optimizer state and metadata (count, last-update
   step and time, version): ``tables/<table>/part-*.arrow``;
+* every table's removal log (key, version; ``removed.arrow``), which delta
+  exports made from this checkpoint need, and its floor;
 * the tower's variables and the tower optimizer's state:
   ``dense/model.*`` (``tf.train.Checkpoint`` of the tower, or of the variables
   the traced step captures when the tower is a plain function, and the
   optimizer);
+* the tower as a SavedModel for serving (``serving/``, ``wuliang.saved_model``),
+  so ``wuliang export`` makes exports from checkpoints alone;
 * in the manifest: the global step, the engine version, the reader position
-  after the last trained batch (``ReaderPosition``) and the tables' specs.
+  after the last trained batch (``ReaderPosition``), the tables' specs and
+  the model's features (``model``).
 
 Saving advances the engine version: the rows of ``ckpt-<step>`` all carry
 versions <= its ``engine_version``, and rows changed later carry higher ones,
@@ -20,9 +25,8 @@ Restoring verifies every file first (a corrupt checkpoint changes nothing),
 replaces each table's rows (the engine's shard count may differ from the
 writer's: rows are re-partitioned by key), sets the step and the version,
 and restores the dense state at the next step, once the step function is
-traced (so its variables exist). What is not restored: the engine's log of
-removed keys (used by delta exports), and the sighting counts of keys still
-waiting for admission.
+traced (so its variables exist). What is not restored: the sighting counts
+of keys still waiting for admission.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from wuliang.saved_model import SERVING, model_description, write_saved_model
 from wuliang.storage import Version, VersionWriter, load_args
 
 if TYPE_CHECKING:
@@ -62,32 +67,39 @@ def latest_checkpoint(model_dir: str | os.PathLike) -> Path | None:
 
 
 def dense_checkpoint(session: Session) -> Any:
-    """A ``tf.train.Checkpoint`` of the tower and the tower's optimizer.
+    """A ``tf.train.Checkpoint`` of the tower and the tower's optimizer."""
+    import tensorflow as tf
+
+    return tf.train.Checkpoint(optimizer=session.optimizer, **tower_trackables(session))
+
+
+def tower_trackables(session: Session) -> dict[str, Any]:
+    """The objects holding the tower's variables, by stable names.
 
     A tower that is a Keras model or layer or a ``tf.Module`` is tracked as
-    is. A plain function is tracked through the objects it closes over or
-    reads as globals (``inspect.getclosurevars``): each Keras layer/model,
-    ``tf.Module`` or variable under the name the code gives it, so a new
-    process (or a second model in this one) restores by those names. A
-    function that reaches no such object falls back to the variables its
+    is (``tower``). A plain function is tracked through the objects it closes
+    over or reads as globals (``inspect.getclosurevars``): each Keras
+    layer/model, ``tf.Module`` or variable under the name the code gives it,
+    so a new process (or a second model in this one) restores by those names.
+    A function that reaches no such object falls back to the variables its
     traced steps capture, ordered by name (stable only in a fresh process).
     """
     import tensorflow as tf
 
     tower, optimizer = session.functions.tower, session.optimizer
     try:
-        return tf.train.Checkpoint(tower=tower, optimizer=optimizer)
+        tf.train.Checkpoint(tower=tower)
+        return {"tower": tower}
     except (ValueError, TypeError):
         pass
     objects = _trackables_of(tower) if callable(tower) else {}
     if objects:
-        tracked = {f"tower_{name}": value for name, value in objects.items()}
-        return tf.train.Checkpoint(optimizer=optimizer, **tracked)
+        return {f"tower_{name}": value for name, value in objects.items()}
     own = {id(v) for v in getattr(optimizer, "variables", [])}
     variables = sorted(
         (v for v in session.functions.variables() if id(v) not in own), key=lambda v: v.name
     )
-    return tf.train.Checkpoint(optimizer=optimizer, variables=variables)
+    return {"variables": variables}
 
 
 def _trackables_of(fn: Any) -> dict[str, Any]:
@@ -133,21 +145,24 @@ def save(
     version = engine.version
     engine.advance_version()  # later changes: versions above every row saved here
     with VersionWriter(model_dir, final.name, "checkpoint") as writer:
-        specs = {}
         for name in ctx.tables:
             spec = engine.spec(name)
             writer.write_table(
                 name, spec.dim, spec.state_dim, engine.export(name), optimizer=repr(spec.optimizer)
             )
-            specs[name] = {"dim": spec.dim, "state_dim": spec.state_dim}
+            keys, versions = engine.removed_log(name)
+            writer.write_removed(name, keys, versions, engine.stats(name)["removed_floor"])
         dense = dense_checkpoint(session)
         dense.write(str(writer.path(DENSE_PREFIX)))
         writer.add_tree("dense")
+        write_saved_model(session, writer.path(SERVING))
+        writer.add_tree(SERVING)
         path = writer.commit(
             step=step,
             engine_version=version,
             reader_position=None if position is None else position.to_dict(),
             num_shards=ctx.num_shards,
+            model=model_description(session),
         )
     if keep is not None:
         for _, old in checkpoints(model_dir)[:-keep]:
@@ -183,6 +198,9 @@ def restore(session: Session, path: str | os.PathLike) -> dict[str, Any] | None:
         if name in version.tables:
             for rows in version.read_rows(name, verified=True):
                 engine.load(name, **load_args(rows))
+            keys, versions = version.removed_log(name)
+            floor = version.tables[name].get("removed_floor", 0)
+            engine.load_removed(name, keys, versions, floor)
     ctx.global_step = int(version["step"])
     engine.step = ctx.global_step
     engine.restore_version(int(version["engine_version"]) + 1)

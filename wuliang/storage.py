@@ -6,13 +6,14 @@ A *version* is a directory::
     <root>/<name>/
         manifest.json                     what is here, with a sha256 per file
         tables/<table>/part-00000.arrow   rows (Arrow IPC file, uncompressed)
-        tables/<table>/removed.arrow      keys removed (deltas only)
-        dense/...                         TF checkpoint or SavedModel files
+        tables/<table>/removed.arrow      removal records: key, version
+        dense/..., serving/...            TF checkpoint, SavedModel files
 
 A rows file has the columns ``key`` (uint64), ``vector`` (fixed-size list of
-``dim`` float32), ``state`` (fixed-size list of the optimizer's state floats),
-``count`` (uint32), ``step`` (uint64), ``time`` (uint32) and ``version``
-(uint64): everything ``Engine.load`` takes, so a restore is exact. Arrow IPC
+``dim`` float32), ``state`` (fixed-size list of the optimizer's state floats;
+absent where the version stores no state, as exports do), ``count``
+(uint32), ``step`` (uint64), ``time`` (uint32) and ``version`` (uint64):
+everything ``Engine.load`` takes, so a restore is exact. Arrow IPC
 (not Parquet) because rows are written and read at memory speed: no encoding,
 and the reader maps the file and hands the columns to the engine as views.
 Parts hold at most ``PART_ROWS`` rows; the part files are independent of the
@@ -22,7 +23,8 @@ engine's shard count, so a version restores into any number of shards.
 
     {"format": "wuliang-version/1", "kind": "checkpoint" | "full" | "delta",
      "created": unix time, ...caller's fields (step, version, parent, ...),
-     "tables": {name: {"dim", "state_dim", "optimizer", "rows", "removed"}},
+     "tables": {name: {"dim", "state_dim" (stored; 0: none), "optimizer",
+                       "rows", "parts", "removed", "removed_floor"}},
      "files": {relative path: {"sha256", "bytes", "rows"}}}
 
 Writes are atomic: ``VersionWriter`` writes under ``<root>/.tmp-<name>-*``,
@@ -69,33 +71,26 @@ def _fsl(values: np.ndarray, width: int) -> pa.Array:
 
 
 def rows_schema(dim: int, state_dim: int) -> pa.Schema:
-    return pa.schema(
-        [
-            ("key", pa.uint64()),
-            ("vector", pa.list_(pa.float32(), dim)),
-            ("state", pa.list_(pa.float32(), state_dim)),
-            ("count", pa.uint32()),
-            ("step", pa.uint64()),
-            ("time", pa.uint32()),
-            ("version", pa.uint64()),
-        ]
-    )
+    """The rows-file schema; without ``state`` when state_dim is 0."""
+    fields = [("key", pa.uint64()), ("vector", pa.list_(pa.float32(), dim))]
+    if state_dim:
+        fields.append(("state", pa.list_(pa.float32(), state_dim)))
+    fields += [("count", pa.uint32()), ("step", pa.uint64()), ("time", pa.uint32())]
+    return pa.schema([*fields, ("version", pa.uint64())])
 
 
 def rows_to_batch(rows: RowChunk, dim: int, state_dim: int) -> pa.RecordBatch:
-    """A RecordBatch of a ``RowChunk``."""
-    return pa.record_batch(
-        [
-            pa.array(rows.keys, pa.uint64()),
-            _fsl(rows.weights, dim),
-            _fsl(rows.state, state_dim),
-            pa.array(rows.counts, pa.uint32()),
-            pa.array(rows.steps, pa.uint64()),
-            pa.array(rows.times, pa.uint32()),
-            pa.array(rows.versions, pa.uint64()),
-        ],
-        schema=rows_schema(dim, state_dim),
-    )
+    """A RecordBatch of a ``RowChunk`` (its state left out when state_dim is 0)."""
+    columns = [pa.array(rows.keys, pa.uint64()), _fsl(rows.weights, dim)]
+    if state_dim:
+        columns.append(_fsl(rows.state, state_dim))
+    columns += [
+        pa.array(rows.counts, pa.uint32()),
+        pa.array(rows.steps, pa.uint64()),
+        pa.array(rows.times, pa.uint32()),
+        pa.array(rows.versions, pa.uint64()),
+    ]
+    return pa.record_batch(columns, schema=rows_schema(dim, state_dim))
 
 
 def _fsl_numpy(column: pa.Array, width: int) -> np.ndarray:
@@ -107,11 +102,14 @@ def _fsl_numpy(column: pa.Array, width: int) -> np.ndarray:
 def batch_to_rows(batch: pa.RecordBatch) -> RowChunk:
     """A rows-file RecordBatch as a ``RowChunk`` (numpy views where Arrow allows)."""
     dim = batch.schema.field("vector").type.list_size
-    state_dim = batch.schema.field("state").type.list_size
+    if batch.schema.get_field_index("state") >= 0:
+        state = _fsl_numpy(batch.column("state"), batch.schema.field("state").type.list_size)
+    else:
+        state = np.zeros((batch.num_rows, 0), np.float32)
     return RowChunk(
         keys=batch.column("key").to_numpy(),
         weights=_fsl_numpy(batch.column("vector"), dim),
-        state=_fsl_numpy(batch.column("state"), state_dim),
+        state=state,
         counts=batch.column("count").to_numpy(),
         steps=batch.column("step").to_numpy(),
         times=batch.column("time").to_numpy(),
@@ -201,10 +199,10 @@ class VersionWriter:
         state_dim: int,
         chunks: Iterable[RowChunk],
         optimizer: str = "",
-        removed: np.ndarray | None = None,
     ) -> int:
-        """Writes a table's rows (``RowChunk`` s) in parts of
-        at most ``PART_ROWS`` rows, and its removed keys; returns the rows."""
+        """Writes a table's rows (``RowChunk`` s) in parts of at most
+        ``PART_ROWS`` rows; returns the rows. ``state_dim`` 0 leaves the
+        optimizer state out."""
         schema = rows_schema(dim, state_dim)
         total = part = 0
         writer: pa.ipc.RecordBatchFileWriter | None = None
@@ -238,26 +236,42 @@ class VersionWriter:
                 if in_part == PART_ROWS:
                     close_part()
         close_part()
-        entry: dict[str, Any] = {
+        self.tables[table] = {
             "dim": dim,
             "state_dim": state_dim,
             "optimizer": optimizer,
             "rows": total,
             "parts": part,
         }
-        if removed is not None:
-            removed = np.ascontiguousarray(removed, np.uint64)
-            relative = f"tables/{table}/removed.arrow"
-            keys = pa.record_batch([pa.array(removed, pa.uint64())], names=["key"])
-            with (
-                pa.OSFile(str(self.path(relative)), "wb") as sink_removed,
-                pa.ipc.new_file(sink_removed, keys.schema) as w,
-            ):
-                w.write_batch(keys)
-            self.add_file(relative, len(removed))
-            entry["removed"] = len(removed)
-        self.tables[table] = entry
         return total
+
+    def write_removed(
+        self,
+        table: str,
+        keys: np.ndarray,
+        versions: np.ndarray | None = None,
+        floor: int | None = None,
+    ) -> None:
+        """Writes a table's removal records (after ``write_table``): keys and
+        the versions they were removed at; ``floor``: records of versions up
+        to it are incomplete (the engine's log had dropped them)."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        if versions is None:
+            versions = np.zeros(len(keys), np.uint64)
+        batch = pa.record_batch(
+            [pa.array(keys, pa.uint64()), pa.array(np.asarray(versions, np.uint64), pa.uint64())],
+            names=["key", "version"],
+        )
+        relative = f"tables/{table}/removed.arrow"
+        with (
+            pa.OSFile(str(self.path(relative)), "wb") as sink,
+            pa.ipc.new_file(sink, batch.schema) as w,
+        ):
+            w.write_batch(batch)
+        self.add_file(relative, len(keys))
+        self.tables[table]["removed"] = len(keys)
+        if floor is not None:
+            self.tables[table]["removed_floor"] = int(floor)
 
     def commit(self, **fields: Any) -> Path:
         """Writes the manifest and renames the version into place."""
@@ -284,9 +298,13 @@ def _slice_rows(chunk: RowChunk, start: int, n: int) -> RowChunk:
     )
 
 
-def load_args(rows: RowChunk) -> dict[str, np.ndarray]:
-    """``Engine.load`` keyword arguments of a chunk (same names as its fields)."""
-    return {f.name: getattr(rows, f.name) for f in dataclasses.fields(rows)}
+def load_args(rows: RowChunk) -> dict[str, np.ndarray | None]:
+    """``Engine.load`` keyword arguments of a chunk (same names as its fields;
+    no state where none was stored)."""
+    args = {f.name: getattr(rows, f.name) for f in dataclasses.fields(rows)}
+    if rows.state.shape[1] == 0:
+        args["state"] = None
+    return args
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
@@ -381,12 +399,19 @@ class Version:
                     yield batch_to_rows(reader.get_batch(i))
 
     def removed_keys(self, table: str) -> np.ndarray:
+        """The table's removed keys (uint64; none if it has no records)."""
+        return self.removed_log(table)[0]
+
+    def removed_log(self, table: str) -> tuple[np.ndarray, np.ndarray]:
+        """The table's removal records: (keys, versions), uint64."""
         relative = f"tables/{table}/removed.arrow"
         if relative not in self.manifest["files"]:
-            return np.zeros(0, np.uint64)
+            return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
         with pa.memory_map(str(self.checked(relative))) as source:
             reader = pa.ipc.open_file(source)
-            parts = [
-                reader.get_batch(i).column(0).to_numpy() for i in range(reader.num_record_batches)
-            ]
-        return np.concatenate(parts) if parts else np.zeros(0, np.uint64)
+            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+            keys = [b.column("key").to_numpy() for b in batches]
+            versions = [b.column("version").to_numpy() for b in batches]
+        if not keys:
+            return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
+        return np.concatenate(keys), np.concatenate(versions)

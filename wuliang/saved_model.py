@@ -1,0 +1,107 @@
+"""The tower as a TensorFlow SavedModel, for serving.
+
+Serving looks each feature's keys up in the exported tables and pools them
+itself; the SavedModel holds only the dense part. Its ``serving_default``
+signature takes, by name:
+
+* each pooled sparse feature: ``[B, dim]`` float32;
+* each sequence feature (``combiner=None``): ``[B, max_len, dim]`` and its
+  mask ``<name>_mask`` ``[B, max_len]``;
+* each dense feature: ``[B, dim]`` float32;
+
+and returns ``predictions`` (a multi-task tower: ``predictions_<task>`` per
+task), as the training step computes them (sigmoid of the logits for
+``binary_crossentropy``, softmax for ``softmax_crossentropy``, the logits
+themselves for ``mse`` or a custom loss). The same function is the loaded
+object's ``serve(inputs: dict)``.
+
+The module tracks the tower's variables the way ``checkpoint.dense_checkpoint``
+does: a Keras model/layer or ``tf.Module`` tower as is, a plain function
+through the trackable objects it reaches by name, else the variables the
+traced step captures.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from wuliang.session import Session
+
+SIGNATURE = "serving_default"
+SERVING = "serving"  # the SavedModel's folder in checkpoints and exports
+_VALID_NAME = re.compile(r"[A-Za-z0-9.][A-Za-z0-9_.\-/]*")
+
+
+def input_specs(session: Session) -> dict[str, Any]:
+    """The signature's inputs: name -> ``tf.TensorSpec``."""
+    import tensorflow as tf
+
+    specs: dict[str, Any] = {}
+    for f in session.sparse:
+        if f.is_sequence:
+            specs[f.name] = tf.TensorSpec([None, f.max_len, f.table.dim], tf.float32, f.name)
+            mask = f"{f.name}_mask"
+            specs[mask] = tf.TensorSpec([None, f.max_len], tf.float32, mask)
+        else:
+            specs[f.name] = tf.TensorSpec([None, f.table.dim], tf.float32, f.name)
+    for d in session.dense:
+        specs[d.name] = tf.TensorSpec([None, d.dim], tf.float32, d.name)
+    for name in specs:
+        if not _VALID_NAME.fullmatch(name):
+            raise ValueError(
+                f"feature name {name!r} cannot name a SavedModel input "
+                "(use letters, digits and _ . - /)"
+            )
+    return specs
+
+
+def model_description(session: Session) -> dict[str, Any]:
+    """What serving needs besides the SavedModel: each feature's table and
+    how it pools, the dense features (JSON, for manifests)."""
+    return {
+        "signature": SIGNATURE,
+        "sparse": [
+            {"name": f.name, "table": f.table.name, "combiner": f.combiner, "max_len": f.max_len}
+            for f in session.sparse
+        ],
+        "dense": [{"name": d.name, "dim": d.dim} for d in session.dense],
+    }
+
+
+def serving_module(session: Session) -> Any:
+    """A ``tf.Module`` with the tower's variables and ``serve(inputs)``."""
+    import tensorflow as tf
+
+    from wuliang.checkpoint import tower_trackables
+
+    functions = session.functions
+    sparse, dense = list(session.sparse), list(session.dense)
+    module = tf.Module()
+    module.tracked = tower_trackables(session)
+
+    def serve(inputs: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+        embeddings = {
+            f.name: (inputs[f.name], inputs[f"{f.name}_mask"]) if f.is_sequence else inputs[f.name]
+            for f in sparse
+        }
+        result = functions.tower(embeddings, {d.name: inputs[d.name] for d in dense})
+        logits = result[0] if isinstance(result, tuple) else result
+        predictions = functions.predictions(logits)
+        if isinstance(predictions, dict):
+            return {f"predictions_{task}": p for task, p in sorted(predictions.items())}
+        return {"predictions": predictions}
+
+    module.serve = tf.function(serve, input_signature=[input_specs(session)])
+    return module
+
+
+def write_saved_model(session: Session, path: str | Path) -> None:
+    """Writes the tower as a SavedModel into the (new or empty) folder path."""
+    import tensorflow as tf
+
+    module = serving_module(session)
+    signature = module.serve.get_concrete_function()
+    tf.saved_model.save(module, str(path), signatures={SIGNATURE: signature})
