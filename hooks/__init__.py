@@ -5,6 +5,8 @@ Import as ``wuliang.hooks``.
 
 from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
 from wuliang.hooks.checkpoint import Checkpoint
+from wuliang.hooks.export import IncrementalExport
+from wuliang.hooks.periodic import PeriodicSyncHook
 from wuliang.hooks.standard import (
     Eval,
     Logging,
@@ -20,8 +22,10 @@ RunArgs = SessionRunArgs  # the short name
 __all__ = [
     "Checkpoint",
     "Eval",
+    "IncrementalExport",
     "Logging",
     "NanGuard",
+    "PeriodicSyncHook",
     "ProgressBar",
     "RunArgs",
     "SessionRunArgs",

@@ -4,15 +4,14 @@ and at the end (``wuliang.checkpoint`` has the format)."""
 from __future__ import annotations
 
 import os
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
-from wuliang.hooks.base import SessionRunContext, SessionRunHook, SessionRunValues
+from wuliang.hooks.base import SessionRunContext, SessionRunValues
+from wuliang.hooks.periodic import PeriodicSyncHook
 
 
-class Checkpoint(SessionRunHook):
+class Checkpoint(PeriodicSyncHook):
     """Saves ``model_dir/ckpt-<step>`` every ``every_steps`` steps or every
     ``every_secs`` seconds (default 600 s) and once at the end, keeping the
     newest ``keep``; when the session starts, restores the newest checkpoint
@@ -31,22 +30,15 @@ class Checkpoint(SessionRunHook):
         keep: int | None = 5,
         restore: bool = True,
     ) -> None:
-        if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
-            raise ValueError(f"every_steps must be an int >= 1, got {every_steps!r}")
-        if every_secs is not None and every_secs <= 0:
-            raise ValueError(f"every_secs must be > 0, got {every_secs!r}")
+        if every_steps is None and every_secs is None:
+            every_secs = 600.0
+        super().__init__(every_steps, every_secs)
         if keep is not None and (not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
         self.model_dir = Path(model_dir)
-        self.every_steps = every_steps
-        self.every_secs = 600.0 if every_steps is None and every_secs is None else every_secs
         self.keep = keep
         self.restore = restore
         self.saved: list[Path] = []  # what this hook wrote, oldest first
-        self._lock = threading.Lock()
-        self._due: set[int] = set()
-        self._last_time = time.monotonic()
-        self._last_saved_step = -1
         self._position: Any = None
 
     def after_create_session(self, session: Any) -> None:
@@ -55,33 +47,11 @@ class Checkpoint(SessionRunHook):
         latest = latest_checkpoint(self.model_dir) if self.restore else None
         if latest is not None and session.global_step == 0:
             session.restore_checkpoint(latest)
-        self._last_saved_step = session.global_step
-        self._last_time = time.monotonic()
-
-    def sync_after(self, step: int) -> bool:
-        with self._lock:
-            due = bool(self.every_steps) and (step + 1) % self.every_steps == 0
-            now = time.monotonic()
-            if self.every_secs is not None and now - self._last_time >= self.every_secs:
-                due = True
-                self._last_time = now
-            if due:
-                self._due.add(step)
-            return due
+        super().after_create_session(session)
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
         self._position = getattr(run_context.batch, "position", None)
-        with self._lock:
-            due = run_context.step in self._due
-            self._due.discard(run_context.step)
-        if due and run_context.synced:
-            self._save(run_context.session)
+        super().after_run(run_context, run_values)
 
-    def end(self, session: Any) -> None:
-        if session.global_step != self._last_saved_step:
-            self._save(session)
-
-    def _save(self, session: Any) -> None:
-        path = session.save_checkpoint(self.model_dir, self._position, self.keep)
-        self._last_saved_step = session.global_step
-        self.saved.append(path)
+    def trigger(self, session: Any) -> None:
+        self.saved.append(session.save_checkpoint(self.model_dir, self._position, self.keep))

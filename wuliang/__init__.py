@@ -20,7 +20,9 @@ __version__ = "0.1.0"
 _SUBMODULES = (
     "admission",
     "embedding",
+    "checkpoint",
     "eviction",
+    "export",
     "hooks",
     "initializers",
     "metrics",

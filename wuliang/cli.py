@@ -56,6 +56,29 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from wuliang.checkpoint import latest_checkpoint
+    from wuliang.export import CheckpointSource, compact, export
+    from wuliang.storage import CorruptVersionError
+
+    try:
+        if args.compact:
+            result = compact(args.export_dir)
+        else:
+            if args.model_dir is None:
+                raise ValueError("--model-dir is required (or --compact)")
+            path = latest_checkpoint(args.model_dir)
+            if path is None:
+                raise FileNotFoundError(f"no checkpoint (ckpt-<step>) in {args.model_dir}")
+            kind = "full" if args.full else "auto"
+            result = export(CheckpointSource(path), args.export_dir, kind)
+    except (CorruptVersionError, ValueError, OSError, KeyError) as error:
+        print(f"wuliang export: error: {error}", file=sys.stderr)
+        return 1
+    print(result.status())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wuliang", description=__doc__)
     parser.add_argument("--version", action="version", version=f"wuliang {__version__}")
@@ -98,6 +121,28 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (criteo, movielens, csv):
         p.add_argument("--quiet", action="store_true", help="no progress bar")
         p.set_defaults(func=_convert)
+
+    exp = sub.add_parser(
+        "export",
+        help="export the newest checkpoint for serving (a delta of the last export)",
+        description="Writes the next version of EXPORT_DIR from the newest checkpoint in "
+        "MODEL_DIR: a delta of the last version (rows changed and keys removed since), or a "
+        "full version when there is none. Idempotent and safe to rerun after a crash; "
+        "prints one status line, exits 1 with a message on failure.",
+    )
+    exp.add_argument("--model-dir", help="the trainer's checkpoints (ckpt-<step>/)")
+    exp.add_argument("--export-dir", required=True, help="versions 1/, 2/, ... and LATEST")
+    mode = exp.add_mutually_exclusive_group()
+    mode.add_argument("--full", action="store_true", help="write a full version")
+    mode.add_argument(
+        "--incremental",
+        action="store_true",
+        help="a delta of the last version (the default; full when there is none)",
+    )
+    mode.add_argument(
+        "--compact", action="store_true", help="merge LATEST and its base into a full version"
+    )
+    exp.set_defaults(func=_export)
     return parser
 
 

@@ -1,0 +1,65 @@
+"""A hook that acts every N steps or every T seconds on a synced engine, and
+once at the end: the base of ``Checkpoint`` and ``IncrementalExport``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from wuliang.hooks.base import SessionRunContext, SessionRunHook, SessionRunValues
+
+
+class PeriodicSyncHook(SessionRunHook):
+    """Calls ``trigger(session)`` after every ``every_steps``-th step or once
+    ``every_secs`` have passed (checked ahead of each step), with the engine
+    in sync after that step (its push applied, nothing of later steps
+    pulled), and in ``end`` when steps ran since the last trigger.
+
+    Syncing stalls the pipeline for about one step each time.
+    """
+
+    def __init__(self, every_steps: int | None, every_secs: float | None) -> None:
+        if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
+            raise ValueError(f"every_steps must be an int >= 1, got {every_steps!r}")
+        if every_secs is not None and every_secs <= 0:
+            raise ValueError(f"every_secs must be > 0, got {every_secs!r}")
+        self.every_steps = every_steps
+        self.every_secs = every_secs
+        self._lock = threading.Lock()
+        self._due: set[int] = set()
+        self._last_time = time.monotonic()
+        self._last_step = -1  # global step at the last trigger (or start)
+
+    def trigger(self, session: Any) -> None:
+        raise NotImplementedError
+
+    def after_create_session(self, session: Any) -> None:
+        self._last_step = session.global_step
+        self._last_time = time.monotonic()
+
+    def sync_after(self, step: int) -> bool:
+        with self._lock:
+            due = bool(self.every_steps) and (step + 1) % self.every_steps == 0
+            now = time.monotonic()
+            if self.every_secs is not None and now - self._last_time >= self.every_secs:
+                due = True
+                self._last_time = now
+            if due:
+                self._due.add(step)
+            return due
+
+    def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
+        with self._lock:
+            due = run_context.step in self._due
+            self._due.discard(run_context.step)
+        if due and run_context.synced:
+            self._fire(run_context.session)
+
+    def end(self, session: Any) -> None:
+        if session.global_step != self._last_step:
+            self._fire(session)
+
+    def _fire(self, session: Any) -> None:
+        self.trigger(session)
+        self._last_step = session.global_step

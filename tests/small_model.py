@@ -1,0 +1,75 @@
+"""A small model and its data, shared by the checkpoint and export tests:
+a user id (Adagrad table), a bag of items (Adam table, mean), one dense
+feature, and a label learnable from them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import wuliang as wl
+from wuliang.reader import ParquetReader
+
+BATCH = 64
+
+
+def write_data(folder: Path) -> list[str]:
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(2):
+        n = 700
+        users = rng.integers(0, 300, n)
+        items = [rng.integers(0, 500, rng.integers(0, 4)).tolist() for _ in range(n)]
+        x = rng.normal(size=n).astype(np.float32)
+        label = ((users % 3 == 0) ^ (x > 0.5)).astype(np.float32)
+        table = pa.table({"user": users, "items": items, "x": x, "label": label})
+        path = folder / f"part-{i}.parquet"
+        pq.write_table(table, path, row_group_size=128)
+        paths.append(str(path))
+    return paths
+
+
+class Losses(wl.hooks.SessionRunHook):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def before_run(self, run_context: Any) -> Any:
+        return wl.hooks.SessionRunArgs(["loss"])
+
+    def after_run(self, run_context: Any, run_values: Any) -> None:
+        self.values.append(float(run_values.results["loss"]))
+
+
+def make_session(num_shards: int = 2) -> wl.Session:
+    keras.utils.set_random_seed(5)
+    users = wl.EmbeddingTable("users", 8, optimizer=wl.optimizers.Adagrad(0.1))
+    items = wl.EmbeddingTable("items", 4, optimizer=wl.optimizers.Adam(0.01))
+    features = [
+        wl.SparseFeature("user", users),
+        wl.SparseFeature("items", items, combiner="mean"),
+        wl.DenseFeature("x"),
+    ]
+    mlp = keras.Sequential([keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+
+    def tower(embeddings: dict, dense: dict) -> Any:
+        return mlp(wl.embedding.concat([embeddings["user"], embeddings["items"], dense["x"]]))
+
+    context = wl.Context(num_shards=num_shards, staleness=0)
+    return wl.Session(tower, features, context, optimizer=keras.optimizers.Adam(0.01))
+
+
+def reader(files: list[str], shuffle: int) -> ParquetReader:
+    return ParquetReader(
+        files,
+        BATCH,
+        ["user", "items", "x"],
+        label="label",
+        shuffle_buffer=shuffle,
+        seed=1,
+        epochs=3,
+    )

@@ -1,0 +1,313 @@
+"""Exports: full and delta versions from checkpoints (``wuliang export``) and
+from the live trainer (``IncrementalExport``); base + deltas == full, bit for
+bit; removals; the SavedModel; idempotence, compaction, corruption and a
+SIGKILL mid-export."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from small_model import make_session, reader, write_data
+
+import wuliang as wl
+from wuliang.export import (
+    CheckpointSource,
+    SessionSource,
+    apply_chain,
+    chain,
+    compact,
+    export,
+    latest,
+    versions,
+)
+from wuliang.ps_server import Engine
+from wuliang.storage import CorruptVersionError, Version
+
+COLUMNS = ("keys", "weights", "counts", "steps", "versions")
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "wuliang", "export", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,  # not the source tree: the installed package
+        timeout=300,
+    )
+
+
+def rows_of(engine: Engine, table: str) -> dict[str, np.ndarray]:
+    """Every row of a table sorted by key, the columns exports keep."""
+    chunks = list(engine.export(table))
+    out = {c: np.concatenate([getattr(x, c) for x in chunks]) for c in COLUMNS}
+    order = np.argsort(out["keys"])
+    return {c: v[order] for c, v in out.items()}
+
+
+def assert_same_tables(a: Engine, b: Engine, tables: list[str]) -> None:
+    for table in tables:
+        x, y = rows_of(a, table), rows_of(b, table)
+        for column in COLUMNS:
+            np.testing.assert_array_equal(x[column], y[column], err_msg=f"{table}.{column}")
+
+
+def applied(export_dir: Path, version: int | None = None) -> Engine:
+    engine = Engine(num_shards=3)
+    apply_chain(engine, export_dir, version)
+    return engine
+
+
+def test_cli_full_then_deltas_equal_a_full_export(tmp_path: Path) -> None:
+    files = write_data(tmp_path)
+    model_dir, exports, fulls = tmp_path / "model", tmp_path / "exports", tmp_path / "fulls"
+    session = make_session()
+    engine = session.context.engine
+    session.train(reader(files, 0), steps=6)
+    session.save_checkpoint(model_dir)
+
+    first = cli("--model-dir", str(model_dir), "--export-dir", str(exports), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("export 1: full (no previous export) at step 6")
+    assert len(first.stdout.strip().splitlines()) == 1
+    again = cli("--model-dir", str(model_dir), "--export-dir", str(exports), cwd=tmp_path)
+    assert again.returncode == 0 and "up to date" in again.stdout  # idempotent
+    assert [v for v, _ in versions(exports)] == [1]
+
+    session.train(reader(files, 0), steps=4)
+    gone = {}
+    for table, n in (("users", 3), ("items", 2)):
+        candidates = np.arange(500, dtype=np.uint64)
+        gone[table] = candidates[engine.contains(table, candidates)][:n]
+        assert engine.erase(table, gone[table]) == n
+    again_key = gone["users"][2:]
+    back = engine.pull("users", again_key)  # removed, then back
+    engine.push("users", again_key, np.ones_like(back))
+    session.save_checkpoint(model_dir)
+    second = cli(
+        "--incremental", "--model-dir", str(model_dir), "--export-dir", str(exports), cwd=tmp_path
+    )
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.startswith("export 2: delta of 1 at step 10")
+    delta = Version(exports / "2")
+    assert delta["parent"] == 1 and delta.kind == "delta"
+    assert sorted(delta.removed_keys("users").tolist()) == gone["users"][:2].tolist()
+    assert sorted(delta.removed_keys("items").tolist()) == gone["items"].tolist()
+    since = Version(exports / "1")["engine_version"]
+    for table in ("users", "items"):  # exactly the rows changed since export 1
+        changed = rows_of(engine, table)["versions"] > since
+        assert delta.tables[table]["rows"] == changed.sum() > 0
+        assert changed.sum() < len(changed)
+    assert (exports / "LATEST").read_text().strip() == "2"
+
+    session.train(reader(files, 0), steps=3)
+    session.save_checkpoint(model_dir)
+    assert (
+        cli("--model-dir", str(model_dir), "--export-dir", str(exports), cwd=tmp_path).returncode
+        == 0
+    )
+    full = cli("--full", "--model-dir", str(model_dir), "--export-dir", str(fulls), cwd=tmp_path)
+    assert full.returncode == 0, full.stderr
+
+    tables = ["users", "items"]
+    assert [v.path.name for v in chain(exports)] == ["1", "2", "3"]
+    chained, whole = applied(exports), applied(fulls)
+    assert_same_tables(chained, whole, tables)  # base + deltas == full, bit for bit
+    assert_same_tables(chained, engine, tables)  # == the trainer's rows
+    at_two = applied(exports, 2)  # removed keys are gone after the delta removing them
+    assert not at_two.contains("users", gone["users"][:2]).any()
+    assert at_two.contains("users", again_key).all()
+    assert not at_two.contains("items", gone["items"]).any()
+    assert applied(exports, 1).contains("items", gone["items"]).all()
+    session.context.close()
+
+
+def test_saved_model_serves_the_session_predictions(tmp_path: Path) -> None:
+    files = write_data(tmp_path)
+    session = make_session()
+    session.train(reader(files, 0), steps=5)
+    result = export(SessionSource(session), tmp_path / "exports")
+    assert result.kind == "full" and result.version == 1
+    batch = next(iter(reader(files, 0)))
+    want = session.run(batch, ["predictions", "user", "items"], train=False)
+    loaded = tf.saved_model.load(str(result.path / "serving"))
+    signature = loaded.signatures["serving_default"]
+    got = signature(
+        user=tf.constant(want["user"]),
+        items=tf.constant(want["items"]),
+        x=tf.constant(batch.dense_feature("x"), tf.float32),
+    )["predictions"].numpy()
+    np.testing.assert_allclose(got, want["predictions"], rtol=1e-6)
+    model = Version(result.path)["model"]
+    assert model["sparse"][1] == {
+        "name": "items",
+        "table": "items",
+        "combiner": "mean",
+        "max_len": None,
+    }
+    assert model["dense"] == [{"name": "x", "dim": 1}]
+    session.context.close()
+
+
+def test_incremental_export_hook_chain_equals_the_trainer(tmp_path: Path) -> None:
+    files = write_data(tmp_path)
+    exports = tmp_path / "exports"
+    hook = wl.hooks.IncrementalExport(exports, every_steps=4, full_every=3)
+    session = make_session()
+    session.train(reader(files, 300), steps=14, hooks=[hook])
+    kinds = [(r.version, r.kind, r.step) for r in hook.results]
+    # every 4 steps, then at the end; version 4 is full again (full_every=3)
+    assert kinds == [(1, "full", 4), (2, "delta", 8), (3, "delta", 12), (4, "full", 14)]
+    for version, _ in versions(exports):
+        Version(exports / str(version)).verify()
+    for r in hook.results[1:3]:
+        assert 0 < sum(r.rows.values()) < sum(hook.results[0].rows.values()) + 100
+    tables = ["users", "items"]
+    assert_same_tables(applied(exports), session.context.engine, tables)
+    session.context.close()
+    with pytest.raises(ValueError, match="full_every"):
+        wl.hooks.IncrementalExport(exports, full_every=0)
+
+
+def test_compact_merges_a_chain_into_one_full_version(tmp_path: Path) -> None:
+    files = write_data(tmp_path)
+    exports = tmp_path / "exports"
+    session = make_session()
+    for steps in (4, 3, 3):
+        session.train(reader(files, 0), steps=steps)
+        session.context.engine.erase("items", np.arange(steps, dtype=np.uint64))
+        export(SessionSource(session), exports)
+    before = applied(exports)
+    result = cli("--compact", "--export-dir", str(exports), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("export 4: full (compacted versions 1, 2, 3)")
+    assert [v.path.name for v in chain(exports)] == ["4"]
+    assert_same_tables(applied(exports), before, ["users", "items"])
+    assert "up to date" in compact(exports).status()  # already full: nothing new
+    session.context.close()
+
+
+def test_full_when_a_delta_cannot_be_made(tmp_path: Path) -> None:
+    files = write_data(tmp_path)
+    model_dir, exports = tmp_path / "model", tmp_path / "exports"
+    session = make_session()
+    session.train(reader(files, 0), steps=3)
+    old = session.save_checkpoint(model_dir)
+    session.train(reader(files, 0), steps=3)
+    new = session.save_checkpoint(model_dir)
+    session.context.close()
+    assert export(CheckpointSource(new), exports).kind == "full"
+    older = export(CheckpointSource(old), exports)  # a trainer restarted from ckpt-3
+    assert (older.version, older.kind, older.reason) == (2, "full", "ckpt-3 is older than export 1")
+    manifest = json.loads((new / "manifest.json").read_text())
+    manifest["tables"]["users"]["removed_floor"] = 10**9  # as if the log had been cut
+    (new / "manifest.json").write_text(json.dumps(manifest))
+    cut = export(CheckpointSource(new), exports)
+    assert (cut.version, cut.kind) == (3, "full") and "no longer reaches" in cut.reason
+    assert not export(CheckpointSource(new), exports, kind="full").written  # 3 is full
+    with pytest.raises(ValueError, match="kind"):
+        export(CheckpointSource(new), exports, kind="delta")
+
+
+def test_errors_are_clear_and_corruption_is_refused_by_name(tmp_path: Path) -> None:
+    files = write_data(tmp_path)
+    model_dir, exports = tmp_path / "model", tmp_path / "exports"
+    missing = cli("--model-dir", str(model_dir), "--export-dir", str(exports), cwd=tmp_path)
+    assert missing.returncode == 1 and "no checkpoint" in missing.stderr
+    no_model = cli("--export-dir", str(exports), cwd=tmp_path)
+    assert no_model.returncode == 1 and "--model-dir" in no_model.stderr
+    nothing = cli("--compact", "--export-dir", str(exports), cwd=tmp_path)
+    assert nothing.returncode == 1 and "has no export" in nothing.stderr
+
+    session = make_session()
+    session.train(reader(files, 0), steps=3)
+    ckpt = session.save_checkpoint(model_dir)
+    part = ckpt / "tables" / "users" / "part-00000.arrow"
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    part.write_bytes(bytes(data))
+    bad = cli("--model-dir", str(model_dir), "--export-dir", str(exports), cwd=tmp_path)
+    assert bad.returncode == 1 and "users/part-00000.arrow" in bad.stderr
+    assert not exports.exists() or versions(exports) == []
+    data[len(data) // 2] ^= 0x01
+    part.write_bytes(bytes(data))
+
+    export(CheckpointSource(ckpt), exports)
+    session.train(reader(files, 0), steps=2)
+    export(SessionSource(session), exports)
+    target = exports / "2" / "tables" / "items" / "part-00000.arrow"
+    data = bytearray(target.read_bytes())
+    data[-100] ^= 0x10
+    target.write_bytes(bytes(data))
+    engine = Engine(2)
+    with pytest.raises(CorruptVersionError, match=r"2/tables/items/part-00000\.arrow"):
+        apply_chain(engine, exports)
+    (exports / "1" / "manifest.json").unlink()
+    with pytest.raises(CorruptVersionError, match="parent of 2"):
+        chain(exports)
+    session.context.close()
+
+
+KILL_CHILD = """
+import sys, numpy as np, keras, wuliang as wl
+from wuliang.export import SessionSource, export
+keras.utils.set_random_seed(1)
+table = wl.EmbeddingTable("t", 16, optimizer=wl.optimizers.Adagrad(0.1))
+mlp = keras.Sequential([keras.layers.Dense(1)])
+session = wl.Session(lambda e, d: mlp(e["f"]), [wl.SparseFeature("f", table)], wl.Context())
+engine = session.context.engine
+rng = np.random.default_rng(0)
+keys = np.arange(1, 400_001, dtype=np.uint64)
+engine.load("t", keys, np.ones((len(keys), 16), np.float32))
+while True:
+    touched = rng.choice(keys, 100_000)
+    engine.push("t", touched, np.ones((len(touched), 16), np.float32))
+    engine.erase("t", rng.choice(keys, 10))
+    session.context.global_step += 1
+    kind = "full" if rng.random() < 0.3 else "auto"
+    print(export(SessionSource(session), sys.argv[1], kind).status(), flush=True)
+"""
+
+
+def test_sigkill_mid_export_keeps_every_committed_version(tmp_path: Path) -> None:
+    exports = tmp_path / "exports"
+    rng = np.random.default_rng(3)
+    for attempt in range(3):
+        log = tmp_path / f"child-{attempt}.log"
+        with (
+            open(log, "w") as stderr,
+            subprocess.Popen(
+                [sys.executable, "-c", KILL_CHILD, str(exports)],
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                cwd=tmp_path,
+            ) as child,
+        ):
+            try:
+                assert child.stdout is not None
+                line = child.stdout.readline().strip()
+                assert line.startswith("export"), f"no export:\n{log.read_text()[-3000:]}"
+                time.sleep(float(rng.uniform(0.1, 1.0)))  # somewhere inside a later one
+                child.send_signal(signal.SIGKILL)
+                child.wait(timeout=30)
+            finally:
+                if child.poll() is None:
+                    child.kill()
+        found = versions(exports)
+        assert found, attempt
+        for _, path in found:
+            Version(path).verify()  # every committed version is whole
+        assert chain(exports)[0].kind == "full"  # LATEST names a whole chain
+    newest = latest(exports)
+    assert newest is not None
+    engine = Engine(2)
+    apply_chain(engine, exports)  # the next reader succeeds
+    assert engine.stats("t")["rows"] > 399_000

@@ -1,0 +1,429 @@
+"""Exports for serving: full and delta versions of a model, and applying them.
+
+::
+
+    export_dir/
+        LATEST     the newest version's name; written last
+        1/         full: every live row
+        2/         delta of 1: rows changed since 1, keys removed since 1
+        3/         delta of 2 ...
+
+Each version is a ``wuliang.storage`` directory (atomic, every file
+checksummed) of kind ``full`` or ``delta``:
+
+* ``tables/<t>/part-*.arrow``: rows (key, vector, count, step, time,
+  version), without optimizer state: serving does not train;
+* ``tables/<t>/removed.arrow`` (deltas): keys removed since the parent;
+* ``serving/``: the tower as a SavedModel (``wuliang.saved_model``);
+* ``manifest.json``: ``version``, ``parent`` (None for a full one), ``kind``,
+  ``engine_version`` and ``step`` of the source, ``model`` (features and how
+  they pool), tables, files (sha256, rows), ``created``.
+
+Versions are numbered 1, 2, ... in the order written. A delta holds the rows
+whose engine version (``Engine`` stamps every modification) is above its
+parent's ``engine_version``, and the keys removed after it that did not come
+back; applying one is: remove its keys, then load its rows. The engine's
+change log makes a live delta cost what it contains; a delta made from a
+checkpoint filters the checkpoint's rows by version.
+
+A full version is written instead of a delta when asked, when there is no
+previous version, when the source is older than the previous version (a
+trainer restarted from an earlier checkpoint), when the tables differ from
+the parent's, or when the removal log no longer reaches the parent's version
+(``ExportResult.reason`` says which).
+
+Exporting is idempotent: a source at the engine version of the newest
+export writes nothing. It is safe to crash anywhere: a version is renamed
+into place complete or not at all, and ``LATEST`` (which may lag after a
+crash) is set from the newest committed version by the next run.
+
+Sources: ``SessionSource`` (a live session, in sync: the ``IncrementalExport``
+hook) and ``CheckpointSource`` (a checkpoint: the ``wuliang export`` job).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from wuliang.ps_server import SGD, Engine, RowChunk, TableSpec, Zeros
+from wuliang.saved_model import SERVING, model_description, write_saved_model
+from wuliang.storage import (
+    CorruptVersionError,
+    Version,
+    VersionWriter,
+    load_args,
+    remove_stale_temporaries,
+)
+
+if TYPE_CHECKING:
+    from wuliang.session import Session
+
+LATEST = "LATEST"
+
+
+class ExportSource(Protocol):
+    """What an export reads: rows by version, removals, the SavedModel."""
+
+    engine_version: int  # every row it holds has a version <= this
+    step: int
+    tables: dict[str, dict[str, Any]]  # name -> {"dim", "optimizer"}
+    model: dict[str, Any]  # model_description()
+    origin: str  # for messages: "session", "ckpt-1200"
+
+    def rows(self, table: str, since: int) -> Iterable[RowChunk]: ...
+
+    def removed(self, table: str, since: int) -> np.ndarray | None:
+        """Keys removed after version since; None when the log does not
+        reach back that far."""
+        ...
+
+    def write_serving(self, writer: VersionWriter) -> None: ...
+
+
+class SessionSource:
+    """A live session. Call in sync (no step in flight); starts a new engine
+    version so that changes made later go to the next delta."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        engine = session.context.engine
+        self.engine = engine
+        self.engine_version = engine.version
+        engine.advance_version()
+        self.step = session.global_step
+        self.tables = {
+            name: {"dim": engine.spec(name).dim, "optimizer": repr(engine.spec(name).optimizer)}
+            for name in session.context.tables
+        }
+        self.model = model_description(session)
+        self.origin = "session"
+
+    def rows(self, table: str, since: int) -> Iterable[RowChunk]:
+        return self.engine.export(table, since=since)
+
+    def removed(self, table: str, since: int) -> np.ndarray | None:
+        if self.engine.stats(table)["removed_floor"] > since:
+            return None
+        return self.engine.removed_keys(table, since)
+
+    def write_serving(self, writer: VersionWriter) -> None:
+        write_saved_model(self.session, writer.path(SERVING))
+        writer.add_tree(SERVING)
+
+
+class CheckpointSource:
+    """A checkpoint directory (``wuliang.checkpoint``), every file verified."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.version = Version(path)
+        if self.version.kind != "checkpoint":
+            raise ValueError(f"{path} is a {self.version.kind} export, not a checkpoint")
+        if "model" not in self.version.manifest:
+            raise ValueError(f"{path} was written by an older wuliang: it has no serving model")
+        self.version.verify()
+        self.engine_version = int(self.version["engine_version"])
+        self.step = int(self.version["step"])
+        self.tables = {
+            name: {"dim": t["dim"], "optimizer": t.get("optimizer", "")}
+            for name, t in self.version.tables.items()
+        }
+        self.model = self.version["model"]
+        self.origin = self.version.path.name
+
+    def rows(self, table: str, since: int) -> Iterator[RowChunk]:
+        for chunk in self.version.read_rows(table, verified=True):
+            if since:
+                keep = chunk.versions > since
+                if not keep.any():
+                    continue
+                chunk = RowChunk(**{k: v[keep] for k, v in load_args(chunk).items()})
+            yield chunk
+
+    def removed(self, table: str, since: int) -> np.ndarray | None:
+        if self.version.tables[table].get("removed_floor", 0) > since:
+            return None
+        keys, versions = self.version.removed_log(table)
+        return keys[versions > since]
+
+    def write_serving(self, writer: VersionWriter) -> None:
+        for relative in self.version.files_under(SERVING):
+            target = writer.path(relative)
+            try:
+                os.link(self.version.path / relative, target)  # versions never change
+            except OSError:
+                shutil.copyfile(self.version.path / relative, target)
+        writer.add_tree(SERVING)
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    version: int
+    kind: str
+    parent: int | None
+    step: int
+    rows: dict[str, int] = field(default_factory=dict)
+    removed: dict[str, int] = field(default_factory=dict)
+    written: bool = True
+    reason: str = ""  # why a full version, where a delta was possible to ask for
+    seconds: float = 0.0
+
+    def status(self) -> str:
+        """One line for logs and cron mail."""
+        if not self.written:
+            return f"export {self.version} is up to date (step {self.step}); nothing written"
+        what = "full" if self.kind == "full" else f"delta of {self.parent}"
+        tables = ", ".join(
+            f"{t} {n:,} rows" + (f" {self.removed[t]:,} removed" if t in self.removed else "")
+            for t, n in self.rows.items()
+        )
+        why = f" ({self.reason})" if self.reason else ""
+        return (
+            f"export {self.version}: {what}{why} at step {self.step}: {tables}; "
+            f"{self.seconds:.2f} s -> {self.path}"
+        )
+
+
+def versions(export_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(version, path) of the committed versions in export_dir, oldest first."""
+    root = Path(export_dir)
+    if not root.is_dir():
+        return []
+    found = [
+        (int(p.name), p)
+        for p in root.iterdir()
+        if p.name.isdigit() and (p / "manifest.json").is_file()
+    ]
+    return sorted(found)
+
+
+def latest(export_dir: str | os.PathLike) -> Version | None:
+    """The newest committed version (whatever LATEST says), or None."""
+    found = versions(export_dir)
+    return Version(found[-1][1]) if found else None
+
+
+def export(source: ExportSource, export_dir: str | os.PathLike, kind: str = "auto") -> ExportResult:
+    """Writes the next version of export_dir from source: a delta of the
+    newest version when possible (``kind="auto"``), or a full one
+    (``kind="full"``). See the module docstring."""
+    if kind not in ("auto", "full"):
+        raise ValueError(f"kind must be 'auto' or 'full', got {kind!r}")
+    start = time.perf_counter()
+    root = Path(export_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(root)
+    newest = latest(root)
+    if newest is not None:
+        _point_latest(root, newest)
+        same = int(newest["engine_version"]) == source.engine_version
+        if same and (kind == "auto" or newest.kind == "full"):
+            return ExportResult(
+                newest.path,
+                int(newest["version"]),
+                newest.kind,
+                newest.get("parent"),
+                int(newest["step"]),
+                written=False,
+            )
+    since, reason, removed = _delta_base(source, newest, kind)
+    number = 1 if newest is None else int(newest["version"]) + 1
+    delta = newest is not None and not reason and kind == "auto"
+    result = ExportResult(
+        root / str(number),
+        number,
+        "delta" if delta else "full",
+        int(newest["version"]) if delta and newest is not None else None,
+        source.step,
+        reason=reason,
+    )
+    with VersionWriter(root, str(number), result.kind) as writer:
+        for table, info in source.tables.items():
+            written: list[np.ndarray] = []  # a delta's keys, to drop from its removals
+            chunks = source.rows(table, since if delta else 0)
+            if delta:
+                chunks = _keys_into(chunks, written)
+            result.rows[table] = writer.write_table(
+                table, info["dim"], 0, chunks, optimizer=info["optimizer"]
+            )
+            if delta:
+                gone = removed[table]
+                if written and len(gone):  # removed, then back: the rows say so
+                    gone = gone[~np.isin(gone, np.concatenate(written))]
+                gone = np.unique(gone)
+                writer.write_removed(table, gone)
+                result.removed[table] = len(gone)
+        source.write_serving(writer)
+        writer.commit(
+            version=number,
+            parent=result.parent,
+            engine_version=source.engine_version,
+            step=source.step,
+            model=source.model,
+            source=source.origin,
+            reason=reason,
+        )
+    _point_latest(root, Version(result.path))
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _delta_base(
+    source: ExportSource, newest: Version | None, kind: str
+) -> tuple[int, str, dict[str, np.ndarray]]:
+    """(since, why a full version is needed or "", removed keys per table)."""
+    if newest is None:
+        return 0, "" if kind == "full" else "no previous export", {}
+    if kind == "full":
+        return 0, "", {}
+    since = int(newest["engine_version"])
+    if source.engine_version < since:
+        return 0, f"{source.origin} is older than export {newest['version']}", {}
+    parent_tables = {t: v["dim"] for t, v in newest.tables.items()}
+    if parent_tables != {t: v["dim"] for t, v in source.tables.items()}:
+        return 0, f"tables differ from export {newest['version']}'s", {}
+    removed = {}
+    for table in source.tables:
+        keys = source.removed(table, since)
+        if keys is None:
+            why = f"the removal log of {table!r} no longer reaches export {newest['version']}"
+            return 0, why, {}
+        removed[table] = keys
+    return since, "", removed
+
+
+def _keys_into(chunks: Iterable[RowChunk], keys: list[np.ndarray]) -> Iterator[RowChunk]:
+    for chunk in chunks:
+        keys.append(chunk.keys)
+        yield chunk
+
+
+def _point_latest(root: Path, version: Version) -> None:
+    """Sets LATEST to version's name unless it says so already."""
+    path = root / LATEST
+    name = version.path.name
+    try:
+        if path.read_text().strip() == name:
+            return
+    except FileNotFoundError:
+        pass
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-LATEST-", dir=root)
+    with os.fdopen(fd, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# -- reading exports -----------------------------------------------------------
+
+
+def chain(export_dir: str | os.PathLike, version: int | None = None) -> list[Version]:
+    """The versions to apply for ``version`` (default: LATEST), base first:
+    a full version and the deltas on top of it."""
+    root = Path(export_dir)
+    if version is None:
+        try:
+            version = int((root / LATEST).read_text().strip())
+        except FileNotFoundError:
+            newest = latest(root)
+            if newest is None:
+                raise FileNotFoundError(f"{root} has no export") from None
+            version = int(newest["version"])
+        except ValueError:
+            raise CorruptVersionError(f"{root / LATEST} does not name a version") from None
+    out: list[Version] = []
+    current: int | None = version
+    while current is not None:
+        path = root / str(current)
+        if not (path / "manifest.json").is_file():
+            wanted_by = f" (the parent of {out[-1].path.name})" if out else ""
+            raise CorruptVersionError(f"export version {path}{wanted_by} is missing")
+        v = Version(path)
+        out.append(v)
+        current = v.get("parent")
+    return out[::-1]
+
+
+def apply(engine: Engine, version: Version) -> None:
+    """Applies one version to engine: a full one replaces each of its tables,
+    a delta removes its keys and loads its rows. Tables the engine lacks are
+    created (SGD, zero initializer: serving does not train). Every file is
+    checked before anything changes."""
+    version.verify()
+    for table, info in version.tables.items():
+        if table in engine.tables() and engine.spec(table).dim != info["dim"]:
+            raise ValueError(
+                f"{version.path}: table {table!r} has dim {info['dim']}, "
+                f"the engine's has {engine.spec(table).dim}"
+            )
+    for table, info in version.tables.items():
+        if version.kind == "full" and table in engine.tables():
+            spec = engine.spec(table)
+            engine.drop_table(table)
+            engine.create_table(spec)
+        elif table not in engine.tables():
+            engine.create_table(TableSpec(table, info["dim"], optimizer=SGD(), initializer=Zeros()))
+        gone = version.removed_keys(table)
+        if len(gone):
+            engine.erase(table, gone)
+        for rows in version.read_rows(table, verified=True):
+            args = load_args(rows)
+            if engine.spec(table).state_dim == 0:
+                args["state"] = None
+            engine.load(table, **args)
+
+
+def apply_chain(
+    engine: Engine, export_dir: str | os.PathLike, version: int | None = None
+) -> list[Version]:
+    """Applies the chain of ``version`` (default LATEST) to engine; returns it."""
+    versions_ = chain(export_dir, version)
+    for v in versions_:
+        apply(engine, v)
+    return versions_
+
+
+def compact(export_dir: str | os.PathLike) -> ExportResult:
+    """Merges LATEST's chain (a full version and its deltas) into a new full
+    version. Nothing is written when LATEST is already a full version."""
+    start = time.perf_counter()
+    root = Path(export_dir)
+    versions_ = chain(root)
+    top = versions_[-1]
+    number = int(top["version"])
+    if top.kind == "full":
+        return ExportResult(top.path, number, "full", None, int(top["step"]), written=False)
+    with Engine(num_shards=2) as engine:
+        apply_chain(engine, root, number)
+        result = ExportResult(root / str(number + 1), number + 1, "full", None, int(top["step"]))
+        with VersionWriter(root, str(number + 1), "full") as writer:
+            for table, info in top.tables.items():
+                result.rows[table] = writer.write_table(
+                    table, info["dim"], 0, engine.export(table), optimizer=info["optimizer"]
+                )
+            for relative in top.files_under(SERVING):
+                shutil.copyfile(top.checked(relative), writer.path(relative))
+            writer.add_tree(SERVING)
+            writer.commit(
+                version=number + 1,
+                parent=None,
+                engine_version=int(top["engine_version"]),
+                step=int(top["step"]),
+                model=top["model"],
+                source=f"compacted {'+'.join(v.path.name for v in versions_)}",
+                reason="",
+            )
+    _point_latest(root, Version(result.path))
+    result.reason = f"compacted versions {', '.join(v.path.name for v in versions_)}"
+    result.seconds = time.perf_counter() - start
+    return result
