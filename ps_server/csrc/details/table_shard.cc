@@ -1,6 +1,7 @@
 #include "details/table_shard.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -19,6 +20,25 @@ namespace {
 constexpr size_t kSlotsAhead = WL_SLOTS_AHEAD;  // prefetch distance of index probes
 constexpr size_t kRowsAhead = WL_ROWS_AHEAD;    // prefetch distance of row reads
 constexpr size_t kMinLog = 1 << 16;             // change/removal log entries always kept
+constexpr size_t kScanBlock = 16;               // slots an export scan visits in a row
+
+// The slot an export scan visits p-th: blocks of kScanBlock slots in a
+// pseudo-random order (a bijection on the block numbers). Rows exported in
+// plain slot order and loaded into a smaller index (a restore: the index
+// grows as they come) would all land in one end of it and form one long
+// probe run, which makes the load quadratic; in this order they spread.
+inline size_t ScanSlot(size_t p, size_t capacity) {
+  if (capacity <= kScanBlock) return p;
+  const uint64_t blocks = capacity / kScanBlock;  // a power of two
+  const uint64_t mask = blocks - 1;
+  const int shift = (std::countr_zero(blocks) + 1) / 2;
+  uint64_t b = p / kScanBlock;
+  b = (b * 0x9E3779B97F4A7C15ULL) & mask;  // odd multipliers and xor-shifts:
+  b ^= b >> shift;                         // each step is a bijection
+  b = (b * 0xBF58476D1CE4E5B9ULL) & mask;
+  b ^= b >> shift;
+  return b * kScanBlock + p % kScanBlock;
+}
 
 // Copies n floats. Whole 64-byte blocks are fixed-size moves (inlined); a
 // plain loop would be turned into a libc memmove call per row.
@@ -474,13 +494,13 @@ size_t TableShard::Export(uint64_t since, size_t max_rows, ExportCursor* cursor,
     const size_t capacity = index_.capacity();
     for (; i < capacity && written < max_rows; ++i) {
       if (i + kRowsAhead < capacity) {
-        const auto& ahead = index_.slot(i + kRowsAhead);
+        const auto& ahead = index_.slot(ScanSlot(i + kRowsAhead, capacity));
         if (index_.Occupied(ahead)) {
           PrefetchBytes<false>(ahead.value, layout_.hot_stride);
           PrefetchBytes<false>(pool_.Cold(ahead.value), layout_.cold_stride);
         }
       }
-      const auto& entry = index_.slot(i);
+      const auto& entry = index_.slot(ScanSlot(i, capacity));
       if (index_.Occupied(entry)) emit(entry.key, entry.value);
     }
     *done = i >= capacity;
