@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -129,29 +130,30 @@ def test_cli_full_then_deltas_equal_a_full_export(tmp_path: Path) -> None:
     session.context.close()
 
 
+def served(path: Path, batch: Any, embeddings: dict[str, np.ndarray]) -> np.ndarray:
+    signature = tf.saved_model.load(str(path / "serving")).signatures["serving_default"]
+    inputs = {name: tf.constant(value) for name, value in embeddings.items()}
+    x = tf.constant(batch.dense_feature("x"), tf.float32)
+    return signature(**inputs, x=x)["predictions"].numpy()
+
+
 def test_saved_model_serves_the_session_predictions(tmp_path: Path) -> None:
     files = write_data(tmp_path)
     session = make_session()
-    session.train(reader(files, 0), steps=5)
-    result = export(SessionSource(session), tmp_path / "exports")
-    assert result.kind == "full" and result.version == 1
     batch = next(iter(reader(files, 0)))
-    want = session.run(batch, ["predictions", "user", "items"], train=False)
-    loaded = tf.saved_model.load(str(result.path / "serving"))
-    signature = loaded.signatures["serving_default"]
-    got = signature(
-        user=tf.constant(want["user"]),
-        items=tf.constant(want["items"]),
-        x=tf.constant(batch.dense_feature("x"), tf.float32),
-    )["predictions"].numpy()
-    np.testing.assert_allclose(got, want["predictions"], rtol=1e-6)
+    for version in (1, 2):  # the second one reuses the first one's graph
+        session.train(reader(files, 0), steps=5)
+        result = export(SessionSource(session), tmp_path / "exports")
+        assert result.version == version
+        want = session.run(batch, ["predictions", "user", "items"], train=False)
+        embeddings = {"user": want["user"], "items": want["items"]}
+        got = served(result.path, batch, embeddings)
+        np.testing.assert_allclose(got, want["predictions"], rtol=1e-6)
+    first = served(tmp_path / "exports" / "1", batch, embeddings)
+    assert np.abs(first - want["predictions"]).max() > 1e-4  # each version its own weights
     model = Version(result.path)["model"]
-    assert model["sparse"][1] == {
-        "name": "items",
-        "table": "items",
-        "combiner": "mean",
-        "max_len": None,
-    }
+    items = {"name": "items", "table": "items", "combiner": "mean", "max_len": None}
+    assert model["sparse"][1] == items
     assert model["dense"] == [{"name": "x", "dim": 1}]
     session.context.close()
 
