@@ -28,9 +28,16 @@ What this example shows:
    ``model.fit`` on the same train split and scored with the same exact AUC
    function (``wuliang.metrics.auc``) on the same test split.
 
+5. Export for serving, as the hourly job would (skip with ``--no-export``):
+   a checkpoint of the trained model, ``wuliang export`` (a full version,
+   there being none yet), one more day of training (the first day of the
+   test split), another checkpoint and ``wuliang export --incremental`` (a
+   delta: the rows that day changed); both manifests' row counts are
+   printed. ``WORK/model`` and ``WORK/exports`` are rewritten on each run.
+
 The last line printed is one JSON object: auc, logloss, samples_per_s,
-train_examples, test_examples (and baseline_auc, baseline_logloss,
-baseline_samples_per_s with ``--baseline``)::
+train_examples, test_examples, export_rows (rows per export version) (and
+baseline_auc, baseline_logloss, baseline_samples_per_s with ``--baseline``)::
 
     .venv/bin/python examples/movielens.py --baseline
 """
@@ -40,6 +47,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -105,6 +114,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--baseline", action="store_true", help="also train the same tower in plain Keras"
     )
+    p.add_argument("--no-export", action="store_true", help="skip the checkpoint and export steps")
     p.add_argument(
         "--max-ratings",
         type=int,
@@ -222,7 +232,8 @@ def make_tower(hidden: Sequence[int]) -> Any:
 
 def train_wuliang(
     args: argparse.Namespace, train: Path, test: Path, train_rows: int
-) -> dict[str, float]:
+) -> tuple[dict[str, float], Any]:
+    """Trains and evaluates; returns the metrics and the (open) estimator."""
     import keras
 
     import wuliang as wl
@@ -270,8 +281,71 @@ def train_wuliang(
     trained = estimator.train(train_reader, hooks=hooks)
     train_s = time.perf_counter() - start
     metrics = estimator.evaluate(ParquetReader(test, 4096, columns, label=LABEL))
-    estimator.context.close()
-    return {**metrics, **trained, "train_s": train_s}
+    return {**metrics, **trained, "train_s": train_s}, estimator
+
+
+# -- export ----------------------------------------------------------------------
+
+
+def first_day(split: Path, out: Path) -> Path:
+    """The ratings of the first 24 hours of a split (in time order)."""
+    table = pq.read_table(split)
+    start = table.column("timestamp")[0].as_py()
+    day = table.filter(pc.less(table.column("timestamp"), start + 86_400))
+    pq.write_table(day, out)
+    return out
+
+
+def wuliang_export(*args: str, cwd: Path) -> str:
+    """Runs the ``wuliang export`` job as cron would; returns its status line."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "wuliang", "export", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"wuliang export failed:\n{proc.stderr[-3000:]}")
+    return proc.stdout.strip()
+
+
+def export_demo(args: argparse.Namespace, estimator: Any, test: Path) -> dict[str, int]:
+    """Checkpoint + full export, one more day of training, checkpoint + delta
+    export; prints the versions' row counts and returns them."""
+    from wuliang.export import versions
+    from wuliang.reader import ParquetReader
+    from wuliang.storage import Version
+
+    work: Path = args.work_dir
+    model_dir, export_dir = work / "model", work / "exports"
+    for folder in (model_dir, export_dir):  # the demo's own scratch: start clean
+        shutil.rmtree(folder, ignore_errors=True)
+    job = ("--model-dir", str(model_dir), "--export-dir", str(export_dir))
+    session = estimator.session
+    session.save_checkpoint(model_dir)
+    print(f"$ wuliang export {' '.join(job)}\n{wuliang_export(*job, cwd=work)}")
+    day = first_day(test, work / "split" / "next_day.parquet")
+    rows = pq.read_metadata(day).num_rows
+    estimator.train(ParquetReader(day, args.batch_size, list(FEATURES), label=LABEL))
+    print(f"trained on the next day: {rows} ratings, to step {session.global_step}")
+    session.save_checkpoint(model_dir)
+    print(
+        f"$ wuliang export --incremental {' '.join(job)}\n"
+        f"{wuliang_export('--incremental', *job, cwd=work)}"
+    )
+    totals = {}
+    for number, path in versions(export_dir):
+        version = Version(path)
+        tables = version.tables
+        counts = ", ".join(f"{t} {v['rows']:,}" for t, v in tables.items())
+        removed = sum(v.get("removed", 0) for v in tables.values())
+        what = "full" if version.kind == "full" else f"delta of {version['parent']}"
+        print(
+            f"export {number} ({what}, step {version['step']}): rows {counts}"
+            + (f"; {removed} removed" if version.kind == "delta" else "")
+        )
+        totals[str(number)] = sum(v["rows"] for v in tables.values())
+    return totals
 
 
 def load_split(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -372,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.epochs} epochs, seed {args.seed}"
     )
     print(f"wuliang: 5 tables ({args.optimizer} lr {args.lr}), {settings}")
-    result = train_wuliang(args, train, test, train_rows)
+    result, estimator = train_wuliang(args, train, test, train_rows)
     print(
         f"wuliang: AUC {result['auc']:.4f}, logloss {result['logloss']:.4f}, "
         f"{result['samples_per_s']:,.0f} samples/s ({result['train_s']:.1f} s training)"
@@ -384,6 +458,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "train_examples": train_rows,
         "test_examples": test_rows,
     }
+    if not args.no_export:
+        summary["export_rows"] = export_demo(args, estimator, test)
+    estimator.context.close()
     if args.baseline:
         print(f"Keras baseline: Hashing({args.num_bins}) + Embedding, Adam 1e-3, {settings}")
         base = train_baseline(args, train, test)

@@ -78,6 +78,9 @@ def test_movielens_example(tmp_path: Path) -> None:
     assert 0.0 < result["auc"] < 1.0 and 0.0 < result["baseline_auc"] < 1.0
     assert result["samples_per_s"] > 0
     assert result["train_examples"] + result["test_examples"] == 6000
+    full, delta = result["export_rows"]["1"], result["export_rows"]["2"]
+    assert 0 < delta < full  # the next day's changed rows only
+    assert (work / "exports" / "LATEST").read_text().strip() == "2"
     assert 0.75 <= result["train_examples"] / 6000 <= 0.85
     train = pq.read_table(work / "split" / "train.parquet", columns=["timestamp"])
     test = pq.read_table(work / "split" / "test.parquet", columns=["timestamp"])

@@ -183,7 +183,7 @@ class ExportResult:
             return f"export {self.version} is up to date (step {self.step}); nothing written"
         what = "full" if self.kind == "full" else f"delta of {self.parent}"
         tables = ", ".join(
-            f"{t} {n:,} rows" + (f" {self.removed[t]:,} removed" if t in self.removed else "")
+            f"{t} {n:,} rows" + (f" {self.removed[t]:,} removed" if self.removed.get(t) else "")
             for t, n in self.rows.items()
         )
         why = f" ({self.reason})" if self.reason else ""
