@@ -80,7 +80,6 @@ def tf_checkpoint(rows: int, folder: Path) -> float:
     keys = tf.Variable(tf.range(rows, dtype=tf.int64))
     checkpoint = tf.train.Checkpoint(weights=weights, accumulator=accumulator, keys=keys)
     _, seconds = timed(lambda: checkpoint.write(str(folder / "tf" / "ckpt")))
-    del weights, accumulator, keys, checkpoint
     return seconds
 
 
@@ -129,9 +128,7 @@ def main() -> None:
         print(ckpt_delta.status(), flush=True)
 
         session.close()
-        session.context.close()
-        del session, engine
-        gc.collect()
+        session.context.close()  # frees the table
 
         def restore() -> Engine:
             target = Engine(num_shards=2)
@@ -141,7 +138,6 @@ def main() -> None:
         target, restore_s = timed(restore)
         restored_rows = target.stats("emb")["rows"]
         target.close()
-        del target
         assert restored_rows == rows, restored_rows
 
         def restore_checkpoint() -> Any:
@@ -151,8 +147,6 @@ def main() -> None:
 
         again, ckpt_restore_s = timed(restore_checkpoint)
         again.context.close()
-        del again
-        gc.collect()
 
         tf_s = tf_checkpoint(rows, folder)
     finally:

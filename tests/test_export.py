@@ -313,3 +313,24 @@ def test_sigkill_mid_export_keeps_every_committed_version(tmp_path: Path) -> Non
     engine = Engine(2)
     apply_chain(engine, exports)  # the next reader succeeds
     assert engine.stats("t")["rows"] > 399_000
+
+
+def test_tables_without_optimizer_state_export_from_checkpoints(tmp_path: Path) -> None:
+    """SGD keeps no state per row: its checkpoint parts have no state column."""
+    import keras
+
+    keras.utils.set_random_seed(2)
+    table = wl.EmbeddingTable("t", 4, optimizer=wl.optimizers.SGD(0.1))
+    dense = keras.layers.Dense(1)
+    session = wl.Session(lambda e, d: dense(e["user"]), [wl.SparseFeature("user", table)])
+    files = write_data(tmp_path)
+    model_dir, exports = tmp_path / "model", tmp_path / "exports"
+    plain = wl.reader.ParquetReader(files, 64, ["user"], label="label")
+    session.train(plain, steps=3)
+    first = export(CheckpointSource(session.save_checkpoint(model_dir)), exports)
+    session.train(plain, steps=2)
+    second = export(CheckpointSource(session.save_checkpoint(model_dir)), exports)
+    assert (first.kind, second.kind) == ("full", "delta")
+    assert 0 < second.rows["t"] < first.rows["t"] + 128
+    assert_same_tables(applied(exports), session.context.engine, ["t"])
+    session.context.close()

@@ -33,9 +33,11 @@ the parent's, or when the removal log no longer reaches the parent's version
 (``ExportResult.reason`` says which).
 
 Exporting is idempotent: a source at the engine version of the newest
-export writes nothing. It is safe to crash anywhere: a version is renamed
-into place complete or not at all, and ``LATEST`` (which may lag after a
-crash) is set from the newest committed version by the next run.
+export writes nothing. Writers of one export_dir take turns (a lock file,
+``.lock``), so the trainer's hook and a cron job may share it. It is safe
+to crash anywhere: a version is renamed into place complete or not at all,
+and ``LATEST`` (which may lag after a crash) is set from the newest
+committed version by the next run.
 
 Sources: ``SessionSource`` (a live session, in sync: the ``IncrementalExport``
 hook) and ``CheckpointSource`` (a checkpoint: the ``wuliang export`` job).
@@ -43,6 +45,8 @@ hook) and ``CheckpointSource`` (a checkpoint: the ``wuliang export`` job).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -62,12 +66,14 @@ from wuliang.storage import (
     VersionWriter,
     load_args,
     remove_stale_temporaries,
+    select_rows,
 )
 
 if TYPE_CHECKING:
     from wuliang.session import Session
 
 LATEST = "LATEST"
+LOCK = ".lock"
 
 
 class ExportSource(Protocol):
@@ -145,7 +151,7 @@ class CheckpointSource:
                 keep = chunk.versions > since
                 if not keep.any():
                     continue
-                chunk = RowChunk(**{k: v[keep] for k, v in load_args(chunk).items()})
+                chunk = select_rows(chunk, keep)
             yield chunk
 
     def removed(self, table: str, since: int) -> np.ndarray | None:
@@ -218,9 +224,12 @@ def export(source: ExportSource, export_dir: str | os.PathLike, kind: str = "aut
     (``kind="full"``). See the module docstring."""
     if kind not in ("auto", "full"):
         raise ValueError(f"kind must be 'auto' or 'full', got {kind!r}")
+    with _exclusive(export_dir) as root:
+        return _export(source, root, kind)
+
+
+def _export(source: ExportSource, root: Path, kind: str) -> ExportResult:
     start = time.perf_counter()
-    root = Path(export_dir)
-    root.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(root)
     newest = latest(root)
     if newest is not None:
@@ -299,6 +308,20 @@ def _delta_base(
             return 0, why, {}
         removed[table] = keys
     return since, "", removed
+
+
+@contextlib.contextmanager
+def _exclusive(export_dir: str | os.PathLike) -> Iterator[Path]:
+    """Holds export_dir's lock: one writer at a time (the hook and the cron
+    job may share a folder); the next one waits."""
+    root = Path(export_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / LOCK, "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield root
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
 def _keys_into(chunks: Iterable[RowChunk], keys: list[np.ndarray]) -> Iterator[RowChunk]:
@@ -396,8 +419,12 @@ def apply_chain(
 def compact(export_dir: str | os.PathLike) -> ExportResult:
     """Merges LATEST's chain (a full version and its deltas) into a new full
     version. Nothing is written when LATEST is already a full version."""
+    with _exclusive(export_dir) as root:
+        return _compact(root)
+
+
+def _compact(root: Path) -> ExportResult:
     start = time.perf_counter()
-    root = Path(export_dir)
     versions_ = chain(root)
     top = versions_[-1]
     number = int(top["version"])

@@ -293,9 +293,12 @@ class VersionWriter:
 
 
 def _slice_rows(chunk: RowChunk, start: int, n: int) -> RowChunk:
-    return RowChunk(
-        **{f.name: getattr(chunk, f.name)[start : start + n] for f in dataclasses.fields(chunk)}
-    )
+    return select_rows(chunk, slice(start, start + n))
+
+
+def select_rows(chunk: RowChunk, which: slice | np.ndarray) -> RowChunk:
+    """The rows of a chunk that ``which`` (a slice or a mask) selects."""
+    return RowChunk(**{f.name: getattr(chunk, f.name)[which] for f in dataclasses.fields(chunk)})
 
 
 def load_args(rows: RowChunk) -> dict[str, np.ndarray | None]:

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "check.h"
+#include "details/change_log.h"
 #include "details/hash_map.h"
 #include "details/memory_pool.h"
 #include "details/pending_counter.h"
@@ -132,6 +133,34 @@ void TestPendingCounterIsBounded() {
 
 // Several threads push +1 gradients for overlapping keys; with SGD, lr 1 and
 // zero init every row must end at exactly -(number of pushes of its key).
+void TestChangeLogSegmentsAndFloor() {
+  details::ChangeLog log;
+  for (uint64_t v = 1; v <= 4; ++v) {
+    for (uint64_t k = 0; k < 10; ++k) log.Record(k * v, v);
+  }
+  std::vector<uint64_t> keys;
+  log.KeysSince(3, &keys);  // version 4: 0, 4, ..., 36
+  CHECK(keys.size() == 10 && keys.front() == 0 && keys.back() == 36);
+  keys.clear();
+  log.KeysSince(2, &keys);  // versions 3 and 4, deduplicated: 0 and 12, 24 twice
+  CHECK(keys.size() == 17 && std::is_sorted(keys.begin(), keys.end()));
+  std::vector<std::pair<uint64_t, uint64_t>> records;
+  log.RecordsSince(2, &records);
+  CHECK(records.size() == 20 && records.front().second == 3 && records.back().second == 4);
+  CHECK(log.Covers(0) && log.floor() == 0);
+  log.DropOldest(25);  // versions 1 and 2 go
+  CHECK(log.size() == 20 && log.floor() == 2 && !log.Covers(1) && log.Covers(2));
+  log.Record(99, 2);  // at or below the floor: ignored
+  CHECK(log.size() == 20);
+  log.Record(7, 3);  // an older version than the newest: the log is cut there
+  CHECK(log.floor() == 3 && log.size() == 10);
+  log.DropOldest(0);
+  CHECK(log.size() == 0 && log.floor() == 4);
+  keys.clear();
+  log.KeysSince(4, &keys);
+  CHECK(keys.empty());
+}
+
 void TestConcurrentPushesAreExact() {
   Engine engine(EngineOptions{3});
   const int table = engine.CreateTable(SgdSpec("t", 4));
@@ -295,6 +324,7 @@ int main() {
   TestHashMapShrinks();
   TestPoolReleasesChunks();
   TestPendingCounterIsBounded();
+  TestChangeLogSegmentsAndFloor();
   TestConcurrentPushesAreExact();
   TestDuplicatesAreSummed();
   TestExportLoadAndEvictUnderLoad();
