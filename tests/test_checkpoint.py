@@ -4,16 +4,13 @@ refused by name, and a SIGKILL mid-checkpoint leaves the previous one valid."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import keras
 import numpy as np
 import pytest
+from crash import SESSION_WITH_ROWS, kill_mid_write
 from small_model import Losses, make_session, reader, write_data
 
 import wuliang as wl
@@ -110,47 +107,24 @@ def test_tampered_or_missing_file_is_refused_by_name(tmp_path: Path) -> None:
     session.context.close()
 
 
-KILL_CHILD = """
-import sys, numpy as np, keras, wuliang as wl
-keras.utils.set_random_seed(1)
-table = wl.EmbeddingTable("t", 16, optimizer=wl.optimizers.Adagrad(0.1))
-mlp = keras.Sequential([keras.layers.Dense(1)])
-session = wl.Session(lambda e, d: mlp(e["f"]), [wl.SparseFeature("f", table)], wl.Context())
-keys = np.arange(1, 400_001, dtype=np.uint64)
-engine = session.context.engine
-engine.load("t", keys, np.ones((len(keys), 16), np.float32))
+KILL_CHILD = (
+    SESSION_WITH_ROWS
+    + """
 while True:
     session.context.global_step += 1
     session.save_checkpoint(sys.argv[1], keep=3)
     print(session.context.global_step, flush=True)
 """
+)
 
 
 def test_sigkill_mid_checkpoint_keeps_the_previous_one(tmp_path: Path) -> None:
     model_dir = tmp_path / "model"
     rng = np.random.default_rng(2)
     for attempt in range(3):
+        delay = float(rng.uniform(0.05, 0.6))  # somewhere inside a later one
         log = tmp_path / f"child-{attempt}.log"
-        with (
-            open(log, "w") as stderr,
-            subprocess.Popen(
-                [sys.executable, "-c", KILL_CHILD, str(model_dir)],
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                text=True,
-                cwd=tmp_path,  # not the source tree: the installed package
-            ) as child,
-        ):
-            try:
-                assert child.stdout is not None
-                line = child.stdout.readline().strip()
-                assert line, f"the child wrote no checkpoint:\n{log.read_text()[-3000:]}"
-                time.sleep(float(rng.uniform(0.05, 0.6)))  # somewhere inside a later one
-                child.send_signal(signal.SIGKILL)
-                child.wait(timeout=30)
-            finally:
-                if child.poll() is None:
-                    child.kill()
+        kill_mid_write(KILL_CHILD, str(model_dir), tmp_path, log, delay)
         found = checkpoints(model_dir)
         assert found, attempt
         for _, path in found:

@@ -6,16 +6,15 @@ SIGKILL mid-export."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import tensorflow as tf
+from crash import SESSION_WITH_ROWS, kill_mid_write
 from small_model import make_session, reader, write_data
 
 import wuliang as wl
@@ -257,17 +256,11 @@ def test_errors_are_clear_and_corruption_is_refused_by_name(tmp_path: Path) -> N
     session.context.close()
 
 
-KILL_CHILD = """
-import sys, numpy as np, keras, wuliang as wl
+KILL_CHILD = (
+    SESSION_WITH_ROWS
+    + """
 from wuliang.export import SessionSource, export
-keras.utils.set_random_seed(1)
-table = wl.EmbeddingTable("t", 16, optimizer=wl.optimizers.Adagrad(0.1))
-mlp = keras.Sequential([keras.layers.Dense(1)])
-session = wl.Session(lambda e, d: mlp(e["f"]), [wl.SparseFeature("f", table)], wl.Context())
-engine = session.context.engine
 rng = np.random.default_rng(0)
-keys = np.arange(1, 400_001, dtype=np.uint64)
-engine.load("t", keys, np.ones((len(keys), 16), np.float32))
 while True:
     touched = rng.choice(keys, 100_000)
     engine.push("t", touched, np.ones((len(touched), 16), np.float32))
@@ -276,33 +269,17 @@ while True:
     kind = "full" if rng.random() < 0.3 else "auto"
     print(export(SessionSource(session), sys.argv[1], kind).status(), flush=True)
 """
+)
 
 
 def test_sigkill_mid_export_keeps_every_committed_version(tmp_path: Path) -> None:
     exports = tmp_path / "exports"
     rng = np.random.default_rng(3)
     for attempt in range(3):
+        delay = float(rng.uniform(0.1, 1.0))  # somewhere inside a later one
         log = tmp_path / f"child-{attempt}.log"
-        with (
-            open(log, "w") as stderr,
-            subprocess.Popen(
-                [sys.executable, "-c", KILL_CHILD, str(exports)],
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                text=True,
-                cwd=tmp_path,
-            ) as child,
-        ):
-            try:
-                assert child.stdout is not None
-                line = child.stdout.readline().strip()
-                assert line.startswith("export"), f"no export:\n{log.read_text()[-3000:]}"
-                time.sleep(float(rng.uniform(0.1, 1.0)))  # somewhere inside a later one
-                child.send_signal(signal.SIGKILL)
-                child.wait(timeout=30)
-            finally:
-                if child.poll() is None:
-                    child.kill()
+        line = kill_mid_write(KILL_CHILD, str(exports), tmp_path, log, delay)
+        assert line.startswith("export"), line
         found = versions(exports)
         assert found, attempt
         for _, path in found:
