@@ -235,18 +235,25 @@ class Engine:
         *,
         unique: bool = False,
         shard_offsets: np.ndarray | None = None,
+        updated: np.ndarray | None = None,
     ) -> PushResult:
         """Applies the optimizer to the rows of keys with float32 grads ``[n, dim]``.
 
         ``unique=True`` promises that keys has no repeats and skips the check;
-        ``shard_offsets`` as for ``pull``.
+        ``shard_offsets`` as for ``pull``. ``updated`` (float32 ``[n, dim]``,
+        C-contiguous) receives each key's weights after the push: what
+        ``pull(train=False)`` would return next, without that pull.
         """
         tid = self._id(table)
         keys = as_keys(keys)
         spec = self._specs[table]
         grads = _as_float32(grads, (len(keys), spec.dim), f"grads for table {table!r}")
+        if updated is not None:
+            _check_float32(updated, (len(keys), spec.dim), "updated")
+            if not updated.flags.c_contiguous or not updated.flags.writeable:
+                raise ValueError("updated must be a writeable C-contiguous array")
         return PushResult(
-            **self.native.push(tid, keys, grads, unique, self._offsets(shard_offsets))
+            **self.native.push(tid, keys, grads, unique, self._offsets(shard_offsets), updated)
         )
 
     def _offsets(self, shard_offsets: np.ndarray | None) -> np.ndarray | None:

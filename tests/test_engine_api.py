@@ -495,3 +495,28 @@ def test_shard_of(make_engine: MakeEngine, export_all: ExportAll) -> None:
     assert len(exported) == 3000
     assert (np.diff(shards.astype(np.int64)) >= 0).all()
     assert set(shards.tolist()) == {0, 1, 2}
+
+
+def test_push_reports_the_rows_it_leaves(make_engine: MakeEngine) -> None:
+    """push(updated=) fills what pull(train=False) would read right after:
+    updated rows, rows of repeated keys, rows whose gradient was dropped as
+    not finite, and the initial vector of keys still waiting for admission."""
+    engine = make_engine(3)
+    spec = TableSpec(
+        "t", 4, optimizer=Adagrad(0.5), admission=Admission(min_count=3), initializer=Uniform()
+    )
+    engine.create_table(spec)
+    admitted = np.arange(1, 9, dtype=np.uint64)
+    for _ in range(3):
+        engine.pull("t", admitted)
+    keys = np.array([1, 2, 3, 2, 100, 4], np.uint64)  # 2 twice; 100 not admitted
+    grads = np.ones((6, 4), np.float32)
+    grads[5, 0] = np.nan  # key 4: dropped
+    updated = np.full((6, 4), -7.0, np.float32)
+    result = engine.push("t", keys, grads, updated=updated)
+    assert (result.duplicates, result.dropped_pending, result.dropped_nan) == (1, 1, 1)
+    np.testing.assert_array_equal(updated, engine.pull("t", keys, train=False))
+    with pytest.raises(ValueError, match="updated"):
+        engine.push("t", keys, grads, updated=np.zeros((5, 4), np.float32))
+    with pytest.raises(ValueError, match="writeable"):
+        engine.push("t", keys, grads, updated=np.zeros((6, 8), np.float32)[:, :4])

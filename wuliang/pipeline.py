@@ -10,7 +10,10 @@
 With staleness 0 every step sees every earlier update (exact, deterministic):
 the pull of step i runs early, once step i - 2 is pushed, overlapping step
 i - 1 (row creation included); once step i - 1 is pushed, only the rows of
-keys that step i - 1 also had are pulled again ("refresh"). With staleness 1
+keys that step i - 1 also had are pulled again ("refresh"). The refresh is on
+the critical path (step i waits for it), so the pusher applies step i - 1's
+rows of those shared keys first, signals, and pushes the rest of the step
+while step i already trains. With staleness 1
 the early pull is all: rows can be one update old. An exception in either
 thread is re-raised in the main thread with its traceback; ``close()`` waits
 for the pending pushes and joins both threads.
@@ -55,9 +58,15 @@ class Pipeline:
         prepare: batch -> (PreparedKeys, StepInputs), for batches the reader
             did not prepare.
         pull: PreparedKeys -> packed rows.
-        refresh: (next PreparedKeys, previous PreparedKeys, rows) -> None:
-            pulls again, into rows, the keys both batches have (staleness 0).
-        push: (PreparedKeys, row gradients, seq) -> None; None for evaluation.
+        refresh: (next PreparedKeys, previous PreparedKeys, rows, pushed) -> None:
+            sets, into rows, the keys both batches have (staleness 0): from
+            ``pushed`` (what the push handed to ``shared_done``) when given,
+            else by pulling them again.
+        push: (PreparedKeys, row gradients, seq, successor, shared_done) -> None;
+            None for evaluation. ``successor`` is the next batch's PreparedKeys
+            when already pulled (else None): push the rows of the keys it
+            shares first, then call ``shared_done(pushed)`` with their rows
+            after the push, then push the rest.
         depth: batches pulled ahead.
         staleness: 0 or 1 (see the module docstring).
         trace: where stage timings go.
@@ -76,8 +85,9 @@ class Pipeline:
         batches: Iterator[CsrBatch],
         prepare: Callable[[CsrBatch], tuple[PreparedKeys, StepInputs]],
         pull: Callable[[PreparedKeys], list[np.ndarray]],
-        push: Callable[[PreparedKeys, Any, int], None] | None,
-        refresh: Callable[[PreparedKeys, PreparedKeys, list[np.ndarray]], None] | None,
+        push: Callable[[PreparedKeys, Any, int, PreparedKeys | None, Callable[[Any], None]], None]
+        | None,
+        refresh: Callable[[PreparedKeys, PreparedKeys, list[np.ndarray], Any], None] | None,
         depth: int,
         staleness: int,
         trace: Any,
@@ -99,6 +109,9 @@ class Pipeline:
         self.ready: queue.Queue = queue.Queue(maxsize=depth)
         self.to_push: queue.Queue = queue.Queue()
         self.pushed = -1  # highest seq whose push is applied
+        self.shared_pushed = -1  # highest seq whose rows shared with the next batch are
+        self.successors: dict[int, PreparedKeys] = {}  # seq -> the batch pulled after it
+        self.shared_rows: dict[int, Any] = {}  # seq -> its pushed rows the next batch has
         self.pushed_cv = threading.Condition()
         self.pull_error: BaseException | None = None  # raised after the batches before it
         self.push_error: BaseException | None = None  # raised at the next push or close
@@ -180,10 +193,15 @@ class Pipeline:
                 continue
         return False
 
-    def _wait_for_push(self, target: int) -> bool:
-        """Waits until the push of step `target` is applied."""
+    def _wait_for_push(self, target: int, shared_only: bool = False) -> bool:
+        """Waits until the push of step `target` is applied (``shared_only``:
+        its rows of the keys the next batch shares)."""
         with self.pushed_cv:
-            while self.pushed < target and not self.stop.is_set() and self.push_error is None:
+            while (
+                (self.shared_pushed if shared_only else self.pushed) < target
+                and not self.stop.is_set()
+                and self.push_error is None
+            ):
                 self.pushed_cv.wait(timeout=0.1)
         return not self.stop.is_set() and self.push_error is None
 
@@ -220,6 +238,8 @@ class Pipeline:
                 waited = time.perf_counter()
                 rows = self.pull(prepared)
                 pulled = time.perf_counter()
+                with self.pushed_cv:  # the pusher of seq - 1 pushes shared rows first
+                    self.successors[seq - 1] = prepared
                 self.trace.record("pull", step, waited, pulled)
                 timings = {
                     "read": read - start,
@@ -228,11 +248,14 @@ class Pipeline:
                     "pull": pulled - waited,
                 }
                 if self.push_fn is not None and self.staleness == 0 and self.refresh is not None:
-                    if not self._wait_for_push(seq - 1):
+                    if not self._wait_for_push(seq - 1, shared_only=True):
                         return
                     refresh_start = time.perf_counter()
+                    with self.pushed_cv:
+                        self.successors.pop(seq - 1, None)
+                        pushed = self.shared_rows.pop(seq - 1, None)
                     if previous is not None:
-                        self.refresh(prepared, previous, rows)
+                        self.refresh(prepared, previous, rows, pushed)
                     refreshed = time.perf_counter()
                     self.trace.record("refresh", step, refresh_start, refreshed)
                     timings["wait_push"] += refresh_start - pulled
@@ -259,10 +282,19 @@ class Pipeline:
                 if item is _END:
                     return
                 prepared, grads, seq = item
-                with self.trace.span("push", self.first_step + seq):
-                    self.push_fn(prepared, grads, seq)
                 with self.pushed_cv:
-                    self.pushed = seq
+                    successor = self.successors.pop(seq, None)
+
+                def shared_done(pushed: Any, seq: int = seq) -> None:
+                    with self.pushed_cv:
+                        self.shared_rows[seq] = pushed
+                        self.shared_pushed = seq
+                        self.pushed_cv.notify_all()
+
+                with self.trace.span("push", self.first_step + seq):
+                    self.push_fn(prepared, grads, seq, successor, shared_done)
+                with self.pushed_cv:
+                    self.pushed = self.shared_pushed = seq
                     self.pushed_cv.notify_all()
         except BaseException as e:
             self.push_error = e

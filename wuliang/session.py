@@ -39,7 +39,7 @@ from wuliang.embedding.features import Feature, split_features
 from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
 from wuliang.metrics import Metrics
 from wuliang.pipeline import Pipeline
-from wuliang.reader._reader import positions_in
+from wuliang.reader._reader import match_positions, positions_in
 from wuliang.reader.batch import CsrBatch
 from wuliang.reader.prepare import KeyPreparer, PreparedKeys
 
@@ -321,37 +321,82 @@ class Session:
         return rows
 
     def _refresh(
-        self, prepared: PreparedKeys, previous: PreparedKeys, rows: list[np.ndarray]
+        self,
+        prepared: PreparedKeys,
+        previous: PreparedKeys,
+        rows: list[np.ndarray],
+        pushed: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
     ) -> None:
-        """Pulls again the rows of the keys the previous step also had: the only
-        rows its push changed since the early pull (staleness 0)."""
+        """Updates the rows of the keys the previous step also had: the only
+        rows its push changed since the early pull (staleness 0). ``pushed``:
+        per table, (positions in this batch, rows) as the push left them;
+        without it they are pulled again."""
         engine = self.context.engine
         _, bases = self.layout.bases(prepared)
         for (_, tables), packed in zip(self.layout.groups, rows, strict=True):
             for table in tables:
+                if pushed is not None:
+                    positions, values = pushed[table]
+                    packed[bases[table] + positions] = values
+                    continue
                 keys = prepared.tables[table].uniques
                 changed = positions_in(keys, previous.tables[table].uniques)
                 if len(changed):
                     packed[bases[table] + changed] = engine.pull(table, keys[changed], train=False)
 
-    def _push_async(self, prepared: PreparedKeys, grads: Any, seq: int) -> None:
-        self._push(prepared, *grads)
+    def _push_async(
+        self,
+        prepared: PreparedKeys,
+        grads: Any,
+        seq: int,
+        successor: PreparedKeys | None = None,
+        shared_done: Callable[[Any], None] | None = None,
+    ) -> None:
+        self._push(prepared, *grads, successor=successor, shared_done=shared_done)
 
-    def _push(self, prepared: PreparedKeys, inputs: StepInputs, gather_grads: Any) -> None:
-        """Sums the lookups' gradients per row, then pushes each table's slice."""
+    def _push(
+        self,
+        prepared: PreparedKeys,
+        inputs: StepInputs,
+        gather_grads: Any,
+        successor: PreparedKeys | None = None,
+        shared_done: Callable[[Any], None] | None = None,
+    ) -> None:
+        """Sums the lookups' gradients per row, then pushes each table's slice.
+        With a ``successor`` (the next batch): first the rows of the keys it
+        also has, collecting their new values, handed to ``shared_done``
+        (the next step waits for them), then the others."""
         engine = self.context.engine
         row_grads = self.functions.row_gradients(inputs, gather_grads)
-        for (_, tables), packed in zip(self.layout.groups, row_grads, strict=True):
+        rest = []
+        shared: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for (dim, tables), packed in zip(self.layout.groups, row_grads, strict=True):
             for table in tables:
                 keys = prepared.tables[table]
                 base = inputs.table_base[table]
+                grads = packed[base : base + len(keys.uniques)]
+                if successor is None:
+                    rest.append((table, keys.uniques, grads, keys.shard_offsets))
+                    continue
+                here, there = match_positions(keys.uniques, successor.tables[table].uniques)
+                first, later = _split_by_positions(keys.shard_offsets, here)
+                updated = np.empty((len(here), dim), np.float32)
                 engine.push(
                     table,
-                    keys.uniques,
-                    packed[base : base + len(keys.uniques)],
+                    keys.uniques[here],
+                    grads[here],
                     unique=True,
-                    shard_offsets=keys.shard_offsets,
+                    shard_offsets=first,
+                    updated=updated,
                 )
+                shared[table] = (there, updated)
+                others = np.ones(len(keys.uniques), bool)
+                others[here] = False
+                rest.append((table, keys.uniques[others], grads[others], later))
+        if shared_done is not None and successor is not None:
+            shared_done(shared)
+        for table, keys_, grads, offsets in rest:
+            engine.push(table, keys_, grads, unique=True, shard_offsets=offsets)
 
     def _step(
         self,
@@ -456,6 +501,15 @@ class Session:
                 yield item, self.functions.evaluate(item.inputs, item.rows, labels=with_labels)
         finally:
             pipeline.close()
+
+
+def _split_by_positions(
+    shard_offsets: np.ndarray, positions: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Shard offsets of keys[positions] and of the other keys (positions
+    ascending, keys grouped by shard: both subsets stay grouped)."""
+    chosen = np.searchsorted(positions, shard_offsets)
+    return chosen, shard_offsets - chosen
 
 
 def _limit(batches: Iterator[Any], n: int) -> Iterator[Any]:

@@ -183,18 +183,22 @@ void BindEngine(py::module_& m) {
       .def(
           "push",
           [](Engine& e, int table, const py::array& keys, const py::object& grads, bool unique,
-             const py::object& shard_offsets) {
+             const py::object& shard_offsets, const py::object& updated) {
             const KeyArray k = Keys(keys);
             const float* g = Column<float>(grads, k.size, e.Spec(table).dim, "grads");
             const int64_t* offsets =
                 Column<int64_t>(shard_offsets, e.num_shards() + 1, 1, "shard_offsets");
+            float* out = Column<float>(updated, k.size, e.Spec(table).dim, "updated");
+            if (out != nullptr && !py::reinterpret_borrow<py::array>(updated).writeable())
+              throw py::value_error("updated must be writeable");
             py::gil_scoped_release release;
-            const PushResult r = e.Push(table, k.data, k.size, g, unique, offsets);
+            const PushResult r = e.Push(table, k.data, k.size, g, unique, offsets, out);
             py::gil_scoped_acquire acquire;
             return py::dict("applied"_a = r.applied, "dropped_nan"_a = r.dropped_nan,
                             "dropped_pending"_a = r.dropped_pending, "duplicates"_a = r.duplicates);
           },
-          "table"_a, "keys"_a, "grads"_a, "unique"_a = false, "shard_offsets"_a = py::none())
+          "table"_a, "keys"_a, "grads"_a, "unique"_a = false, "shard_offsets"_a = py::none(),
+          "updated"_a = py::none())
       .def(
           "erase",
           [](Engine& e, int table, const py::array& keys) {

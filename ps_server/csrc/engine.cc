@@ -335,7 +335,7 @@ void Engine::Pull(int table, const uint64_t* keys, size_t n, float* out, bool tr
 }
 
 PushResult Engine::Push(int table, const uint64_t* keys, size_t n, const float* grads,
-                        bool keys_unique, const int64_t* shard_offsets) {
+                        bool keys_unique, const int64_t* shard_offsets, float* updated) {
   TableDef* def = Def(table);
   const int dim = def->spec.dim;
   if (def->spec.nan_policy == NanPolicy::kRaise) {
@@ -358,7 +358,9 @@ PushResult Engine::Push(int table, const uint64_t* keys, size_t n, const float* 
   const Clock clock = Now(step(), version());
   std::vector<PushResult> results(num_shards_);
   RunOnShards(
-      [&](int s) { ShardOfDef(def, s)->Push(plan.For(s), grads, keys_unique, clock, &results[s]); },
+      [&](int s) {
+        ShardOfDef(def, s)->Push(plan.For(s), grads, keys_unique, clock, &results[s], updated);
+      },
       &plan);
   PushResult total;
   for (const PushResult& r : results) {

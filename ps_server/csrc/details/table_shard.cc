@@ -279,7 +279,7 @@ const std::vector<int32_t>& TableShard::GroupDuplicates(const Slice& s, const fl
 }
 
 void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, const Clock& clock,
-                      PushResult* result) {
+                      PushResult* result, float* updated) {
   const Slice s = Select(batch);
   const std::vector<int32_t>* groups = nullptr;
   if (!unique) {
@@ -293,18 +293,34 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
   uint64_t applied = 0, dropped_nan = 0, dropped_pending = 0;
   WithOptimizer(opt.kind, [&](auto kind) {
     Pipeline</*kCold=*/true>(s, create, clock, [&](size_t k, char* row) {
+      // What a pull (train=false) after this push returns: the row as left,
+      // or the initial vector of a key without one.
+      float* out = updated != nullptr ? updated + s.pos(k) * dim : nullptr;
+      const auto report = [&] {
+        if (out == nullptr) return;
+        if (row != nullptr) {
+          CopyFloats(out, RowLayout::Weights(row), dim);
+        } else {
+          InitializeWeights(spec_.initializer, spec_.seed, s.key(k), dim, out);
+        }
+      };
       if (row == nullptr) {
         ++dropped_pending;
+        report();
         return;
       }
       const float* g = grads + s.pos(k) * dim;
       if (groups != nullptr) {
         const int32_t group = (*groups)[k];
-        if (group == -2) return;
+        if (group == -2) {  // a repeat: its first occurrence was updated before
+          report();
+          return;
+        }
         if (group >= 0) g = sums_.data() + static_cast<size_t>(group) * dim;
       }
       if (!AllFinite(g, dim)) {
         ++dropped_nan;
+        report();
         return;
       }
       char* cold = pool_.Cold(row);
@@ -319,6 +335,7 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
       }
       BumpCount(meta);
       ++applied;
+      report();
     });
   });
   result->applied += applied;

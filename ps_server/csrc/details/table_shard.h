@@ -72,8 +72,9 @@ class TableShard {
   TableShard& operator=(const TableShard&) = delete;
 
   void Pull(const ShardBatch& batch, float* out, bool train, const Clock& clock);
+  // updated (optional, (n, dim)): each key's weights after the push.
   void Push(const ShardBatch& batch, const float* grads, bool unique, const Clock& clock,
-            PushResult* result);
+            PushResult* result, float* updated = nullptr);
   uint64_t Erase(const ShardBatch& batch, const Clock& clock);
   void Contains(const ShardBatch& batch, uint8_t* out);
   void Load(const ShardBatch& batch, const RowColumns& rows, const Clock& clock);
