@@ -10,10 +10,9 @@
 With staleness 0 every step sees every earlier update (exact, deterministic):
 the pull of step i runs early, once step i - 2 is pushed, overlapping step
 i - 1 (row creation included); once step i - 1 is pushed, only the rows of
-keys that step i - 1 also had are pulled again ("refresh"). The refresh is on
-the critical path (step i waits for it), so the pusher applies step i - 1's
-rows of those shared keys first, signals, and pushes the rest of the step
-while step i already trains. With staleness 1
+keys that step i - 1 also had are updated ("refresh"): the push of step
+i - 1 hands back the rows it left (``Engine.push(updated=...)``) and those
+are copied, with no second pull on the critical path. With staleness 1
 the early pull is all: rows can be one update old. An exception in either
 thread is re-raised in the main thread with its traceback; ``close()`` waits
 for the pending pushes and joins both threads.
@@ -64,9 +63,8 @@ class Pipeline:
             else by pulling them again.
         push: (PreparedKeys, row gradients, seq, successor, shared_done) -> None;
             None for evaluation. ``successor`` is the next batch's PreparedKeys
-            when already pulled (else None): push the rows of the keys it
-            shares first, then call ``shared_done(pushed)`` with their rows
-            after the push, then push the rest.
+            when already pulled (else None): then call ``shared_done(pushed)``
+            with the rows of the keys it shares, as the push left them.
         depth: batches pulled ahead.
         staleness: 0 or 1 (see the module docstring).
         trace: where stage timings go.
@@ -109,7 +107,6 @@ class Pipeline:
         self.ready: queue.Queue = queue.Queue(maxsize=depth)
         self.to_push: queue.Queue = queue.Queue()
         self.pushed = -1  # highest seq whose push is applied
-        self.shared_pushed = -1  # highest seq whose rows shared with the next batch are
         self.successors: dict[int, PreparedKeys] = {}  # seq -> the batch pulled after it
         self.shared_rows: dict[int, Any] = {}  # seq -> its pushed rows the next batch has
         self.pushed_cv = threading.Condition()
@@ -193,15 +190,10 @@ class Pipeline:
                 continue
         return False
 
-    def _wait_for_push(self, target: int, shared_only: bool = False) -> bool:
-        """Waits until the push of step `target` is applied (``shared_only``:
-        its rows of the keys the next batch shares)."""
+    def _wait_for_push(self, target: int) -> bool:
+        """Waits until the push of step `target` is applied."""
         with self.pushed_cv:
-            while (
-                (self.shared_pushed if shared_only else self.pushed) < target
-                and not self.stop.is_set()
-                and self.push_error is None
-            ):
+            while self.pushed < target and not self.stop.is_set() and self.push_error is None:
                 self.pushed_cv.wait(timeout=0.1)
         return not self.stop.is_set() and self.push_error is None
 
@@ -238,7 +230,7 @@ class Pipeline:
                 waited = time.perf_counter()
                 rows = self.pull(prepared)
                 pulled = time.perf_counter()
-                with self.pushed_cv:  # the pusher of seq - 1 pushes shared rows first
+                with self.pushed_cv:  # the push of seq - 1 hands back the rows seq shares
                     self.successors[seq - 1] = prepared
                 self.trace.record("pull", step, waited, pulled)
                 timings = {
@@ -248,7 +240,7 @@ class Pipeline:
                     "pull": pulled - waited,
                 }
                 if self.push_fn is not None and self.staleness == 0 and self.refresh is not None:
-                    if not self._wait_for_push(seq - 1, shared_only=True):
+                    if not self._wait_for_push(seq - 1):
                         return
                     refresh_start = time.perf_counter()
                     with self.pushed_cv:
@@ -288,13 +280,11 @@ class Pipeline:
                 def shared_done(pushed: Any, seq: int = seq) -> None:
                     with self.pushed_cv:
                         self.shared_rows[seq] = pushed
-                        self.shared_pushed = seq
-                        self.pushed_cv.notify_all()
 
                 with self.trace.span("push", self.first_step + seq):
                     self.push_fn(prepared, grads, seq, successor, shared_done)
                 with self.pushed_cv:
-                    self.pushed = self.shared_pushed = seq
+                    self.pushed = seq
                     self.pushed_cv.notify_all()
         except BaseException as e:
             self.push_error = e

@@ -363,40 +363,32 @@ class Session:
         shared_done: Callable[[Any], None] | None = None,
     ) -> None:
         """Sums the lookups' gradients per row, then pushes each table's slice.
-        With a ``successor`` (the next batch): first the rows of the keys it
-        also has, collecting their new values, handed to ``shared_done``
-        (the next step waits for them), then the others."""
+        With a ``successor`` (the next batch), the push also hands back the
+        rows as it left them, and those of the keys the successor has go to
+        ``shared_done`` (the next step's refresh copies them: no pull)."""
         engine = self.context.engine
         row_grads = self.functions.row_gradients(inputs, gather_grads)
-        rest = []
         shared: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for (dim, tables), packed in zip(self.layout.groups, row_grads, strict=True):
             for table in tables:
                 keys = prepared.tables[table]
                 base = inputs.table_base[table]
-                grads = packed[base : base + len(keys.uniques)]
-                if successor is None:
-                    rest.append((table, keys.uniques, grads, keys.shard_offsets))
-                    continue
-                here, there = match_positions(keys.uniques, successor.tables[table].uniques)
-                first, later = _split_by_positions(keys.shard_offsets, here)
-                updated = np.empty((len(here), dim), np.float32)
+                updated = None
+                if successor is not None:
+                    updated = np.empty((len(keys.uniques), dim), np.float32)
                 engine.push(
                     table,
-                    keys.uniques[here],
-                    grads[here],
+                    keys.uniques,
+                    packed[base : base + len(keys.uniques)],
                     unique=True,
-                    shard_offsets=first,
+                    shard_offsets=keys.shard_offsets,
                     updated=updated,
                 )
-                shared[table] = (there, updated)
-                others = np.ones(len(keys.uniques), bool)
-                others[here] = False
-                rest.append((table, keys.uniques[others], grads[others], later))
+                if successor is not None:
+                    here, there = match_positions(keys.uniques, successor.tables[table].uniques)
+                    shared[table] = (there, updated[here])
         if shared_done is not None and successor is not None:
             shared_done(shared)
-        for table, keys_, grads, offsets in rest:
-            engine.push(table, keys_, grads, unique=True, shard_offsets=offsets)
 
     def _step(
         self,
@@ -501,15 +493,6 @@ class Session:
                 yield item, self.functions.evaluate(item.inputs, item.rows, labels=with_labels)
         finally:
             pipeline.close()
-
-
-def _split_by_positions(
-    shard_offsets: np.ndarray, positions: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Shard offsets of keys[positions] and of the other keys (positions
-    ascending, keys grouped by shard: both subsets stay grouped)."""
-    chosen = np.searchsorted(positions, shard_offsets)
-    return chosen, shard_offsets - chosen
 
 
 def _limit(batches: Iterator[Any], n: int) -> Iterator[Any]:
