@@ -347,17 +347,3 @@ def test_hash_ints() -> None:
     b = hash_ints(ids, "C2")
     assert not (a == b).any()  # salted by the field
     np.testing.assert_array_equal(hash_ints([1, 2, 3], "C1"), hash_ints(np.array([1, 2, 3]), "C1"))
-
-
-def test_match_positions_pairs_the_shared_keys() -> None:
-    from wuliang.reader._reader import match_positions, positions_in
-
-    rng = np.random.default_rng(4)
-    a = rng.choice(1000, 300, replace=False).astype(np.uint64)
-    b = rng.choice(1000, 400, replace=False).astype(np.uint64)
-    in_a, in_b = match_positions(a, b)
-    np.testing.assert_array_equal(a[in_a], b[in_b])
-    np.testing.assert_array_equal(in_a, positions_in(a, b))  # the same, ascending
-    assert set(a[in_a].tolist()) == set(a.tolist()) & set(b.tolist())
-    empty = np.zeros(0, np.uint64)
-    assert [len(x) for x in match_positions(a, empty)] == [0, 0]

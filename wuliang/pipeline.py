@@ -10,9 +10,7 @@
 With staleness 0 every step sees every earlier update (exact, deterministic):
 the pull of step i runs early, once step i - 2 is pushed, overlapping step
 i - 1 (row creation included); once step i - 1 is pushed, only the rows of
-keys that step i - 1 also had are updated ("refresh"): the push of step
-i - 1 hands back the rows it left (``Engine.push(updated=...)``) and those
-are copied, with no second pull on the critical path. With staleness 1
+keys that step i - 1 also had are pulled again ("refresh"). With staleness 1
 the early pull is all: rows can be one update old. An exception in either
 thread is re-raised in the main thread with its traceback; ``close()`` waits
 for the pending pushes and joins both threads.
@@ -57,14 +55,9 @@ class Pipeline:
         prepare: batch -> (PreparedKeys, StepInputs), for batches the reader
             did not prepare.
         pull: PreparedKeys -> packed rows.
-        refresh: (next PreparedKeys, previous PreparedKeys, rows, pushed) -> None:
-            sets, into rows, the keys both batches have (staleness 0): from
-            ``pushed`` (what the push handed to ``shared_done``) when given,
-            else by pulling them again.
-        push: (PreparedKeys, row gradients, seq, successor, shared_done) -> None;
-            None for evaluation. ``successor`` is the next batch's PreparedKeys
-            when already pulled (else None): then call ``shared_done(pushed)``
-            with the rows of the keys it shares, as the push left them.
+        refresh: (next PreparedKeys, previous PreparedKeys, rows) -> None:
+            pulls again, into rows, the keys both batches have (staleness 0).
+        push: (PreparedKeys, row gradients, seq) -> None; None for evaluation.
         depth: batches pulled ahead.
         staleness: 0 or 1 (see the module docstring).
         trace: where stage timings go.
@@ -83,9 +76,8 @@ class Pipeline:
         batches: Iterator[CsrBatch],
         prepare: Callable[[CsrBatch], tuple[PreparedKeys, StepInputs]],
         pull: Callable[[PreparedKeys], list[np.ndarray]],
-        push: Callable[[PreparedKeys, Any, int, PreparedKeys | None, Callable[[Any], None]], None]
-        | None,
-        refresh: Callable[[PreparedKeys, PreparedKeys, list[np.ndarray], Any], None] | None,
+        push: Callable[[PreparedKeys, Any, int], None] | None,
+        refresh: Callable[[PreparedKeys, PreparedKeys, list[np.ndarray]], None] | None,
         depth: int,
         staleness: int,
         trace: Any,
@@ -107,8 +99,6 @@ class Pipeline:
         self.ready: queue.Queue = queue.Queue(maxsize=depth)
         self.to_push: queue.Queue = queue.Queue()
         self.pushed = -1  # highest seq whose push is applied
-        self.successors: dict[int, PreparedKeys] = {}  # seq -> the batch pulled after it
-        self.shared_rows: dict[int, Any] = {}  # seq -> its pushed rows the next batch has
         self.pushed_cv = threading.Condition()
         self.pull_error: BaseException | None = None  # raised after the batches before it
         self.push_error: BaseException | None = None  # raised at the next push or close
@@ -230,8 +220,6 @@ class Pipeline:
                 waited = time.perf_counter()
                 rows = self.pull(prepared)
                 pulled = time.perf_counter()
-                with self.pushed_cv:  # the push of seq - 1 hands back the rows seq shares
-                    self.successors[seq - 1] = prepared
                 self.trace.record("pull", step, waited, pulled)
                 timings = {
                     "read": read - start,
@@ -243,11 +231,8 @@ class Pipeline:
                     if not self._wait_for_push(seq - 1):
                         return
                     refresh_start = time.perf_counter()
-                    with self.pushed_cv:
-                        self.successors.pop(seq - 1, None)
-                        pushed = self.shared_rows.pop(seq - 1, None)
                     if previous is not None:
-                        self.refresh(prepared, previous, rows, pushed)
+                        self.refresh(prepared, previous, rows)
                     refreshed = time.perf_counter()
                     self.trace.record("refresh", step, refresh_start, refreshed)
                     timings["wait_push"] += refresh_start - pulled
@@ -274,15 +259,8 @@ class Pipeline:
                 if item is _END:
                     return
                 prepared, grads, seq = item
-                with self.pushed_cv:
-                    successor = self.successors.pop(seq, None)
-
-                def shared_done(pushed: Any, seq: int = seq) -> None:
-                    with self.pushed_cv:
-                        self.shared_rows[seq] = pushed
-
                 with self.trace.span("push", self.first_step + seq):
-                    self.push_fn(prepared, grads, seq, successor, shared_done)
+                    self.push_fn(prepared, grads, seq)
                 with self.pushed_cv:
                     self.pushed = seq
                     self.pushed_cv.notify_all()

@@ -39,7 +39,7 @@ from wuliang.embedding.features import Feature, split_features
 from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
 from wuliang.metrics import Metrics
 from wuliang.pipeline import Pipeline
-from wuliang.reader._reader import match_positions, positions_in
+from wuliang.reader._reader import positions_in
 from wuliang.reader.batch import CsrBatch
 from wuliang.reader.prepare import KeyPreparer, PreparedKeys
 
@@ -321,74 +321,37 @@ class Session:
         return rows
 
     def _refresh(
-        self,
-        prepared: PreparedKeys,
-        previous: PreparedKeys,
-        rows: list[np.ndarray],
-        pushed: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+        self, prepared: PreparedKeys, previous: PreparedKeys, rows: list[np.ndarray]
     ) -> None:
-        """Updates the rows of the keys the previous step also had: the only
-        rows its push changed since the early pull (staleness 0). ``pushed``:
-        per table, (positions in this batch, rows) as the push left them;
-        without it they are pulled again."""
+        """Pulls again the rows of the keys the previous step also had: the only
+        rows its push changed since the early pull (staleness 0)."""
         engine = self.context.engine
         _, bases = self.layout.bases(prepared)
         for (_, tables), packed in zip(self.layout.groups, rows, strict=True):
             for table in tables:
-                if pushed is not None:
-                    positions, values = pushed[table]
-                    packed[bases[table] + positions] = values
-                    continue
                 keys = prepared.tables[table].uniques
                 changed = positions_in(keys, previous.tables[table].uniques)
                 if len(changed):
                     packed[bases[table] + changed] = engine.pull(table, keys[changed], train=False)
 
-    def _push_async(
-        self,
-        prepared: PreparedKeys,
-        grads: Any,
-        seq: int,
-        successor: PreparedKeys | None = None,
-        shared_done: Callable[[Any], None] | None = None,
-    ) -> None:
-        self._push(prepared, *grads, successor=successor, shared_done=shared_done)
+    def _push_async(self, prepared: PreparedKeys, grads: Any, seq: int) -> None:
+        self._push(prepared, *grads)
 
-    def _push(
-        self,
-        prepared: PreparedKeys,
-        inputs: StepInputs,
-        gather_grads: Any,
-        successor: PreparedKeys | None = None,
-        shared_done: Callable[[Any], None] | None = None,
-    ) -> None:
-        """Sums the lookups' gradients per row, then pushes each table's slice.
-        With a ``successor`` (the next batch), the push also hands back the
-        rows as it left them, and those of the keys the successor has go to
-        ``shared_done`` (the next step's refresh copies them: no pull)."""
+    def _push(self, prepared: PreparedKeys, inputs: StepInputs, gather_grads: Any) -> None:
+        """Sums the lookups' gradients per row, then pushes each table's slice."""
         engine = self.context.engine
         row_grads = self.functions.row_gradients(inputs, gather_grads)
-        shared: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        for (dim, tables), packed in zip(self.layout.groups, row_grads, strict=True):
+        for (_, tables), packed in zip(self.layout.groups, row_grads, strict=True):
             for table in tables:
                 keys = prepared.tables[table]
                 base = inputs.table_base[table]
-                updated = None
-                if successor is not None:
-                    updated = np.empty((len(keys.uniques), dim), np.float32)
                 engine.push(
                     table,
                     keys.uniques,
                     packed[base : base + len(keys.uniques)],
                     unique=True,
                     shard_offsets=keys.shard_offsets,
-                    updated=updated,
                 )
-                if successor is not None:
-                    here, there = match_positions(keys.uniques, successor.tables[table].uniques)
-                    shared[table] = (there, updated[here])
-        if shared_done is not None and successor is not None:
-            shared_done(shared)
 
     def _step(
         self,

@@ -103,21 +103,6 @@ PYBIND11_MODULE(_reader, m) {
       },
       "a"_a, "b"_a, "positions of a's keys that are also in b (ascending)");
   m.def(
-      "match_positions",
-      [](const py::array& a, const py::array& b) {
-        const uint64_t* pa = Keys(a, "a");
-        const uint64_t* pb = Keys(b, "b");
-        std::vector<int64_t> in_a, in_b;
-        {
-          py::gil_scoped_release release;
-          MatchPositions(pa, a.shape(0), pb, b.shape(0), &in_a, &in_b);
-        }
-        return py::make_tuple(ToArray(std::move(in_a)), ToArray(std::move(in_b)));
-      },
-      "a"_a, "b"_a,
-      "(positions in a, positions in b) of the keys both have (b without repeats), "
-      "a's ascending");
-  m.def(
       "scatter_add_rows",
       [](py::array out,
          const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& index,

@@ -33,15 +33,6 @@ class DedupTable {
     }
   }
 
-  // The id of key, or -1.
-  int64_t Find(uint64_t key, uint64_t hash) const {
-    for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
-      const Slot& s = slots_[i];
-      if (s.epoch != epoch_) return -1;
-      if (s.key == key) return s.id;
-    }
-  }
-
   // Returns the id of key, assigning next_id when it is new.
   uint32_t Insert(uint64_t key, uint64_t hash, uint32_t next_id, bool* inserted) {
     for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
@@ -159,24 +150,6 @@ void PositionsIn(const uint64_t* a, size_t na, const uint64_t* b, size_t nb,
   positions->clear();
   for (size_t i = 0; i < na; ++i) {
     if (set.Contains(a[i], ps::Mix64(a[i]))) positions->push_back(static_cast<int64_t>(i));
-  }
-}
-
-void MatchPositions(const uint64_t* a, size_t na, const uint64_t* b, size_t nb,
-                    std::vector<int64_t>* in_a, std::vector<int64_t>* in_b) {
-  thread_local DedupTable map;
-  map.Reset(nb);
-  bool inserted;
-  for (size_t j = 0; j < nb; ++j)
-    map.Insert(b[j], ps::Mix64(b[j]), static_cast<uint32_t>(j), &inserted);
-  in_a->clear();
-  in_b->clear();
-  for (size_t i = 0; i < na; ++i) {
-    const int64_t j = map.Find(a[i], ps::Mix64(a[i]));
-    if (j >= 0) {
-      in_a->push_back(static_cast<int64_t>(i));
-      in_b->push_back(j);
-    }
   }
 }
 

@@ -43,13 +43,6 @@ void PositionsIn(const uint64_t* a, size_t na,  // (na,)
                  const uint64_t* b, size_t nb,  // (nb,)
                  std::vector<int64_t>* positions);
 
-// The keys a and b share (b without repeats): a[in_a[k]] == b[in_b[k]],
-// in_a ascending. Matches the previous batch's pushed rows to the next
-// batch's positions.
-void MatchPositions(const uint64_t* a, size_t na,  // (na,)
-                    const uint64_t* b, size_t nb,  // (nb,)
-                    std::vector<int64_t>* in_a, std::vector<int64_t>* in_b);
-
 // out[index[i]] += values[i] for i < n, rows of dim floats: the gradient of
 // each unique row, summed over the values looked up from it (the inverse of
 // a gather). Sequential, so the sums are deterministic. Throws
