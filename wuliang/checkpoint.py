@@ -198,7 +198,7 @@ def restore(session: Session, path: str | os.PathLike) -> dict[str, Any] | None:
         if name in version.tables:
             for rows in version.read_rows(name, verified=True):
                 engine.load(name, **load_args(rows))
-            keys, versions = version.removed_log(name)
+            keys, versions = version.removed_log(name, verified=True)
             floor = version.tables[name].get("removed_floor", 0)
             engine.load_removed(name, keys, versions, floor)
     ctx.global_step = int(version["step"])

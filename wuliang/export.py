@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -157,17 +156,11 @@ class CheckpointSource:
     def removed(self, table: str, since: int) -> np.ndarray | None:
         if self.version.tables[table].get("removed_floor", 0) > since:
             return None
-        keys, versions = self.version.removed_log(table)
+        keys, versions = self.version.removed_log(table, verified=True)
         return keys[versions > since]
 
     def write_serving(self, writer: VersionWriter) -> None:
-        for relative in self.version.files_under(SERVING):
-            target = writer.path(relative)
-            try:
-                os.link(self.version.path / relative, target)  # versions never change
-            except OSError:
-                shutil.copyfile(self.version.path / relative, target)
-        writer.add_tree(SERVING)
+        self.version.link_tree(SERVING, writer)
 
 
 @dataclass
@@ -396,7 +389,7 @@ def apply(engine: Engine, version: Version) -> None:
             engine.create_table(spec)
         elif table not in engine.tables():
             engine.create_table(TableSpec(table, info["dim"], optimizer=SGD(), initializer=Zeros()))
-        gone = version.removed_keys(table)
+        gone = version.removed_keys(table, verified=True)
         if len(gone):
             engine.erase(table, gone)
         for rows in version.read_rows(table, verified=True):
@@ -438,9 +431,7 @@ def _compact(root: Path) -> ExportResult:
                 result.rows[table] = writer.write_table(
                     table, info["dim"], 0, engine.export(table), optimizer=info["optimizer"]
                 )
-            for relative in top.files_under(SERVING):
-                shutil.copyfile(top.checked(relative), writer.path(relative))
-            writer.add_tree(SERVING)
+            top.link_tree(SERVING, writer)  # verified by apply_chain
             writer.commit(
                 version=number + 1,
                 parent=None,

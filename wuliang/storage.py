@@ -382,6 +382,18 @@ class Version:
         for relative in self.manifest["files"]:
             self.checked(relative)
 
+    def link_tree(self, folder: str, writer: VersionWriter) -> None:
+        """Puts this version's files under folder into writer's version, as
+        hard links where the file system allows (versions never change), and
+        records them."""
+        for relative in self.files_under(folder):
+            target = writer.path(relative)
+            try:
+                os.link(self.path / relative, target)
+            except OSError:
+                shutil.copyfile(self.path / relative, target)
+        writer.add_tree(folder)
+
     def files_under(self, folder: str) -> list[str]:
         prefix = folder.rstrip("/") + "/"
         return sorted(f for f in self.manifest["files"] if f.startswith(prefix))
@@ -401,16 +413,18 @@ class Version:
                 for i in range(reader.num_record_batches):
                     yield batch_to_rows(reader.get_batch(i))
 
-    def removed_keys(self, table: str) -> np.ndarray:
+    def removed_keys(self, table: str, verified: bool = False) -> np.ndarray:
         """The table's removed keys (uint64; none if it has no records)."""
-        return self.removed_log(table)[0]
+        return self.removed_log(table, verified)[0]
 
-    def removed_log(self, table: str) -> tuple[np.ndarray, np.ndarray]:
-        """The table's removal records: (keys, versions), uint64."""
+    def removed_log(self, table: str, verified: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """The table's removal records: (keys, versions), uint64 (the file
+        checked first, unless ``verify()`` already did: ``verified=True``)."""
         relative = f"tables/{table}/removed.arrow"
         if relative not in self.manifest["files"]:
             return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
-        with pa.memory_map(str(self.checked(relative))) as source:
+        path = self.path / relative if verified else self.checked(relative)
+        with pa.memory_map(str(path)) as source:
             reader = pa.ipc.open_file(source)
             batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
             keys = [b.column("key").to_numpy() for b in batches]
