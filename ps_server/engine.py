@@ -236,24 +236,41 @@ class Engine:
         unique: bool = False,
         shard_offsets: np.ndarray | None = None,
         updated: np.ndarray | None = None,
+        updated_rows: np.ndarray | None = None,
     ) -> PushResult:
         """Applies the optimizer to the rows of keys with float32 grads ``[n, dim]``.
 
         ``unique=True`` promises that keys has no repeats and skips the check;
-        ``shard_offsets`` as for ``pull``. ``updated`` (float32 ``[n, dim]``,
-        C-contiguous) receives each key's weights after the push: what
-        ``pull(train=False)`` would return next, without that pull.
+        ``shard_offsets`` as for ``pull``. ``updated`` (float32, C-contiguous)
+        receives each key's weights after the push: what ``pull(train=False)``
+        would return next, without that pull. Key i's go to ``updated[i]``
+        (``[n, dim]``), or with ``updated_rows`` (int32 ``[n]``) to
+        ``updated[updated_rows[i]]`` (``[rows, dim]``; nowhere where -1; no
+        row twice): how a trainer refreshes the next step's pulled rows.
         """
         tid = self._id(table)
         keys = as_keys(keys)
         spec = self._specs[table]
         grads = _as_float32(grads, (len(keys), spec.dim), f"grads for table {table!r}")
+        if updated_rows is not None:
+            updated_rows = np.asarray(updated_rows)
+            if updated_rows.dtype != np.int32 or updated_rows.shape != (len(keys),):
+                raise ValueError(
+                    f"updated_rows must be int32 [{len(keys)}], got "
+                    f"{updated_rows.dtype} {list(updated_rows.shape)}"
+                )
+            if updated is None:
+                raise ValueError("updated_rows needs updated")
+            updated_rows = np.ascontiguousarray(updated_rows)
         if updated is not None:
-            _check_float32(updated, (len(keys), spec.dim), "updated")
+            rows = len(keys) if updated_rows is None else getattr(updated, "shape", (0,))[0]
+            _check_float32(updated, (rows, spec.dim), "updated")
             if not updated.flags.c_contiguous or not updated.flags.writeable:
                 raise ValueError("updated must be a writeable C-contiguous array")
         return PushResult(
-            **self.native.push(tid, keys, grads, unique, self._offsets(shard_offsets), updated)
+            **self.native.push(
+                tid, keys, grads, unique, self._offsets(shard_offsets), updated, updated_rows
+            )
         )
 
     def _offsets(self, shard_offsets: np.ndarray | None) -> np.ndarray | None:

@@ -520,3 +520,36 @@ def test_push_reports_the_rows_it_leaves(make_engine: MakeEngine) -> None:
         engine.push("t", keys, grads, updated=np.zeros((5, 4), np.float32))
     with pytest.raises(ValueError, match="writeable"):
         engine.push("t", keys, grads, updated=np.zeros((6, 8), np.float32)[:, :4])
+
+
+def test_push_writes_updated_rows_where_asked(make_engine: MakeEngine) -> None:
+    """push(updated=, updated_rows=) writes key i's row after the push to
+    updated[updated_rows[i]], nowhere where -1, and leaves other rows alone:
+    how the trainer refreshes the next step's pulled rows."""
+    engine = make_engine(2)
+    engine.create_table(TableSpec("t", 4, optimizer=Adagrad(0.5), initializer=Uniform()))
+    keys = np.arange(1, 7, dtype=np.uint64)
+    engine.pull("t", keys)
+    grads = np.ones((6, 4), np.float32)
+    target = np.full((10, 4), -7.0, np.float32)
+    where = np.array([9, -1, 0, 4, -1, 2], np.int32)
+    engine.push("t", keys, grads, unique=True, updated=target, updated_rows=where)
+    after = engine.pull("t", keys, train=False)
+    for i, r in enumerate(where):
+        if r >= 0:
+            np.testing.assert_array_equal(target[r], after[i])
+    untouched = sorted(set(range(10)) - set(where.tolist()))
+    assert (target[untouched] == -7.0).all()
+    for bad, match in [
+        (np.array([0, 1, 2, 3, 4, 10], np.int32), "outside"),
+        (np.array([0, 1, 2, 3, 4, -2], np.int32), "outside"),
+        (np.array([0, 1, 2, 3, 4, 0], np.int32), "twice"),
+        (np.zeros(6, np.int64), "int32"),
+        (np.zeros(5, np.int32), "int32"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            engine.push("t", keys, grads, updated=target, updated_rows=bad)
+    with pytest.raises(ValueError, match="needs updated"):
+        engine.push("t", keys, grads, updated_rows=where)
+    with pytest.raises(ValueError, match="updated"):
+        engine.push("t", keys, grads, updated=np.zeros((10, 3), np.float32), updated_rows=where)

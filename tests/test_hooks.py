@@ -20,7 +20,7 @@ from wuliang.ps_server import Normal
 from wuliang.reader import Csr, CsrBatch
 
 B = 8
-STAGES = {"read", "prepare", "pull", "refresh", "compute", "push"}  # staleness 0 (default)
+STAGES = {"read", "prepare", "pull", "wait_update", "compute", "push"}  # staleness 0 (default)
 
 
 def make_batch(rng: np.random.Generator, size: int = B) -> CsrBatch:

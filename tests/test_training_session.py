@@ -4,6 +4,7 @@ independent contexts, determinism, pipeline shutdown and staleness."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -664,8 +665,9 @@ def test_estimator_hooks_run_with_every_train() -> None:
 
 
 def test_pipelined_staleness_zero_equals_step_by_step() -> None:
-    """The pipeline pulls early and refreshes the rows the previous step pushed;
-    the result is the same as pulling only after each push (Session.run)."""
+    """The pipeline pulls early and the previous step's push writes the rows it
+    updates into the next step's; the result is the same as pulling only after
+    each push (Session.run)."""
     data = batches(12, seed=5)
     serial = session(context=wl.Context(num_shards=2, staleness=0))
     serial_losses = [float(serial.run(b, "loss")) for b in data]
@@ -679,3 +681,45 @@ def test_pipelined_staleness_zero_equals_step_by_step() -> None:
         np.testing.assert_array_equal(piped_rows[key], row)
     for a, b in zip(kernel(piped), kernel(serial), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("reader_delay", [0.0, 0.05])
+def test_staleness_zero_push_writes_into_the_next_steps_rows(
+    monkeypatch: pytest.MonkeyPatch, reader_delay: float
+) -> None:
+    """Both ways a staleness-0 step gets its shared rows are exact: linked (the
+    previous push writes them into the early-pulled rows; a fast reader) and
+    not linked (that push had begun before the pull, which then waits for it;
+    a slow reader)."""
+    import wuliang.session
+
+    linked: list[bool] = []
+
+    class Recording(wuliang.session.Pipeline):
+        def __iter__(self) -> Iterator[Any]:
+            for item in super().__iter__():
+                linked.append(item.linked)
+                yield item
+
+    monkeypatch.setattr(wuliang.session, "Pipeline", Recording)
+    data = batches(10, seed=7)
+    serial = session(context=wl.Context(num_shards=2))
+    serial_losses = [float(serial.run(b, "loss")) for b in data]
+
+    def read() -> Iterator[CsrBatch]:
+        for b in data:
+            time.sleep(reader_delay)
+            yield b
+
+    piped = session(context=wl.Context(num_shards=2, prefetch=3))
+    recorder = RecordLoss()
+    piped.train(read(), hooks=[recorder])
+    assert recorder.losses == serial_losses
+    piped_rows = rows(piped)
+    for key, row in rows(serial).items():
+        np.testing.assert_array_equal(piped_rows[key], row)
+    assert len(linked) == 10 and not linked[0]
+    if reader_delay:  # the first steps trace: the puller may still get ahead
+        assert not all(linked[1:])
+    else:
+        assert any(linked)

@@ -3,14 +3,21 @@
 ::
 
     reader threads ─► batch (keys prepared in the reader's pool)
-    puller thread  ─► step inputs (index arrays) ─► wait for pushes (staleness) ─► pull rows
+    puller thread  ─► step inputs (index arrays) ─► wait for pushes (staleness) ─► link ─► pull rows
                           └── ready queue, `prefetch` batches deep ──► main thread: the TF step
     pusher thread  ◄── row gradients of step i (queued by the main thread) ─► engine.push
+                          └── (staleness 0) updated rows of keys step i + 1 shares ─► its rows
 
 With staleness 0 every step sees every earlier update (exact, deterministic):
 the pull of step i runs early, once step i - 2 is pushed, overlapping step
-i - 1 (row creation included); once step i - 1 is pushed, only the rows of
-keys that step i - 1 also had are pulled again ("refresh"). With staleness 1
+i - 1 (row creation included). Before it, the puller "links" step i - 1's
+push to step i's rows: where each key of step i - 1 sits in step i's pulled
+rows, if there. That push then writes the rows it updates straight into step
+i's input (engine ``push(updated=, updated_rows=)``), and the main thread
+waits only for it before step i: no second pull. A push that has already
+started when step i is pulled is not linked; the pull then waits for it. The
+engine's shard workers run a shard's pull and push tasks one at a time, so
+whichever comes first, the push's rows are what step i sees. With staleness 1
 the early pull is all: rows can be one update old. An exception in either
 thread is re-raised in the main thread with its traceback; ``close()`` waits
 for the pending pushes and joins both threads.
@@ -45,6 +52,7 @@ class Pulled:
     rows: list[np.ndarray]  # packed rows per group of tables
     timings: dict[str, float]
     sync: bool = False  # after this step: wait for its push; release() before the next pull
+    linked: bool = False  # the previous step's push writes into rows: wait for it first
 
 
 class Pipeline:
@@ -54,10 +62,13 @@ class Pipeline:
         batches: the reader's iterator.
         prepare: batch -> (PreparedKeys, StepInputs), for batches the reader
             did not prepare.
-        pull: PreparedKeys -> packed rows.
-        refresh: (next PreparedKeys, previous PreparedKeys, rows) -> None:
-            pulls again, into rows, the keys both batches have (staleness 0).
-        push: (PreparedKeys, row gradients, seq) -> None; None for evaluation.
+        rows_for: PreparedKeys -> the batch's (unfilled) packed rows.
+        pull: (PreparedKeys, rows) -> None: pulls into rows.
+        push: (PreparedKeys, row gradients, seq, link or None) -> None; None
+            for evaluation.
+        link: (previous PreparedKeys, PreparedKeys, rows) -> what the previous
+            batch's push needs to write its updated rows into ``rows``
+            (staleness 0); None: the pull waits for that push instead.
         depth: batches pulled ahead.
         staleness: 0 or 1 (see the module docstring).
         trace: where stage timings go.
@@ -75,9 +86,10 @@ class Pipeline:
         self,
         batches: Iterator[CsrBatch],
         prepare: Callable[[CsrBatch], tuple[PreparedKeys, StepInputs]],
-        pull: Callable[[PreparedKeys], list[np.ndarray]],
-        push: Callable[[PreparedKeys, Any, int], None] | None,
-        refresh: Callable[[PreparedKeys, PreparedKeys, list[np.ndarray]], None] | None,
+        rows_for: Callable[[PreparedKeys], list[np.ndarray]],
+        pull: Callable[[PreparedKeys, list[np.ndarray]], None],
+        push: Callable[[PreparedKeys, Any, int, Any], None] | None,
+        link: Callable[[PreparedKeys, PreparedKeys, list[np.ndarray]], Any] | None,
         depth: int,
         staleness: int,
         trace: Any,
@@ -90,9 +102,12 @@ class Pipeline:
         self._sync_seq: int | None = None
         self.first_step = first_step
         self.prepare = prepare
+        self.rows_for = rows_for
         self.pull = pull
         self.push_fn = push
-        self.refresh = refresh
+        self.link = link if push is not None and staleness == 0 else None
+        self.links: dict[int, Any] = {}  # seq -> its push's link (under pushed_cv)
+        self.push_started = -1  # highest seq whose push has begun
         self.staleness = staleness
         self.trace = trace
         self.stop = threading.Event()
@@ -118,6 +133,13 @@ class Pipeline:
             if item is _END:
                 self._raise(pull=True)
                 return
+            if self.link is not None:  # rows are final once the previous push is applied
+                start = time.perf_counter()
+                if item.linked:
+                    self.wait_pushed(item.seq - 1)
+                end = time.perf_counter()
+                self.trace.record("wait_update", self.first_step + item.seq, start, end)
+                item.timings["wait_update"] = end - start
             yield item
 
     def push(self, prepared: PreparedKeys, grads: Any, seq: int) -> None:
@@ -212,13 +234,23 @@ class Pipeline:
                     if not self._wait_released(self._sync_seq):
                         return
                     self._sync_seq = None
-                early = self.staleness == 1 or self.refresh is not None
+                early = self.staleness == 1 or self.link is not None
                 if self.push_fn is not None and not self._wait_for_push(
                     seq - 2 if early else seq - 1
                 ):
                     return
+                rows = self.rows_for(prepared)
+                linked = False
+                if self.link is not None and previous is not None:
+                    link = self.link(previous, prepared, rows)
+                    with self.pushed_cv:
+                        if self.push_started < seq - 1:
+                            self.links[seq - 1] = link
+                            linked = True
+                    if not linked and not self._wait_for_push(seq - 1):
+                        return
                 waited = time.perf_counter()
-                rows = self.pull(prepared)
+                self.pull(prepared, rows)
                 pulled = time.perf_counter()
                 self.trace.record("pull", step, waited, pulled)
                 timings = {
@@ -227,21 +259,12 @@ class Pipeline:
                     "wait_push": waited - prepared_at,
                     "pull": pulled - waited,
                 }
-                if self.push_fn is not None and self.staleness == 0 and self.refresh is not None:
-                    if not self._wait_for_push(seq - 1):
-                        return
-                    refresh_start = time.perf_counter()
-                    if previous is not None:
-                        self.refresh(prepared, previous, rows)
-                    refreshed = time.perf_counter()
-                    self.trace.record("refresh", step, refresh_start, refreshed)
-                    timings["wait_push"] += refresh_start - pulled
-                    timings["refresh"] = refreshed - refresh_start
                 previous = prepared
                 sync = self.sync_after is not None and self.sync_after(step)
                 if sync:
                     self._sync_seq = seq
-                if not self._put(Pulled(seq, batch, prepared, inputs, rows, timings, sync)):
+                item = Pulled(seq, batch, prepared, inputs, rows, timings, sync, linked)
+                if not self._put(item):
                     return
                 seq += 1
             self._put(_END)
@@ -259,8 +282,11 @@ class Pipeline:
                 if item is _END:
                     return
                 prepared, grads, seq = item
+                with self.pushed_cv:
+                    self.push_started = seq
+                    link = self.links.pop(seq, None)
                 with self.trace.span("push", self.first_step + seq):
-                    self.push_fn(prepared, grads, seq)
+                    self.push_fn(prepared, grads, seq, link)
                 with self.pushed_cv:
                     self.pushed = seq
                     self.pushed_cv.notify_all()

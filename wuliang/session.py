@@ -39,7 +39,7 @@ from wuliang.embedding.features import Feature, split_features
 from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
 from wuliang.metrics import Metrics
 from wuliang.pipeline import Pipeline
-from wuliang.reader._reader import positions_in
+from wuliang.reader._reader import index_in
 from wuliang.reader.batch import CsrBatch
 from wuliang.reader.prepare import KeyPreparer, PreparedKeys
 
@@ -194,9 +194,10 @@ class Session:
         pipeline = Pipeline(
             batches,
             self._prepare,
-            lambda p: self._pull(p, True),
+            self._rows_for,
+            lambda p, rows: self._pull(p, True, rows),
             self._push_async,
-            self._refresh,
+            self._link,
             ctx.prefetch,
             ctx.staleness,
             self.trace,
@@ -299,14 +300,25 @@ class Session:
             prepared = self.preparer(batch) if self.preparer is not None else _NO_KEYS
         return prepared, batch_inputs(batch, prepared, self.sparse, self.dense, self.layout)
 
-    def _pull(self, prepared: PreparedKeys, train: bool) -> list[np.ndarray]:
+    def _rows_for(self, prepared: PreparedKeys) -> list[np.ndarray]:
+        """Per group of tables, the batch's packed rows (unfilled; the last
+        row, of empty single-valued features, zero)."""
+        sizes, _ = self.layout.bases(prepared)
+        rows = []
+        for (dim, _), size in zip(self.layout.groups, sizes, strict=True):
+            packed = np.empty((size + 1, dim), dtype=np.float32)
+            packed[size] = 0.0
+            rows.append(packed)
+        return rows
+
+    def _pull(
+        self, prepared: PreparedKeys, train: bool, rows: list[np.ndarray] | None = None
+    ) -> list[np.ndarray]:
         """The packed rows of each group of tables (each table pulled into its slice)."""
         engine = self.context.engine
-        sizes, bases = self.layout.bases(prepared)
-        rows = []
-        for (dim, tables), size in zip(self.layout.groups, sizes, strict=True):
-            packed = np.empty((size + 1, dim), dtype=np.float32)
-            packed[size] = 0.0  # the zero row of empty single-valued features
+        _, bases = self.layout.bases(prepared)
+        rows = self._rows_for(prepared) if rows is None else rows
+        for (_, tables), packed in zip(self.layout.groups, rows, strict=True):
             for table in tables:
                 keys = prepared.tables[table]
                 base = bases[table]
@@ -317,31 +329,35 @@ class Session:
                     out=packed[base : base + len(keys.uniques)],
                     shard_offsets=keys.shard_offsets,
                 )
-            rows.append(packed)
         return rows
 
-    def _refresh(
-        self, prepared: PreparedKeys, previous: PreparedKeys, rows: list[np.ndarray]
-    ) -> None:
-        """Pulls again the rows of the keys the previous step also had: the only
-        rows its push changed since the early pull (staleness 0)."""
-        engine = self.context.engine
+    def _link(
+        self, previous: PreparedKeys, prepared: PreparedKeys, rows: list[np.ndarray]
+    ) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
+        """Where the previous step's push writes each of its rows into this
+        step's packed rows (-1: not in this step), per table (staleness 0)."""
         _, bases = self.layout.bases(prepared)
-        for (_, tables), packed in zip(self.layout.groups, rows, strict=True):
-            for table in tables:
-                keys = prepared.tables[table].uniques
-                changed = positions_in(keys, previous.tables[table].uniques)
-                if len(changed):
-                    packed[bases[table] + changed] = engine.pull(table, keys[changed], train=False)
+        dest = {
+            table: index_in(previous.tables[table].uniques, keys.uniques, bases[table])
+            for table, keys in prepared.tables.items()
+        }
+        return rows, dest
 
-    def _push_async(self, prepared: PreparedKeys, grads: Any, seq: int) -> None:
-        self._push(prepared, *grads)
+    def _push_async(self, prepared: PreparedKeys, grads: Any, seq: int, link: Any) -> None:
+        self._push(prepared, *grads, link=link)
 
-    def _push(self, prepared: PreparedKeys, inputs: StepInputs, gather_grads: Any) -> None:
-        """Sums the lookups' gradients per row, then pushes each table's slice."""
+    def _push(
+        self,
+        prepared: PreparedKeys,
+        inputs: StepInputs,
+        gather_grads: Any,
+        link: tuple[list[np.ndarray], dict[str, np.ndarray]] | None = None,
+    ) -> None:
+        """Sums the lookups' gradients per row, then pushes each table's slice;
+        with a link, the updated rows the next step shares go into its rows."""
         engine = self.context.engine
         row_grads = self.functions.row_gradients(inputs, gather_grads)
-        for (_, tables), packed in zip(self.layout.groups, row_grads, strict=True):
+        for g, ((_, tables), packed) in enumerate(zip(self.layout.groups, row_grads, strict=True)):
             for table in tables:
                 keys = prepared.tables[table]
                 base = inputs.table_base[table]
@@ -351,6 +367,8 @@ class Session:
                     packed[base : base + len(keys.uniques)],
                     unique=True,
                     shard_offsets=keys.shard_offsets,
+                    updated=None if link is None else link[0][g],
+                    updated_rows=None if link is None else link[1][table],
                 )
 
     def _step(
@@ -438,7 +456,8 @@ class Session:
         pipeline = Pipeline(
             iter(reader),
             self._prepare,
-            lambda p: self._pull(p, False),
+            self._rows_for,
+            lambda p, rows: self._pull(p, False, rows),
             None,
             None,
             self.context.prefetch,

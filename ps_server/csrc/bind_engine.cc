@@ -40,6 +40,23 @@ KeyArray Keys(const py::array& keys, const char* what = "keys") {
   return {static_cast<const uint64_t*>(keys.data()), static_cast<size_t>(keys.shape(0))};
 }
 
+// updated_rows of a push: each in [-1, n_rows), no row twice (two shards
+// would write it at once).
+void CheckDistinctRows(const int32_t* rows, size_t n, size_t n_rows) {
+  std::vector<uint8_t> seen(n_rows, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t r = rows[i];
+    if (r == -1) continue;
+    if (r < 0 || static_cast<size_t>(r) >= n_rows) {
+      throw py::value_error("updated_rows[" + std::to_string(i) + "] = " + std::to_string(r) +
+                            " is outside [-1, " + std::to_string(n_rows) + ")");
+    }
+    if (seen[r]++ != 0) {
+      throw py::value_error("updated_rows names row " + std::to_string(r) + " twice");
+    }
+  }
+}
+
 // A column argument: None, or a C-contiguous array of exactly dtype T with
 // rows * width values. Never converts, so the pointer stays valid while the
 // caller holds obj.
@@ -183,22 +200,34 @@ void BindEngine(py::module_& m) {
       .def(
           "push",
           [](Engine& e, int table, const py::array& keys, const py::object& grads, bool unique,
-             const py::object& shard_offsets, const py::object& updated) {
+             const py::object& shard_offsets, const py::object& updated,
+             const py::object& updated_rows) {
             const KeyArray k = Keys(keys);
-            const float* g = Column<float>(grads, k.size, e.Spec(table).dim, "grads");
+            const int dim = e.Spec(table).dim;
+            const float* g = Column<float>(grads, k.size, dim, "grads");
             const int64_t* offsets =
                 Column<int64_t>(shard_offsets, e.num_shards() + 1, 1, "shard_offsets");
-            float* out = Column<float>(updated, k.size, e.Spec(table).dim, "updated");
+            const int32_t* rows = Column<int32_t>(updated_rows, k.size, 1, "updated_rows");
+            float* out = nullptr;
+            if (rows == nullptr) {
+              out = Column<float>(updated, k.size, dim, "updated");
+            } else {
+              if (updated.is_none()) throw py::value_error("updated_rows needs updated");
+              const auto arr = py::reinterpret_borrow<py::array>(updated);
+              const size_t n_rows = arr.ndim() == 2 ? static_cast<size_t>(arr.shape(0)) : 0;
+              out = Column<float>(updated, n_rows, dim, "updated");
+              CheckDistinctRows(rows, k.size, n_rows);
+            }
             if (out != nullptr && !py::reinterpret_borrow<py::array>(updated).writeable())
               throw py::value_error("updated must be writeable");
             py::gil_scoped_release release;
-            const PushResult r = e.Push(table, k.data, k.size, g, unique, offsets, out);
+            const PushResult r = e.Push(table, k.data, k.size, g, unique, offsets, out, rows);
             py::gil_scoped_acquire acquire;
             return py::dict("applied"_a = r.applied, "dropped_nan"_a = r.dropped_nan,
                             "dropped_pending"_a = r.dropped_pending, "duplicates"_a = r.duplicates);
           },
           "table"_a, "keys"_a, "grads"_a, "unique"_a = false, "shard_offsets"_a = py::none(),
-          "updated"_a = py::none())
+          "updated"_a = py::none(), "updated_rows"_a = py::none())
       .def(
           "erase",
           [](Engine& e, int table, const py::array& keys) {

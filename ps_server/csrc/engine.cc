@@ -335,7 +335,8 @@ void Engine::Pull(int table, const uint64_t* keys, size_t n, float* out, bool tr
 }
 
 PushResult Engine::Push(int table, const uint64_t* keys, size_t n, const float* grads,
-                        bool keys_unique, const int64_t* shard_offsets, float* updated) {
+                        bool keys_unique, const int64_t* shard_offsets, float* updated,
+                        const int32_t* updated_rows) {
   TableDef* def = Def(table);
   const int dim = def->spec.dim;
   if (def->spec.nan_policy == NanPolicy::kRaise) {
@@ -359,7 +360,8 @@ PushResult Engine::Push(int table, const uint64_t* keys, size_t n, const float* 
   std::vector<PushResult> results(num_shards_);
   RunOnShards(
       [&](int s) {
-        ShardOfDef(def, s)->Push(plan.For(s), grads, keys_unique, clock, &results[s], updated);
+        ShardOfDef(def, s)->Push(plan.For(s), grads, keys_unique, clock, &results[s], updated,
+                                 updated_rows);
       },
       &plan);
   PushResult total;

@@ -90,18 +90,21 @@ PYBIND11_MODULE(_reader, m) {
   m.def("prepare_keys", &Prepare, "features"_a, "num_tables"_a, "num_shards"_a,
         "features: [(table_index, values)], returns ([(uniques, shard_offsets)], [inverse])");
   m.def(
-      "positions_in",
-      [](const py::array& a, const py::array& b) {
+      "index_in",
+      [](const py::array& a, const py::array& b, int32_t base) {
         const uint64_t* pa = Keys(a, "a");
         const uint64_t* pb = Keys(b, "b");
-        std::vector<int64_t> positions;
-        {
-          py::gil_scoped_release release;
-          PositionsIn(pa, a.shape(0), pb, b.shape(0), &positions);
+        if (b.shape(0) + static_cast<int64_t>(base) > INT32_MAX) {
+          throw py::value_error("index_in: base + len(b) must fit in int32");
         }
-        return ToArray(std::move(positions));
+        py::array_t<int32_t> out(a.shape(0));
+        int32_t* dst = out.mutable_data();
+        py::gil_scoped_release release;
+        IndexIn(pa, a.shape(0), pb, b.shape(0), base, dst);
+        return out;
       },
-      "a"_a, "b"_a, "positions of a's keys that are also in b (ascending)");
+      "a"_a, "b"_a, "base"_a = 0,
+      "int32 [len(a)]: base + the position of each of a's keys in b (no repeats), or -1");
   m.def(
       "scatter_add_rows",
       [](py::array out,

@@ -33,6 +33,15 @@ class DedupTable {
     }
   }
 
+  // The id of key, or -1.
+  int64_t Find(uint64_t key, uint64_t hash) const {
+    for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
+      const Slot& s = slots_[i];
+      if (s.epoch != epoch_) return -1;
+      if (s.key == key) return s.id;
+    }
+  }
+
   // Returns the id of key, assigning next_id when it is new.
   uint32_t Insert(uint64_t key, uint64_t hash, uint32_t next_id, bool* inserted) {
     for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
@@ -141,15 +150,17 @@ void PrepareKeys(FeatureKeys* features, size_t num_features, int num_tables, uin
   }
 }
 
-void PositionsIn(const uint64_t* a, size_t na, const uint64_t* b, size_t nb,
-                 std::vector<int64_t>* positions) {
+void IndexIn(const uint64_t* a, size_t na, const uint64_t* b, size_t nb, int32_t base,
+             int32_t* out) {
   thread_local DedupTable set;
   set.Reset(nb);
   bool inserted;
-  for (size_t i = 0; i < nb; ++i) set.Insert(b[i], ps::Mix64(b[i]), 0, &inserted);
-  positions->clear();
+  for (size_t j = 0; j < nb; ++j) {
+    set.Insert(b[j], ps::Mix64(b[j]), static_cast<uint32_t>(j), &inserted);
+  }
   for (size_t i = 0; i < na; ++i) {
-    if (set.Contains(a[i], ps::Mix64(a[i]))) positions->push_back(static_cast<int64_t>(i));
+    const int64_t j = set.Find(a[i], ps::Mix64(a[i]));
+    out[i] = j < 0 ? -1 : base + static_cast<int32_t>(j);
   }
 }
 

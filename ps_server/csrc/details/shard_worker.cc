@@ -1,6 +1,7 @@
 #include "details/shard_worker.h"
 
 #include <immintrin.h>
+#include <pthread.h>
 
 namespace wuliang::ps::details {
 
@@ -33,7 +34,9 @@ Task* MpscQueue::Pop() {
   return nullptr;
 }
 
-ShardWorker::ShardWorker() : thread_([this] { Loop(); }) {}
+ShardWorker::ShardWorker() : thread_([this] { Loop(); }) {
+  pthread_setname_np(thread_.native_handle(), "wuliang-shard");  // for top, perf
+}
 
 ShardWorker::~ShardWorker() {
   stop_.store(true, std::memory_order_release);

@@ -279,7 +279,7 @@ const std::vector<int32_t>& TableShard::GroupDuplicates(const Slice& s, const fl
 }
 
 void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, const Clock& clock,
-                      PushResult* result, float* updated) {
+                      PushResult* result, float* updated, const int32_t* updated_rows) {
   const Slice s = Select(batch);
   const std::vector<int32_t>* groups = nullptr;
   if (!unique) {
@@ -295,7 +295,15 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
     Pipeline</*kCold=*/true>(s, create, clock, [&](size_t k, char* row) {
       // What a pull (train=false) after this push returns: the row as left,
       // or the initial vector of a key without one.
-      float* out = updated != nullptr ? updated + s.pos(k) * dim : nullptr;
+      float* out = nullptr;
+      if (updated != nullptr) {
+        const size_t pos = s.pos(k);
+        if (updated_rows == nullptr) {
+          out = updated + pos * dim;
+        } else if (updated_rows[pos] >= 0) {
+          out = updated + static_cast<size_t>(updated_rows[pos]) * dim;
+        }
+      }
       const auto report = [&] {
         if (out == nullptr) return;
         if (row != nullptr) {

@@ -72,9 +72,10 @@ class TableShard {
   TableShard& operator=(const TableShard&) = delete;
 
   void Pull(const ShardBatch& batch, float* out, bool train, const Clock& clock);
-  // updated (optional, (n, dim)): each key's weights after the push.
+  // updated (optional): each key's weights after the push, at row pos, or
+  // at row updated_rows[pos] when given (none where -1).
   void Push(const ShardBatch& batch, const float* grads, bool unique, const Clock& clock,
-            PushResult* result, float* updated = nullptr);
+            PushResult* result, float* updated = nullptr, const int32_t* updated_rows = nullptr);
   uint64_t Erase(const ShardBatch& batch, const Clock& clock);
   void Contains(const ShardBatch& batch, uint8_t* out);
   void Load(const ShardBatch& batch, const RowColumns& rows, const Clock& clock);

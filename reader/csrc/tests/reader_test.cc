@@ -83,14 +83,14 @@ void TestStringHash() {
   CHECK(a != b);
 }
 
-void TestPositionsIn() {
+void TestIndexIn() {
   const uint64_t a[] = {5, 9, 2, 7, 9, 11};
   const uint64_t b[] = {7, 9, 100};
-  std::vector<int64_t> positions;
-  PositionsIn(a, 6, b, 3, &positions);
-  CHECK((positions == std::vector<int64_t>{1, 3, 4}));
-  PositionsIn(a, 6, b, 0, &positions);
-  CHECK(positions.empty());
+  int32_t out[6];
+  IndexIn(a, 6, b, 3, 10, out);
+  CHECK((std::vector<int32_t>(out, out + 6) == std::vector<int32_t>{-1, 11, -1, 10, 11, -1}));
+  IndexIn(a, 6, b, 0, 0, out);
+  CHECK((std::vector<int32_t>(out, out + 6) == std::vector<int32_t>(6, -1)));
 }
 
 }  // namespace
@@ -99,7 +99,7 @@ int main() {
   for (uint32_t shards : {1u, 2u, 3u, 8u}) TestPrepareRandom(shards, shards);
   TestPrepareConcurrent();
   TestStringHash();
-  TestPositionsIn();
+  TestIndexIn();
   std::puts("reader_test: all passed");
   return 0;
 }

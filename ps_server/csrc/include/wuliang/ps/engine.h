@@ -148,13 +148,16 @@ class Engine {
             float* out,  // (n, dim)
             bool train, const int64_t* shard_offsets = nullptr);
   // Applies the table's optimizer. Duplicate keys have their gradients
-  // summed first (skipped when keys_unique is promised). `updated` (n, dim),
-  // when given, receives each key's weights after the push (what a pull
-  // with train=false would read next), saving that pull.
+  // summed first (skipped when keys_unique is promised). `updated`, when
+  // given, receives each key's weights after the push (what a pull with
+  // train=false would read next), saving that pull: key i's at row i
+  // ((n, dim)), or with `updated_rows` at row updated_rows[i] (none where
+  // -1; rows in range and distinct, checked by the caller). The trainer
+  // writes this way the rows the next step shares straight into its input.
   PushResult Push(int table, const uint64_t* keys, size_t n,
                   const float* grads,  // (n, dim)
                   bool keys_unique = false, const int64_t* shard_offsets = nullptr,
-                  float* updated = nullptr);
+                  float* updated = nullptr, const int32_t* updated_rows = nullptr);
   // Removes rows; returns how many existed.
   uint64_t Erase(int table, const uint64_t* keys, size_t n);
   // Writes 1 for keys that have a row, else 0.

@@ -37,11 +37,12 @@ struct TableKeys {
 void PrepareKeys(FeatureKeys* features, size_t num_features, int num_tables, uint32_t num_shards,
                  std::vector<TableKeys>* tables);
 
-// Positions i of a whose key is also in b, ascending: which keys of the next
-// batch the previous batch's push changed (their rows are pulled again).
-void PositionsIn(const uint64_t* a, size_t na,  // (na,)
-                 const uint64_t* b, size_t nb,  // (nb,)
-                 std::vector<int64_t>* positions);
+// out[i] = base + j where b[j] == a[i] (b without repeats), else -1: where
+// the previous batch's push writes each of its rows into the next batch's
+// pulled rows (the rows both batches have).
+void IndexIn(const uint64_t* a, size_t na,  // (na,)
+             const uint64_t* b, size_t nb,  // (nb,)
+             int32_t base, int32_t* out);   // (na,)
 
 // out[index[i]] += values[i] for i < n, rows of dim floats: the gradient of
 // each unique row, summed over the values looked up from it (the inverse of
