@@ -5,6 +5,8 @@ Import as ``wuliang.ps_server``. See ``docs/ps_engine.md`` for the design.
 
 from wuliang.ps_server.engine import (
     Engine,
+    PullPart,
+    PushPart,
     PushResult,
     RowChunk,
     UnknownTableError,
@@ -40,6 +42,8 @@ __all__ = [
     "Initializer",
     "Normal",
     "Optimizer",
+    "PullPart",
+    "PushPart",
     "PushResult",
     "RowChunk",
     "TableSpec",

@@ -66,6 +66,28 @@ class RowChunk:
 KeyArray = np.ndarray | Sequence[int]
 
 
+@dataclass(frozen=True)
+class PullPart:
+    """One table's part of ``Engine.pull_many``: the arguments of a ``pull``."""
+
+    table: str
+    keys: KeyArray
+    out: np.ndarray | None = None
+    shard_offsets: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class PushPart:
+    """One table's part of ``Engine.push_many``: the arguments of a ``push``."""
+
+    table: str
+    keys: KeyArray
+    grads: np.ndarray
+    shard_offsets: np.ndarray | None = None
+    updated: np.ndarray | None = None
+    updated_rows: np.ndarray | None = None
+
+
 def as_keys(keys: Any, what: str = "keys") -> np.ndarray:
     """Returns keys as a contiguous 1-D int64/uint64 array (no copy if already)."""
     if not isinstance(keys, np.ndarray):
@@ -219,13 +241,18 @@ class Engine:
         shard, as the reader's key preparation leaves them; the engine then
         skips splitting them (and checks the grouping).
         """
-        tid = self._id(table)
-        keys = as_keys(keys)
-        if out is not None:
-            _check_float32(out, (len(keys), self._specs[table].dim), "out")
-            if not out.flags.c_contiguous or not out.flags.writeable:
-                raise ValueError("out must be a writeable C-contiguous array")
-        return self.native.pull(tid, keys, train, out, self._offsets(shard_offsets))
+        tid, keys, out, offsets = self._pull_args(PullPart(table, keys, out, shard_offsets))
+        return self.native.pull(tid, keys, train, out, offsets)
+
+    def pull_many(self, parts: Sequence[PullPart], *, train: bool = True) -> None:
+        """``pull`` into each part's ``out`` (required), for many tables at once:
+        one hand-off to each shard's worker instead of one per table."""
+        args = []
+        for part in parts:
+            if part.out is None:
+                raise ValueError(f"pull_many: the part for table {part.table!r} has no out")
+            args.append(self._pull_args(part))
+        self.native.pull_many(args, train)
 
     def push(
         self,
@@ -248,10 +275,36 @@ class Engine:
         ``updated[updated_rows[i]]`` (``[rows, dim]``; nowhere where -1; no
         row twice): how a trainer refreshes the next step's pulled rows.
         """
+        part = PushPart(table, keys, grads, shard_offsets, updated, updated_rows)
+        tid, keys, grads, offsets, updated, updated_rows = self._push_args(part)
+        return PushResult(
+            **self.native.push(tid, keys, grads, unique, offsets, updated, updated_rows)
+        )
+
+    def push_many(self, parts: Sequence[PushPart], *, unique: bool = False) -> PushResult:
+        """``push`` for many tables at once (one hand-off per shard); the
+        results are summed."""
+        return PushResult(
+            **self.native.push_many([self._push_args(part) for part in parts], unique)
+        )
+
+    def _pull_args(self, part: PullPart) -> tuple:
+        tid = self._id(part.table)
+        keys = as_keys(part.keys)
+        out = part.out
+        if out is not None:
+            _check_float32(out, (len(keys), self._specs[part.table].dim), "out")
+            if not out.flags.c_contiguous or not out.flags.writeable:
+                raise ValueError("out must be a writeable C-contiguous array")
+        return tid, keys, out, self._offsets(part.shard_offsets)
+
+    def _push_args(self, part: PushPart) -> tuple:
+        table = part.table
         tid = self._id(table)
-        keys = as_keys(keys)
+        keys = as_keys(part.keys)
         spec = self._specs[table]
-        grads = _as_float32(grads, (len(keys), spec.dim), f"grads for table {table!r}")
+        grads = _as_float32(part.grads, (len(keys), spec.dim), f"grads for table {table!r}")
+        updated, updated_rows = part.updated, part.updated_rows
         if updated_rows is not None:
             updated_rows = np.asarray(updated_rows)
             if updated_rows.dtype != np.int32 or updated_rows.shape != (len(keys),):
@@ -267,11 +320,7 @@ class Engine:
             _check_float32(updated, (rows, spec.dim), "updated")
             if not updated.flags.c_contiguous or not updated.flags.writeable:
                 raise ValueError("updated must be a writeable C-contiguous array")
-        return PushResult(
-            **self.native.push(
-                tid, keys, grads, unique, self._offsets(shard_offsets), updated, updated_rows
-            )
-        )
+        return tid, keys, grads, self._offsets(part.shard_offsets), updated, updated_rows
 
     def _offsets(self, shard_offsets: np.ndarray | None) -> np.ndarray | None:
         if shard_offsets is None:

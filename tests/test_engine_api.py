@@ -19,6 +19,8 @@ from wuliang.ps_server import (
     Engine,
     Eviction,
     Normal,
+    PullPart,
+    PushPart,
     PushResult,
     RowChunk,
     TableSpec,
@@ -27,6 +29,8 @@ from wuliang.ps_server import (
     UnknownTableError,
     shard_of,
 )
+from wuliang.reader import Csr, CsrBatch
+from wuliang.reader.prepare import KeyPreparer
 
 MakeEngine = Callable[[int], Engine]  # the make_engine fixture (conftest.py)
 ExportAll = Callable[..., RowChunk]  # the export_all fixture (conftest.py)
@@ -553,3 +557,68 @@ def test_push_writes_updated_rows_where_asked(make_engine: MakeEngine) -> None:
         engine.push("t", keys, grads, updated_rows=where)
     with pytest.raises(ValueError, match="updated"):
         engine.push("t", keys, grads, updated=np.zeros((10, 3), np.float32), updated_rows=where)
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_many_table_calls_equal_calls_one_by_one(make_engine: MakeEngine, num_shards: int) -> None:
+    """pull_many / push_many do what pull / push per table do, in order:
+    tables of other dims and optimizers, keys split by the caller or not,
+    an empty part, and updated rows written where asked."""
+    specs = [
+        TableSpec("a", 4, optimizer=Adagrad(0.5), initializer=Uniform()),
+        TableSpec("b", 8, optimizer=SGD(0.1), initializer=Uniform()),
+        TableSpec("c", 4, optimizer=Adam(0.01), initializer=Uniform()),
+    ]
+    one, many = make_engine(num_shards), make_engine(num_shards)
+    for spec in specs:
+        one.create_table(spec)
+        many.create_table(spec)
+    rng = np.random.default_rng(3)
+    preparer = KeyPreparer({"a": "a", "b": "b"}, num_shards)
+    for _ in range(4):
+        values = {n: rng.integers(1, 200, 300).astype(np.uint64) for n in "ab"}
+        offsets = np.arange(301, dtype=np.int64)
+        prepared = preparer(
+            CsrBatch({n: Csr(v, offsets) for n, v in values.items()}, None, None, 300, {})
+        )
+        keys = {
+            "a": (prepared.tables["a"].uniques, prepared.tables["a"].shard_offsets),
+            "b": (prepared.tables["b"].uniques, None),  # split by the engine
+            "c": (np.zeros(0, np.uint64), None),
+        }
+        dims = {"a": 4, "b": 8, "c": 4}
+        outs = {t: np.empty((len(k), dims[t]), np.float32) for t, (k, _) in keys.items()}
+        many.pull_many([PullPart(t, k, outs[t], o) for t, (k, o) in keys.items()])
+        for t, (k, o) in keys.items():
+            np.testing.assert_array_equal(outs[t], one.pull(t, k, shard_offsets=o))
+        grads = {t: rng.standard_normal(outs[t].shape).astype(np.float32) for t in keys}
+        target = np.full((500, 4), -1.0, np.float32)
+        rows = np.full(len(keys["a"][0]), -1, np.int32)
+        rows[::2] = np.arange(0, len(rows), 2, dtype=np.int32)
+        result = many.push_many(
+            [
+                PushPart("a", keys["a"][0], grads["a"], keys["a"][1], target, rows),
+                PushPart("b", keys["b"][0], grads["b"]),
+                PushPart("c", keys["c"][0], grads["c"]),
+            ],
+            unique=True,
+        )
+        applied = 0
+        for t, (k, o) in keys.items():
+            applied += one.push(t, k, grads[t], unique=True, shard_offsets=o).applied
+        assert result.applied == applied
+        after = one.pull("a", keys["a"][0], train=False)
+        np.testing.assert_array_equal(target[rows[::2]], after[::2])
+    for spec in specs:
+        a, b = one.export(spec.name), many.export(spec.name)
+        rows_one = {int(k): w for c in a for k, w in zip(c.keys, c.weights, strict=True)}
+        rows_many = {int(k): w for c in b for k, w in zip(c.keys, c.weights, strict=True)}
+        assert rows_one.keys() == rows_many.keys()
+        for k, w in rows_one.items():
+            np.testing.assert_array_equal(rows_many[k], w)
+    with pytest.raises(ValueError, match="no out"):
+        many.pull_many([PullPart("a", keys["a"][0])])
+    with pytest.raises(KeyError, match="unknown table 'zz'"):
+        many.push_many([PushPart("zz", keys["a"][0], grads["a"])])
+    with pytest.raises(ValueError, match="grads for table 'b'"):
+        many.push_many([PushPart("b", keys["b"][0], grads["a"])])

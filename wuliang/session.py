@@ -39,6 +39,7 @@ from wuliang.embedding.features import Feature, split_features
 from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
 from wuliang.metrics import Metrics
 from wuliang.pipeline import Pipeline
+from wuliang.ps_server import PullPart, PushPart
 from wuliang.reader._reader import index_in
 from wuliang.reader.batch import CsrBatch
 from wuliang.reader.prepare import KeyPreparer, PreparedKeys
@@ -315,20 +316,16 @@ class Session:
         self, prepared: PreparedKeys, train: bool, rows: list[np.ndarray] | None = None
     ) -> list[np.ndarray]:
         """The packed rows of each group of tables (each table pulled into its slice)."""
-        engine = self.context.engine
         _, bases = self.layout.bases(prepared)
         rows = self._rows_for(prepared) if rows is None else rows
+        parts = []
         for (_, tables), packed in zip(self.layout.groups, rows, strict=True):
             for table in tables:
                 keys = prepared.tables[table]
                 base = bases[table]
-                engine.pull(
-                    table,
-                    keys.uniques,
-                    train=train,
-                    out=packed[base : base + len(keys.uniques)],
-                    shard_offsets=keys.shard_offsets,
-                )
+                out = packed[base : base + len(keys.uniques)]
+                parts.append(PullPart(table, keys.uniques, out, keys.shard_offsets))
+        self.context.engine.pull_many(parts, train=train)
         return rows
 
     def _link(
@@ -355,21 +352,19 @@ class Session:
     ) -> None:
         """Sums the lookups' gradients per row, then pushes each table's slice;
         with a link, the updated rows the next step shares go into its rows."""
-        engine = self.context.engine
         row_grads = self.functions.row_gradients(inputs, gather_grads)
+        parts = []
         for g, ((_, tables), packed) in enumerate(zip(self.layout.groups, row_grads, strict=True)):
             for table in tables:
                 keys = prepared.tables[table]
                 base = inputs.table_base[table]
-                engine.push(
-                    table,
-                    keys.uniques,
-                    packed[base : base + len(keys.uniques)],
-                    unique=True,
-                    shard_offsets=keys.shard_offsets,
-                    updated=None if link is None else link[0][g],
-                    updated_rows=None if link is None else link[1][table],
+                grads = packed[base : base + len(keys.uniques)]
+                updated = None if link is None else link[0][g]
+                rows = None if link is None else link[1][table]
+                parts.append(
+                    PushPart(table, keys.uniques, grads, keys.shard_offsets, updated, rows)
                 )
+        self.context.engine.push_many(parts, unique=True)
 
     def _step(
         self,

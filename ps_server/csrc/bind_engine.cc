@@ -102,6 +102,37 @@ py::array_t<float> PullInto(int dim, size_t n, const py::object& out) {
   return arr;
 }
 
+// Element i of a parts tuple as an array (never converted: the tuple keeps
+// it alive while its data pointer is in use).
+py::array ArrayIn(const py::tuple& t, size_t i, const char* what) {
+  if (!py::isinstance<py::array>(t[i])) {
+    throw py::type_error(std::string(what) + " must be a numpy array");
+  }
+  return py::reinterpret_borrow<py::array>(t[i]);
+}
+
+// The `updated` array of a push: (n, dim), or any rows with updated_rows.
+float* UpdatedRows(const py::object& updated, size_t n, int dim, const int32_t* rows) {
+  float* out = nullptr;
+  if (rows == nullptr) {
+    out = Column<float>(updated, n, dim, "updated");
+  } else {
+    if (updated.is_none()) throw py::value_error("updated_rows needs updated");
+    const auto arr = py::reinterpret_borrow<py::array>(updated);
+    const size_t n_rows = arr.ndim() == 2 ? static_cast<size_t>(arr.shape(0)) : 0;
+    out = Column<float>(updated, n_rows, dim, "updated");
+    CheckDistinctRows(rows, n, n_rows);
+  }
+  if (out != nullptr && !py::reinterpret_borrow<py::array>(updated).writeable())
+    throw py::value_error("updated must be writeable");
+  return out;
+}
+
+py::dict PushDict(const PushResult& r) {
+  return py::dict("applied"_a = r.applied, "dropped_nan"_a = r.dropped_nan,
+                  "dropped_pending"_a = r.dropped_pending, "duplicates"_a = r.duplicates);
+}
+
 void BindSpecs(py::module_& m) {
   py::enum_<OptimizerKind>(m, "OptimizerKind")
       .value("SGD", OptimizerKind::kSgd)
@@ -208,26 +239,72 @@ void BindEngine(py::module_& m) {
             const int64_t* offsets =
                 Column<int64_t>(shard_offsets, e.num_shards() + 1, 1, "shard_offsets");
             const int32_t* rows = Column<int32_t>(updated_rows, k.size, 1, "updated_rows");
-            float* out = nullptr;
-            if (rows == nullptr) {
-              out = Column<float>(updated, k.size, dim, "updated");
-            } else {
-              if (updated.is_none()) throw py::value_error("updated_rows needs updated");
-              const auto arr = py::reinterpret_borrow<py::array>(updated);
-              const size_t n_rows = arr.ndim() == 2 ? static_cast<size_t>(arr.shape(0)) : 0;
-              out = Column<float>(updated, n_rows, dim, "updated");
-              CheckDistinctRows(rows, k.size, n_rows);
-            }
-            if (out != nullptr && !py::reinterpret_borrow<py::array>(updated).writeable())
-              throw py::value_error("updated must be writeable");
+            float* out = UpdatedRows(updated, k.size, dim, rows);
             py::gil_scoped_release release;
             const PushResult r = e.Push(table, k.data, k.size, g, unique, offsets, out, rows);
             py::gil_scoped_acquire acquire;
-            return py::dict("applied"_a = r.applied, "dropped_nan"_a = r.dropped_nan,
-                            "dropped_pending"_a = r.dropped_pending, "duplicates"_a = r.duplicates);
+            return PushDict(r);
           },
           "table"_a, "keys"_a, "grads"_a, "unique"_a = false, "shard_offsets"_a = py::none(),
           "updated"_a = py::none(), "updated_rows"_a = py::none())
+      .def(
+          "pull_many",
+          [](Engine& e, const py::list& parts, bool train) {
+            // parts: [(table, keys, out, shard_offsets)]; out must be given.
+            std::vector<Engine::TablePart> many;
+            many.reserve(parts.size());
+            for (const py::handle& item : parts) {
+              const auto t = item.cast<py::tuple>();
+              if (t.size() != 4) throw py::value_error("pull_many: parts are 4-tuples");
+              Engine::TablePart p;
+              p.table = t[0].cast<int>();
+              const KeyArray k = Keys(ArrayIn(t, 1, "keys"));
+              p.keys = k.data;
+              p.n = k.size;
+              const int dim = e.Spec(p.table).dim;
+              if (t[2].is_none()) throw py::value_error("pull_many: out must be given");
+              p.out =
+                  PullInto(dim, k.size, py::reinterpret_borrow<py::object>(t[2])).mutable_data();
+              p.shard_offsets = Column<int64_t>(py::reinterpret_borrow<py::object>(t[3]),
+                                                e.num_shards() + 1, 1, "shard_offsets");
+              many.push_back(p);
+            }
+            py::gil_scoped_release release;
+            e.PullMany(many, train);
+          },
+          "parts"_a, "train"_a = true)
+      .def(
+          "push_many",
+          [](Engine& e, const py::list& parts, bool unique) {
+            // parts: [(table, keys, grads, shard_offsets, updated, updated_rows)].
+            std::vector<Engine::TablePart> many;
+            many.reserve(parts.size());
+            for (const py::handle& item : parts) {
+              const auto t = item.cast<py::tuple>();
+              if (t.size() != 6) throw py::value_error("push_many: parts are 6-tuples");
+              Engine::TablePart p;
+              p.table = t[0].cast<int>();
+              const KeyArray k = Keys(ArrayIn(t, 1, "keys"));
+              p.keys = k.data;
+              p.n = k.size;
+              const int dim = e.Spec(p.table).dim;
+              p.grads =
+                  Column<float>(py::reinterpret_borrow<py::object>(t[2]), k.size, dim, "grads");
+              if (p.grads == nullptr) throw py::value_error("push_many: grads must be given");
+              p.shard_offsets = Column<int64_t>(py::reinterpret_borrow<py::object>(t[3]),
+                                                e.num_shards() + 1, 1, "shard_offsets");
+              const auto updated = py::reinterpret_borrow<py::object>(t[4]);
+              p.updated_rows = Column<int32_t>(py::reinterpret_borrow<py::object>(t[5]), k.size, 1,
+                                               "updated_rows");
+              p.updated = UpdatedRows(updated, k.size, dim, p.updated_rows);
+              many.push_back(p);
+            }
+            py::gil_scoped_release release;
+            const PushResult r = e.PushMany(many, unique);
+            py::gil_scoped_acquire acquire;
+            return PushDict(r);
+          },
+          "parts"_a, "unique"_a = false)
       .def(
           "erase",
           [](Engine& e, int table, const py::array& keys) {

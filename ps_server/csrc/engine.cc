@@ -27,10 +27,11 @@ namespace details {
 struct Plan {
   const uint64_t* keys = nullptr;
   size_t n = 0;
-  bool filter = false;              // each shard selects its own keys
-  bool check_shards = false;        // keys came grouped by the caller: verify
-  const uint32_t* order = nullptr;  // else: positions grouped by shard (null = identity)
-  std::vector<size_t> offsets;      // (S + 1,) shard s owns order[offsets[s], offsets[s+1])
+  bool filter = false;                  // each shard selects its own keys
+  bool check_shards = false;            // keys came grouped by the caller: verify
+  const uint32_t* order = nullptr;      // else: positions grouped by shard (null = identity)
+  std::vector<uint32_t> order_storage;  // what order points into when the plan split the keys
+  std::vector<size_t> offsets;          // (S + 1,) shard s owns order[offsets[s], offsets[s+1])
 
   ShardBatch For(int s) const {
     const auto num_shards = static_cast<uint32_t>(offsets.size() - 1);
@@ -227,7 +228,7 @@ void Engine::PlanBatch(const uint64_t* keys, size_t n, Plan* plan) const {
     plan->filter = true;
     return;
   }
-  thread_local std::vector<uint32_t> order;
+  std::vector<uint32_t>& order = plan->order_storage;
   thread_local std::vector<uint16_t> shard_of;
   order.resize(n);
   shard_of.resize(n);
@@ -321,49 +322,103 @@ std::vector<std::string> Engine::TableNames() const {
   return names;
 }
 
+std::vector<int> Engine::PlanParts(const std::vector<TablePart>& parts,
+                                   std::vector<Plan>* plans) const {
+  plans->resize(parts.size());
+  std::vector<bool> has_keys(num_shards_, false);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const TablePart& p = parts[i];
+    Plan& plan = (*plans)[i];
+    if (p.shard_offsets != nullptr) {
+      PlanPartitioned(p.keys, p.n, p.shard_offsets, &plan);
+    } else {
+      PlanBatch(p.keys, p.n, &plan);
+    }
+    for (int s = 0; s < num_shards_; ++s) {
+      if (plan.filter ? p.n > 0 : plan.offsets[s + 1] > plan.offsets[s]) has_keys[s] = true;
+    }
+  }
+  std::vector<int> active;
+  for (int s = 0; s < num_shards_; ++s) {
+    if (has_keys[s]) active.push_back(s);
+  }
+  return active;
+}
+
 void Engine::Pull(int table, const uint64_t* keys, size_t n, float* out, bool train,
                   const int64_t* shard_offsets) {
-  TableDef* def = Def(table);
-  Plan plan;
-  if (shard_offsets != nullptr) {
-    PlanPartitioned(keys, n, shard_offsets, &plan);
-  } else {
-    PlanBatch(keys, n, &plan);
-  }
+  TablePart part;
+  part.table = table;
+  part.keys = keys;
+  part.n = n;
+  part.shard_offsets = shard_offsets;
+  part.out = out;
+  PullMany({part}, train);
+}
+
+void Engine::PullMany(const std::vector<TablePart>& parts, bool train) {
+  std::vector<TableDef*> defs;
+  defs.reserve(parts.size());
+  for (const TablePart& p : parts) defs.push_back(Def(p.table));
+  std::vector<Plan> plans;
+  const std::vector<int> active = PlanParts(parts, &plans);
   const Clock clock = Now(step(), version());
-  RunOnShards([&](int s) { ShardOfDef(def, s)->Pull(plan.For(s), out, train, clock); }, &plan);
+  RunOn(active, [&](int s) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      if (parts[i].n == 0) continue;
+      ShardOfDef(defs[i], s)->Pull(plans[i].For(s), parts[i].out, train, clock);
+    }
+  });
+}
+
+void Engine::CheckFinite(const TableDef& def, const TablePart& part) const {
+  if (def.spec.nan_policy != NanPolicy::kRaise) return;
+  const int dim = def.spec.dim;
+  for (size_t i = 0; i < part.n; ++i) {
+    for (int j = 0; j < dim; ++j) {
+      if (!std::isfinite(part.grads[i * dim + j])) {
+        throw std::invalid_argument("table '" + def.spec.name + "': gradient row " +
+                                    std::to_string(i) + " (key " + std::to_string(part.keys[i]) +
+                                    ") is not finite");
+      }
+    }
+  }
 }
 
 PushResult Engine::Push(int table, const uint64_t* keys, size_t n, const float* grads,
                         bool keys_unique, const int64_t* shard_offsets, float* updated,
                         const int32_t* updated_rows) {
-  TableDef* def = Def(table);
-  const int dim = def->spec.dim;
-  if (def->spec.nan_policy == NanPolicy::kRaise) {
-    for (size_t i = 0; i < n; ++i) {
-      for (int j = 0; j < dim; ++j) {
-        if (!std::isfinite(grads[i * dim + j])) {
-          throw std::invalid_argument("table '" + def->spec.name + "': gradient row " +
-                                      std::to_string(i) + " (key " + std::to_string(keys[i]) +
-                                      ") is not finite");
-        }
-      }
-    }
+  TablePart part;
+  part.table = table;
+  part.keys = keys;
+  part.n = n;
+  part.shard_offsets = shard_offsets;
+  part.grads = grads;
+  part.updated = updated;
+  part.updated_rows = updated_rows;
+  return PushMany({part}, keys_unique);
+}
+
+PushResult Engine::PushMany(const std::vector<TablePart>& parts, bool keys_unique) {
+  std::vector<TableDef*> defs;
+  defs.reserve(parts.size());
+  for (const TablePart& p : parts) {
+    defs.push_back(Def(p.table));
+    CheckFinite(*defs.back(), p);
   }
-  Plan plan;
-  if (shard_offsets != nullptr) {
-    PlanPartitioned(keys, n, shard_offsets, &plan);
-  } else {
-    PlanBatch(keys, n, &plan);
-  }
+  std::vector<Plan> plans;
+  const std::vector<int> active = PlanParts(parts, &plans);
   const Clock clock = Now(step(), version());
   std::vector<PushResult> results(num_shards_);
-  RunOnShards(
-      [&](int s) {
-        ShardOfDef(def, s)->Push(plan.For(s), grads, keys_unique, clock, &results[s], updated,
-                                 updated_rows);
-      },
-      &plan);
+  RunOn(active, [&](int s) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const TablePart& p = parts[i];
+      if (p.n == 0) continue;
+      ShardOfDef(defs[i], s)
+          ->Push(plans[i].For(s), p.grads, keys_unique, clock, &results[s], p.updated,
+                 p.updated_rows);
+    }
+  });
   PushResult total;
   for (const PushResult& r : results) {
     total.applied += r.applied;

@@ -158,6 +158,23 @@ class Engine {
                   const float* grads,  // (n, dim)
                   bool keys_unique = false, const int64_t* shard_offsets = nullptr,
                   float* updated = nullptr, const int32_t* updated_rows = nullptr);
+  // One table's part of a multi-table call: the arguments of one Pull or
+  // Push (out for a pull; grads, updated, updated_rows for a push).
+  struct TablePart {
+    int table = -1;
+    const uint64_t* keys = nullptr;
+    size_t n = 0;
+    const int64_t* shard_offsets = nullptr;
+    float* out = nullptr;
+    const float* grads = nullptr;
+    float* updated = nullptr;
+    const int32_t* updated_rows = nullptr;
+  };
+  // Pull / Push for several tables in one round: each shard's worker does
+  // its part of every table, one hand-off per shard instead of one per table
+  // and shard. Same results as the calls one by one, in order.
+  void PullMany(const std::vector<TablePart>& parts, bool train);
+  PushResult PushMany(const std::vector<TablePart>& parts, bool keys_unique = false);
   // Removes rows; returns how many existed.
   uint64_t Erase(int table, const uint64_t* keys, size_t n);
   // Writes 1 for keys that have a row, else 0.
@@ -216,6 +233,10 @@ class Engine {
   // plan is null), waits, and rethrows the first error.
   void RunOnShards(const std::function<void(int)>& fn, const details::Plan* plan = nullptr);
   void RunOn(const std::vector<int>& shards, const std::function<void(int)>& fn);
+  // One plan per part; the shards that have keys in any of them.
+  std::vector<int> PlanParts(const std::vector<TablePart>& parts,
+                             std::vector<details::Plan>* plans) const;
+  void CheckFinite(const details::TableDef& def, const TablePart& part) const;
   EvictResult EvictTable(details::TableDef* def);
 
   int num_shards_;
