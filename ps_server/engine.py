@@ -66,6 +66,9 @@ class RowChunk:
 KeyArray = np.ndarray | Sequence[int]
 
 
+_ONLY = {"all": 0, "updated": 1, "rest": 2}  # push_many's halves (C++ Engine::Only)
+
+
 @dataclass(frozen=True)
 class PullPart:
     """One table's part of ``Engine.pull_many``: the arguments of a ``pull``."""
@@ -281,12 +284,20 @@ class Engine:
             **self.native.push(tid, keys, grads, unique, offsets, updated, updated_rows)
         )
 
-    def push_many(self, parts: Sequence[PushPart], *, unique: bool = False) -> PushResult:
+    def push_many(
+        self, parts: Sequence[PushPart], *, unique: bool = False, only: str = "all"
+    ) -> PushResult:
         """``push`` for many tables at once (one hand-off per shard); the
-        results are summed."""
-        return PushResult(
-            **self.native.push_many([self._push_args(part) for part in parts], unique)
-        )
+        results are summed. ``only="updated"`` applies just the keys with
+        ``updated_rows[i] >= 0``, ``only="rest"`` the others (both need
+        ``unique=True``): a push in two halves, the rows the next step shares
+        first."""
+        if only not in _ONLY:
+            raise ValueError(f"only must be one of {', '.join(_ONLY)}, got {only!r}")
+        if only != "all" and not unique:
+            raise ValueError(f"push_many(only={only!r}) needs unique=True")
+        args = [self._push_args(part) for part in parts]
+        return PushResult(**self.native.push_many(args, unique, _ONLY[only]))
 
     def _pull_args(self, part: PullPart) -> tuple:
         tid = self._id(part.table)

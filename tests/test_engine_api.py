@@ -563,16 +563,17 @@ def test_push_writes_updated_rows_where_asked(make_engine: MakeEngine) -> None:
 def test_many_table_calls_equal_calls_one_by_one(make_engine: MakeEngine, num_shards: int) -> None:
     """pull_many / push_many do what pull / push per table do, in order:
     tables of other dims and optimizers, keys split by the caller or not,
-    an empty part, and updated rows written where asked."""
+    an empty part, and updated rows written where asked; so does a push in
+    halves (only="updated", then only="rest")."""
     specs = [
         TableSpec("a", 4, optimizer=Adagrad(0.5), initializer=Uniform()),
         TableSpec("b", 8, optimizer=SGD(0.1), initializer=Uniform()),
         TableSpec("c", 4, optimizer=Adam(0.01), initializer=Uniform()),
     ]
-    one, many = make_engine(num_shards), make_engine(num_shards)
+    one, many, halves = make_engine(num_shards), make_engine(num_shards), make_engine(num_shards)
     for spec in specs:
-        one.create_table(spec)
-        many.create_table(spec)
+        for engine in (one, many, halves):
+            engine.create_table(spec)
     rng = np.random.default_rng(3)
     preparer = KeyPreparer({"a": "a", "b": "b"}, num_shards)
     for _ in range(4):
@@ -589,20 +590,26 @@ def test_many_table_calls_equal_calls_one_by_one(make_engine: MakeEngine, num_sh
         dims = {"a": 4, "b": 8, "c": 4}
         outs = {t: np.empty((len(k), dims[t]), np.float32) for t, (k, _) in keys.items()}
         many.pull_many([PullPart(t, k, outs[t], o) for t, (k, o) in keys.items()])
+        halves.pull_many([PullPart(t, k, outs[t], o) for t, (k, o) in keys.items()])
         for t, (k, o) in keys.items():
             np.testing.assert_array_equal(outs[t], one.pull(t, k, shard_offsets=o))
         grads = {t: rng.standard_normal(outs[t].shape).astype(np.float32) for t in keys}
         target = np.full((500, 4), -1.0, np.float32)
         rows = np.full(len(keys["a"][0]), -1, np.int32)
         rows[::2] = np.arange(0, len(rows), 2, dtype=np.int32)
-        result = many.push_many(
-            [
-                PushPart("a", keys["a"][0], grads["a"], keys["a"][1], target, rows),
-                PushPart("b", keys["b"][0], grads["b"]),
-                PushPart("c", keys["c"][0], grads["c"]),
-            ],
-            unique=True,
-        )
+        parts = [
+            PushPart("a", keys["a"][0], grads["a"], keys["a"][1], target, rows),
+            PushPart("b", keys["b"][0], grads["b"]),
+            PushPart("c", keys["c"][0], grads["c"]),
+        ]
+        result = many.push_many(parts, unique=True)
+        half_target = target.copy()
+        parts[0] = PushPart("a", keys["a"][0], grads["a"], keys["a"][1], half_target, rows)
+        first = halves.push_many(parts, unique=True, only="updated")
+        assert first.applied == (rows >= 0).sum()
+        second = halves.push_many(parts, unique=True, only="rest")
+        assert first.applied + second.applied == result.applied
+        np.testing.assert_array_equal(half_target, target)
         applied = 0
         for t, (k, o) in keys.items():
             applied += one.push(t, k, grads[t], unique=True, shard_offsets=o).applied
@@ -610,15 +617,28 @@ def test_many_table_calls_equal_calls_one_by_one(make_engine: MakeEngine, num_sh
         after = one.pull("a", keys["a"][0], train=False)
         np.testing.assert_array_equal(target[rows[::2]], after[::2])
     for spec in specs:
-        a, b = one.export(spec.name), many.export(spec.name)
-        rows_one = {int(k): w for c in a for k, w in zip(c.keys, c.weights, strict=True)}
-        rows_many = {int(k): w for c in b for k, w in zip(c.keys, c.weights, strict=True)}
-        assert rows_one.keys() == rows_many.keys()
-        for k, w in rows_one.items():
-            np.testing.assert_array_equal(rows_many[k], w)
+        expected = {
+            int(k): (w, st)
+            for c in one.export(spec.name)
+            for k, w, st in zip(c.keys, c.weights, c.state, strict=True)
+        }
+        for engine in (many, halves):
+            got = {
+                int(k): (w, st)
+                for c in engine.export(spec.name)
+                for k, w, st in zip(c.keys, c.weights, c.state, strict=True)
+            }
+            assert got.keys() == expected.keys()
+            for k, (w, st) in expected.items():
+                np.testing.assert_array_equal(got[k][0], w)
+                np.testing.assert_array_equal(got[k][1], st)
     with pytest.raises(ValueError, match="no out"):
         many.pull_many([PullPart("a", keys["a"][0])])
     with pytest.raises(KeyError, match="unknown table 'zz'"):
         many.push_many([PushPart("zz", keys["a"][0], grads["a"])])
     with pytest.raises(ValueError, match="grads for table 'b'"):
         many.push_many([PushPart("b", keys["b"][0], grads["a"])])
+    with pytest.raises(ValueError, match="needs unique=True"):
+        many.push_many([PushPart("b", keys["b"][0], grads["b"])], only="rest")
+    with pytest.raises(ValueError, match="only must be one of"):
+        many.push_many([PushPart("b", keys["b"][0], grads["b"])], unique=True, only="half")

@@ -13,8 +13,9 @@ the pull of step i runs early, once step i - 2 is pushed, overlapping step
 i - 1 (row creation included). Before it, the puller "links" step i - 1's
 push to step i's rows: where each key of step i - 1 sits in step i's pulled
 rows, if there. That push then writes the rows it updates straight into step
-i's input (engine ``push(updated=, updated_rows=)``), and the main thread
-waits only for it before step i: no second pull. A push that has already
+i's input (engine ``push(updated=, updated_rows=)``) in a first half of the
+push (those keys only), and the main thread waits only for that half before
+step i: no second pull, and the rest of the push overlaps step i. A push that has already
 started when step i is pulled is not linked; the pull then waits for it. The
 engine's shard workers run a shard's pull and push tasks one at a time, so
 whichever comes first, the push's rows are what step i sees. With staleness 1
@@ -64,8 +65,9 @@ class Pipeline:
             did not prepare.
         rows_for: PreparedKeys -> the batch's (unfilled) packed rows.
         pull: (PreparedKeys, rows) -> None: pulls into rows.
-        push: (PreparedKeys, row gradients, seq, link or None) -> None; None
-            for evaluation.
+        push: (PreparedKeys, row gradients, seq, link or None, linked_done)
+            -> None, calling linked_done() once the linked rows are written;
+            None for evaluation.
         link: (previous PreparedKeys, PreparedKeys, rows) -> what the previous
             batch's push needs to write its updated rows into ``rows``
             (staleness 0); None: the pull waits for that push instead.
@@ -88,7 +90,7 @@ class Pipeline:
         prepare: Callable[[CsrBatch], tuple[PreparedKeys, StepInputs]],
         rows_for: Callable[[PreparedKeys], list[np.ndarray]],
         pull: Callable[[PreparedKeys, list[np.ndarray]], None],
-        push: Callable[[PreparedKeys, Any, int, Any], None] | None,
+        push: Callable[[PreparedKeys, Any, int, Any, Callable[[], None]], None] | None,
         link: Callable[[PreparedKeys, PreparedKeys, list[np.ndarray]], Any] | None,
         depth: int,
         staleness: int,
@@ -114,6 +116,7 @@ class Pipeline:
         self.ready: queue.Queue = queue.Queue(maxsize=depth)
         self.to_push: queue.Queue = queue.Queue()
         self.pushed = -1  # highest seq whose push is applied
+        self.linked_pushed = -1  # highest seq whose linked rows are written
         self.pushed_cv = threading.Condition()
         self.pull_error: BaseException | None = None  # raised after the batches before it
         self.push_error: BaseException | None = None  # raised at the next push or close
@@ -136,7 +139,8 @@ class Pipeline:
             if self.link is not None:  # rows are final once the previous push is applied
                 start = time.perf_counter()
                 if item.linked:
-                    self.wait_pushed(item.seq - 1)
+                    self._wait_for_push(item.seq - 1, linked=True)
+                    self._raise(pull=False)
                 end = time.perf_counter()
                 self.trace.record("wait_update", self.first_step + item.seq, start, end)
                 item.timings["wait_update"] = end - start
@@ -202,10 +206,15 @@ class Pipeline:
                 continue
         return False
 
-    def _wait_for_push(self, target: int) -> bool:
-        """Waits until the push of step `target` is applied."""
+    def _wait_for_push(self, target: int, linked: bool = False) -> bool:
+        """Waits until the push of step `target` is applied (``linked``: only
+        its linked rows written)."""
         with self.pushed_cv:
-            while self.pushed < target and not self.stop.is_set() and self.push_error is None:
+            while (
+                (self.linked_pushed if linked else self.pushed) < target
+                and not self.stop.is_set()
+                and self.push_error is None
+            ):
                 self.pushed_cv.wait(timeout=0.1)
         return not self.stop.is_set() and self.push_error is None
 
@@ -274,6 +283,11 @@ class Pipeline:
 
     # -- pusher --------------------------------------------------------------
 
+    def _linked_done(self, seq: int) -> None:
+        with self.pushed_cv:
+            self.linked_pushed = seq
+            self.pushed_cv.notify_all()
+
     def _push_loop(self) -> None:
         assert self.push_fn is not None
         try:
@@ -286,9 +300,10 @@ class Pipeline:
                     self.push_started = seq
                     link = self.links.pop(seq, None)
                 with self.trace.span("push", self.first_step + seq):
-                    self.push_fn(prepared, grads, seq, link)
+                    self.push_fn(prepared, grads, seq, link, lambda s=seq: self._linked_done(s))
                 with self.pushed_cv:
                     self.pushed = seq
+                    self.linked_pushed = seq
                     self.pushed_cv.notify_all()
         except BaseException as e:
             self.push_error = e

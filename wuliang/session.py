@@ -340,8 +340,10 @@ class Session:
         }
         return rows, dest
 
-    def _push_async(self, prepared: PreparedKeys, grads: Any, seq: int, link: Any) -> None:
-        self._push(prepared, *grads, link=link)
+    def _push_async(
+        self, prepared: PreparedKeys, grads: Any, seq: int, link: Any, linked_done: Any
+    ) -> None:
+        self._push(prepared, *grads, link=link, linked_done=linked_done)
 
     def _push(
         self,
@@ -349,9 +351,11 @@ class Session:
         inputs: StepInputs,
         gather_grads: Any,
         link: tuple[list[np.ndarray], dict[str, np.ndarray]] | None = None,
+        linked_done: Callable[[], None] | None = None,
     ) -> None:
         """Sums the lookups' gradients per row, then pushes each table's slice;
-        with a link, the updated rows the next step shares go into its rows."""
+        with a link, first the keys the next step shares (their updated rows
+        go into its rows; then ``linked_done()``), then the others."""
         row_grads = self.functions.row_gradients(inputs, gather_grads)
         parts = []
         for g, ((_, tables), packed) in enumerate(zip(self.layout.groups, row_grads, strict=True)):
@@ -364,7 +368,14 @@ class Session:
                 parts.append(
                     PushPart(table, keys.uniques, grads, keys.shard_offsets, updated, rows)
                 )
-        self.context.engine.push_many(parts, unique=True)
+        engine = self.context.engine
+        if link is None:
+            engine.push_many(parts, unique=True)
+            return
+        engine.push_many(parts, unique=True, only="updated")
+        if linked_done is not None:
+            linked_done()
+        engine.push_many(parts, unique=True, only="rest")
 
     def _step(
         self,

@@ -275,7 +275,8 @@ void BindEngine(py::module_& m) {
           "parts"_a, "train"_a = true)
       .def(
           "push_many",
-          [](Engine& e, const py::list& parts, bool unique) {
+          [](Engine& e, const py::list& parts, bool unique, int only) {
+            if (only < 0 || only > 2) throw py::value_error("push_many: only must be 0, 1 or 2");
             // parts: [(table, keys, grads, shard_offsets, updated, updated_rows)].
             std::vector<Engine::TablePart> many;
             many.reserve(parts.size());
@@ -300,11 +301,11 @@ void BindEngine(py::module_& m) {
               many.push_back(p);
             }
             py::gil_scoped_release release;
-            const PushResult r = e.PushMany(many, unique);
+            const PushResult r = e.PushMany(many, unique, static_cast<Engine::Only>(only));
             py::gil_scoped_acquire acquire;
             return PushDict(r);
           },
-          "parts"_a, "unique"_a = false)
+          "parts"_a, "unique"_a = false, "only"_a = 0)
       .def(
           "erase",
           [](Engine& e, int table, const py::array& keys) {

@@ -399,7 +399,10 @@ PushResult Engine::Push(int table, const uint64_t* keys, size_t n, const float* 
   return PushMany({part}, keys_unique);
 }
 
-PushResult Engine::PushMany(const std::vector<TablePart>& parts, bool keys_unique) {
+PushResult Engine::PushMany(const std::vector<TablePart>& parts, bool keys_unique, Only only) {
+  if (only != Only::kAll && !keys_unique) {
+    throw std::invalid_argument("a push split by updated_rows needs unique keys");
+  }
   std::vector<TableDef*> defs;
   defs.reserve(parts.size());
   for (const TablePart& p : parts) {
@@ -416,7 +419,7 @@ PushResult Engine::PushMany(const std::vector<TablePart>& parts, bool keys_uniqu
       if (p.n == 0) continue;
       ShardOfDef(defs[i], s)
           ->Push(plans[i].For(s), p.grads, keys_unique, clock, &results[s], p.updated,
-                 p.updated_rows);
+                 p.updated_rows, static_cast<int>(only));
     }
   });
   PushResult total;

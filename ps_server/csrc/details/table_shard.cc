@@ -279,8 +279,22 @@ const std::vector<int32_t>& TableShard::GroupDuplicates(const Slice& s, const fl
 }
 
 void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, const Clock& clock,
-                      PushResult* result, float* updated, const int32_t* updated_rows) {
-  const Slice s = Select(batch);
+                      PushResult* result, float* updated, const int32_t* updated_rows, int only) {
+  Slice s = Select(batch);
+  if (only != 0) {  // keep the keys asked for (hashes_ compacted alike)
+    only_.resize(s.size());
+    size_t m = 0;
+    for (size_t k = 0; k < s.size(); ++k) {
+      const size_t pos = s.pos(k);
+      const bool has_row = updated_rows != nullptr && updated_rows[pos] >= 0;
+      if (has_row == (only == 1)) {
+        only_[m] = static_cast<uint32_t>(pos);
+        hashes_[m++] = hashes_[k];
+      }
+    }
+    hashes_.resize(m);
+    s = Slice{s.keys, only_.data(), 0, m};
+  }
   const std::vector<int32_t>* groups = nullptr;
   if (!unique) {
     const auto& g = GroupDuplicates(s, grads, &result->duplicates);

@@ -73,9 +73,11 @@ class TableShard {
 
   void Pull(const ShardBatch& batch, float* out, bool train, const Clock& clock);
   // updated (optional): each key's weights after the push, at row pos, or
-  // at row updated_rows[pos] when given (none where -1).
+  // at row updated_rows[pos] when given (none where -1). only (Engine::Only):
+  // 0 all keys, 1 those with updated_rows[pos] >= 0, 2 the others.
   void Push(const ShardBatch& batch, const float* grads, bool unique, const Clock& clock,
-            PushResult* result, float* updated = nullptr, const int32_t* updated_rows = nullptr);
+            PushResult* result, float* updated = nullptr, const int32_t* updated_rows = nullptr,
+            int only = 0);
   uint64_t Erase(const ShardBatch& batch, const Clock& clock);
   void Contains(const ShardBatch& batch, uint8_t* out);
   void Load(const ShardBatch& batch, const RowColumns& rows, const Clock& clock);
@@ -146,6 +148,7 @@ class TableShard {
   // Per-batch scratch, reused.
   std::vector<uint64_t> hashes_;  // Mix64 of the slice's keys, by k
   std::vector<uint32_t> order_;   // positions kept by a filtering Select
+  std::vector<uint32_t> only_;    // positions kept by a push's `only`
   std::vector<uint32_t> dedup_;
   std::vector<int32_t> groups_;
   std::vector<float> sums_;

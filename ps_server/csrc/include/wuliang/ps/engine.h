@@ -173,8 +173,13 @@ class Engine {
   // Pull / Push for several tables in one round: each shard's worker does
   // its part of every table, one hand-off per shard instead of one per table
   // and shard. Same results as the calls one by one, in order.
+  // `only` splits a push in two (keys_unique required): kUpdated applies the
+  // keys with updated_rows[i] >= 0, kRest the others, so a trainer can hand
+  // the next step its shared rows before the rest of the push is done.
+  enum class Only { kAll, kUpdated, kRest };
   void PullMany(const std::vector<TablePart>& parts, bool train);
-  PushResult PushMany(const std::vector<TablePart>& parts, bool keys_unique = false);
+  PushResult PushMany(const std::vector<TablePart>& parts, bool keys_unique = false,
+                      Only only = Only::kAll);
   // Removes rows; returns how many existed.
   uint64_t Erase(int table, const uint64_t* keys, size_t n);
   // Writes 1 for keys that have a row, else 0.
