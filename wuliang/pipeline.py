@@ -283,7 +283,8 @@ class Pipeline:
 
     # -- pusher --------------------------------------------------------------
 
-    def _linked_done(self, seq: int) -> None:
+    def _linked_done(self, seq: int, start: float) -> None:
+        self.trace.record("push_linked", self.first_step + seq, start, time.perf_counter())
         with self.pushed_cv:
             self.linked_pushed = seq
             self.pushed_cv.notify_all()
@@ -299,8 +300,11 @@ class Pipeline:
                 with self.pushed_cv:
                     self.push_started = seq
                     link = self.links.pop(seq, None)
+                start = time.perf_counter()
                 with self.trace.span("push", self.first_step + seq):
-                    self.push_fn(prepared, grads, seq, link, lambda s=seq: self._linked_done(s))
+                    self.push_fn(
+                        prepared, grads, seq, link, lambda s=seq, t=start: self._linked_done(s, t)
+                    )
                 with self.pushed_cv:
                     self.pushed = seq
                     self.linked_pushed = seq
