@@ -51,12 +51,17 @@ machine; TensorFlow keeps its default thread pools throughout.
 Per optimizer the result has the samples/s of each contender, wuliang's
 ratio to the ceiling and its speedup over TF-native; the process CPU time
 per timed step of each (all threads: on a busy machine a steadier measure of
-the work done than wall time); the mean loss of each contender's first and
+the work done than wall time) and the steal time per step (CPU the
+hypervisor gave to other guests meanwhile, from /proc/stat: when it is not
+near 0 the host slowed that contender and the ratios are not to be trusted;
+run again); the mean loss of each contender's first and
 last 10 steps and of the 10 steps before the last one all of them ran
 (``common``: same batches; all should fall); and where wuliang's steps spend
 their time: the per-stage timings its hooks see (``read``, ``prepare``,
 ``wait_push`` and ``pull`` in the pipeline's thread, ahead of the step;
-``compute``, the TensorFlow step, in the main thread), its mean step time
+``wait_update``, the main thread waiting for the previous step's push to
+write the rows this step shares with it (staleness 0), and ``compute``, the
+TensorFlow step, in the main thread), its mean step time
 and the ceiling's. ``--timeline DIR`` also writes wuliang's Chrome trace
 (``wuliang.hooks.Timeline``, pushes included) per optimizer. The last line
 printed is one JSON object: ``{"adagrad": {...}, "adam": {...}}``.
@@ -112,6 +117,7 @@ class Run:
     cpu_ms_per_step: float  # CPU time of the whole process (all threads) per timed step
     losses: list[float]  # every step's, warm-up included
     extra: dict[str, Any] = field(default_factory=dict)
+    steal_ms_per_step: float | None = None  # the hypervisor's: the machine was busy elsewhere
 
     def loss_summary(self, common: int) -> dict[str, float]:
         """Mean loss of the first and the last LOSS_WINDOW steps, and of the
@@ -179,17 +185,29 @@ def bce(tf: Any, labels: Any, logits: Any) -> Any:
     return tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits))
 
 
+def steal_ms() -> float:
+    """CPU time the hypervisor gave to other guests (all cores; /proc/stat):
+    a run during which it grew was slowed by the host, not by its code."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return 1e3 * int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def time_steps(name: str, step: Callable[[int], Any], warmup: int, steps: int, batch: int) -> Run:
     """`steps` timed steps after `warmup` untimed ones; every step's loss."""
     losses = []
-    t0 = cpu0 = 0.0
+    t0 = cpu0 = steal0 = 0.0
     for i in range(warmup + steps):
         if i == warmup:
-            t0, cpu0 = time.perf_counter(), time.process_time()
+            t0, cpu0, steal0 = time.perf_counter(), time.process_time(), steal_ms()
         losses.append(float(step(i)))  # .numpy(): the step has finished
     elapsed = time.perf_counter() - t0
     cpu_ms = 1e3 * (time.process_time() - cpu0) / steps
-    return Run(name, steps * batch / elapsed, cpu_ms, losses, {"steps": steps})
+    steal = (steal_ms() - steal0) / steps
+    return Run(name, steps * batch / elapsed, cpu_ms, losses, {"steps": steps}, steal)
 
 
 def progress(run: Run, steps: int, ceiling: Run | None, note: str = "") -> None:
@@ -197,7 +215,8 @@ def progress(run: Run, steps: int, ceiling: Run | None, note: str = "") -> None:
     ratio = f" = {run.samples_per_s / ceiling.samples_per_s:.2f} of ceiling" if ceiling else ""
     print(
         f"  {run.name:10s} {run.samples_per_s / 1e3:7.1f}K samples/s{ratio} "
-        f"({steps} steps, CPU {run.cpu_ms_per_step:.0f} ms/step; "
+        f"({steps} steps, CPU {run.cpu_ms_per_step:.0f} ms/step"
+        f"{f', steal {run.steal_ms_per_step:.0f}' if run.steal_ms_per_step else ''}; "
         f"loss {loss['first']:.4f} -> {loss['last']:.4f}){note}",
         flush=True,
     )
@@ -308,6 +327,7 @@ def run_wuliang(
             self.losses: list[float] = []
             self.ends: list[float] = []
             self.cpu: list[float] = []
+            self.steal: list[float] = []
             self.uniques: list[int] = []
             self.timings: list[dict[str, float]] = []
             self.first_c1: np.ndarray | None = None
@@ -324,6 +344,7 @@ def run_wuliang(
             self.losses.append(float(run_values.results["loss"]))
             self.ends.append(time.perf_counter())
             self.cpu.append(time.process_time())
+            self.steal.append(steal_ms())
             self.timings.append(dict(run_values.timings))
 
     meter = Meter()
@@ -337,7 +358,7 @@ def run_wuliang(
     )
     total = args.warmup + args.steps
     result = session.train(reader, steps=total, hooks=hooks)
-    done, cpu_done = time.perf_counter(), time.process_time()
+    done, cpu_done, steal_done = time.perf_counter(), time.process_time(), steal_ms()
     reader.close()
     if result["steps"] != total:
         raise AssertionError(f"wuliang ran {result['steps']} steps, expected {total}")
@@ -350,7 +371,7 @@ def run_wuliang(
     periods = np.diff(meter.ends[args.warmup - 1 :])
     stages = {
         f"{stage}_ms": round(1e3 * float(np.mean([t.get(stage, 0.0) for t in timed])), 2)
-        for stage in ("read", "prepare", "wait_push", "pull", "compute")
+        for stage in ("read", "prepare", "wait_push", "pull", "wait_update", "compute")
     }
     stages["step_ms"] = round(1e3 * float(np.mean(periods)), 2)
     stages["main_thread_other_ms"] = round(stages["step_ms"] - stages["compute_ms"], 2)
@@ -366,7 +387,8 @@ def run_wuliang(
         "stages": stages,
     }
     context.close()
-    return Run("wuliang", rate, cpu_ms, meter.losses, extra)
+    steal = (steal_done - meter.steal[args.warmup - 1]) / args.steps
+    return Run("wuliang", rate, cpu_ms, meter.losses, extra, steal)
 
 
 # -- main ------------------------------------------------------------------------------
@@ -408,6 +430,9 @@ def bench_optimizer(
         "tf_native_ratio_to_ceiling": ratio(native.samples_per_s, ceiling.samples_per_s),
         "speedup_vs_tf_native": ratio(ours.samples_per_s, native.samples_per_s),
         "cpu_ms_per_step": {r.name: round(r.cpu_ms_per_step, 1) for r in (ceiling, native, ours)},
+        "steal_ms_per_step": {
+            r.name: round(r.steal_ms_per_step or 0.0, 1) for r in (ceiling, native, ours)
+        },
         "losses": {r.name: r.loss_summary(common) for r in (ceiling, native, ours)},
         "wuliang_stages_ms": stages,
         "wuliang_uniques_per_step": ours.extra["uniques_per_step"],
