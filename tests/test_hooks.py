@@ -21,6 +21,11 @@ from wuliang.reader import Csr, CsrBatch
 
 B = 8
 STAGES = {"read", "prepare", "pull", "wait_update", "compute", "push"}  # staleness 0 (default)
+OPTIONAL = {"push_linked"}  # pushes whose first half fed the next step's rows
+
+
+def has_stages(stages: set[str]) -> bool:
+    return STAGES <= stages <= STAGES | OPTIONAL
 
 
 def make_batch(rng: np.random.Generator, size: int = B) -> CsrBatch:
@@ -256,7 +261,7 @@ def test_timeline_writes_a_chrome_trace(tmp_path: Path) -> None:
     stages = stages_by_step(path)
     assert sorted(stages) == [1, 2, 3]
     for step in (1, 2, 3):
-        assert stages[step] == STAGES, step
+        assert has_stages(stages[step]), (step, stages[step])
     lanes = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "M"]
     assert any(e["args"]["name"] == "wuliang-pull" for e in lanes)
     assert not s.trace.enabled  # disabled again at end
@@ -271,7 +276,8 @@ def test_timeline_of_a_later_train_call(tmp_path: Path, session: Any) -> None:
     session.train(batches(3), hooks=[hooks.Timeline(path, first_step=first, num_steps=2)])
     stages = stages_by_step(path)
     # Every stage of a step carries the global step, in every train() call.
-    assert stages == {first: STAGES, first + 1: STAGES}
+    assert sorted(stages) == [first, first + 1]
+    assert all(has_stages(stages[s]) for s in stages), stages
 
 
 def test_summary_writes_event_files(tmp_path: Path, session: Any) -> None:

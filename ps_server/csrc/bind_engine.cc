@@ -111,6 +111,24 @@ py::array ArrayIn(const py::tuple& t, size_t i, const char* what) {
   return py::reinterpret_borrow<py::array>(t[i]);
 }
 
+// A multi-table call's part: (table, keys, _, shard_offsets, ...) of `size`
+// entries; sets table, keys, n, shard_offsets and the table's dim.
+Engine::TablePart PartOf(const Engine& e, const py::tuple& t, size_t size, const char* call,
+                         int* dim) {
+  if (t.size() != size) {
+    throw py::value_error(std::string(call) + ": parts are " + std::to_string(size) + "-tuples");
+  }
+  Engine::TablePart p;
+  p.table = t[0].cast<int>();
+  const KeyArray k = Keys(ArrayIn(t, 1, "keys"));
+  p.keys = k.data;
+  p.n = k.size;
+  *dim = e.Spec(p.table).dim;
+  p.shard_offsets = Column<int64_t>(py::reinterpret_borrow<py::object>(t[3]), e.num_shards() + 1, 1,
+                                    "shard_offsets");
+  return p;
+}
+
 // The `updated` array of a push: (n, dim), or any rows with updated_rows.
 float* UpdatedRows(const py::object& updated, size_t n, int dim, const int32_t* rows) {
   float* out = nullptr;
@@ -255,18 +273,10 @@ void BindEngine(py::module_& m) {
             many.reserve(parts.size());
             for (const py::handle& item : parts) {
               const auto t = item.cast<py::tuple>();
-              if (t.size() != 4) throw py::value_error("pull_many: parts are 4-tuples");
-              Engine::TablePart p;
-              p.table = t[0].cast<int>();
-              const KeyArray k = Keys(ArrayIn(t, 1, "keys"));
-              p.keys = k.data;
-              p.n = k.size;
-              const int dim = e.Spec(p.table).dim;
+              int dim = 0;
+              Engine::TablePart p = PartOf(e, t, 4, "pull_many", &dim);
               if (t[2].is_none()) throw py::value_error("pull_many: out must be given");
-              p.out =
-                  PullInto(dim, k.size, py::reinterpret_borrow<py::object>(t[2])).mutable_data();
-              p.shard_offsets = Column<int64_t>(py::reinterpret_borrow<py::object>(t[3]),
-                                                e.num_shards() + 1, 1, "shard_offsets");
+              p.out = PullInto(dim, p.n, py::reinterpret_borrow<py::object>(t[2])).mutable_data();
               many.push_back(p);
             }
             py::gil_scoped_release release;
@@ -282,22 +292,14 @@ void BindEngine(py::module_& m) {
             many.reserve(parts.size());
             for (const py::handle& item : parts) {
               const auto t = item.cast<py::tuple>();
-              if (t.size() != 6) throw py::value_error("push_many: parts are 6-tuples");
-              Engine::TablePart p;
-              p.table = t[0].cast<int>();
-              const KeyArray k = Keys(ArrayIn(t, 1, "keys"));
-              p.keys = k.data;
-              p.n = k.size;
-              const int dim = e.Spec(p.table).dim;
-              p.grads =
-                  Column<float>(py::reinterpret_borrow<py::object>(t[2]), k.size, dim, "grads");
+              int dim = 0;
+              Engine::TablePart p = PartOf(e, t, 6, "push_many", &dim);
+              p.grads = Column<float>(py::reinterpret_borrow<py::object>(t[2]), p.n, dim, "grads");
               if (p.grads == nullptr) throw py::value_error("push_many: grads must be given");
-              p.shard_offsets = Column<int64_t>(py::reinterpret_borrow<py::object>(t[3]),
-                                                e.num_shards() + 1, 1, "shard_offsets");
               const auto updated = py::reinterpret_borrow<py::object>(t[4]);
-              p.updated_rows = Column<int32_t>(py::reinterpret_borrow<py::object>(t[5]), k.size, 1,
-                                               "updated_rows");
-              p.updated = UpdatedRows(updated, k.size, dim, p.updated_rows);
+              p.updated_rows =
+                  Column<int32_t>(py::reinterpret_borrow<py::object>(t[5]), p.n, 1, "updated_rows");
+              p.updated = UpdatedRows(updated, p.n, dim, p.updated_rows);
               many.push_back(p);
             }
             py::gil_scoped_release release;

@@ -322,6 +322,19 @@ std::vector<std::string> Engine::TableNames() const {
   return names;
 }
 
+namespace {
+
+Engine::TablePart Part(int table, const uint64_t* keys, size_t n, const int64_t* shard_offsets) {
+  Engine::TablePart part;
+  part.table = table;
+  part.keys = keys;
+  part.n = n;
+  part.shard_offsets = shard_offsets;
+  return part;
+}
+
+}  // namespace
+
 std::vector<int> Engine::PlanParts(const std::vector<TablePart>& parts,
                                    std::vector<Plan>* plans) const {
   plans->resize(parts.size());
@@ -347,11 +360,7 @@ std::vector<int> Engine::PlanParts(const std::vector<TablePart>& parts,
 
 void Engine::Pull(int table, const uint64_t* keys, size_t n, float* out, bool train,
                   const int64_t* shard_offsets) {
-  TablePart part;
-  part.table = table;
-  part.keys = keys;
-  part.n = n;
-  part.shard_offsets = shard_offsets;
+  TablePart part = Part(table, keys, n, shard_offsets);
   part.out = out;
   PullMany({part}, train);
 }
@@ -388,11 +397,7 @@ void Engine::CheckFinite(const TableDef& def, const TablePart& part) const {
 PushResult Engine::Push(int table, const uint64_t* keys, size_t n, const float* grads,
                         bool keys_unique, const int64_t* shard_offsets, float* updated,
                         const int32_t* updated_rows) {
-  TablePart part;
-  part.table = table;
-  part.keys = keys;
-  part.n = n;
-  part.shard_offsets = shard_offsets;
+  TablePart part = Part(table, keys, n, shard_offsets);
   part.grads = grads;
   part.updated = updated;
   part.updated_rows = updated_rows;
