@@ -129,6 +129,13 @@ def test_truncated_normal_distribution(make_engine: MakeEngine) -> None:
     # Coordinates of one vector are uncorrelated.
     corr = np.corrcoef(values, rowvar=False)
     assert np.abs(corr - np.eye(16)).max() < 0.03
+    # The whole shape: Kolmogorov-Smirnov distance to the exact CDF.
+    z = np.sort((values.ravel().astype(np.float64) - 0.5) / 0.1)
+    mass = math.erf(2 / math.sqrt(2))
+    cdf = (np.vectorize(math.erf)(z / math.sqrt(2)) + mass) / (2 * mass)
+    n = len(z)
+    distance = max((np.arange(1, n + 1) / n - cdf).max(), (cdf - np.arange(n) / n).max())
+    assert distance < 1.95 / math.sqrt(n)  # p = 0.001
 
 
 @pytest.mark.parametrize("dim", [4, 64])

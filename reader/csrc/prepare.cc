@@ -69,6 +69,22 @@ class DedupTable {
   uint32_t epoch_ = 0;
 };
 
+// Per-thread scratch memory, reached through a plain pointer: in a shared
+// library GCC re-derives a thread_local's address (a __tls_get_addr call)
+// inside loops rather than keep it in a register.
+struct Scratch {
+  DedupTable dedup;
+  std::vector<uint64_t> value_hashes;  // of one feature's values
+  std::vector<uint64_t> hashes;        // of uniques, by provisional id
+  std::vector<uint32_t> shard;         // of uniques, by provisional id
+  std::vector<int32_t> local;          // position within its shard
+};
+
+[[gnu::noinline]] Scratch& ThreadScratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
 }  // namespace
 
 void PrepareKeys(FeatureKeys* features, size_t num_features, int num_tables, uint32_t num_shards,
@@ -85,12 +101,13 @@ void PrepareKeys(FeatureKeys* features, size_t num_features, int num_tables, uin
     values_per_table[t] += features[f].n;
   }
   tables->assign(num_tables, TableKeys{});
-  thread_local DedupTable dedup;
-  constexpr size_t kAhead = 16;                     // prefetch distance into the dedup table
-  thread_local std::vector<uint64_t> value_hashes;  // of one feature's values
-  thread_local std::vector<uint64_t> hashes;        // of uniques, by provisional id
-  thread_local std::vector<uint32_t> shard;         // of uniques, by provisional id
-  thread_local std::vector<int32_t> local;          // position within its shard
+  constexpr size_t kAhead = 16;  // prefetch distance into the dedup table
+  Scratch& s = ThreadScratch();
+  DedupTable& dedup = s.dedup;
+  std::vector<uint64_t>& value_hashes = s.value_hashes;
+  std::vector<uint64_t>& hashes = s.hashes;
+  std::vector<uint32_t>& shard = s.shard;
+  std::vector<int32_t>& local = s.local;
   for (int t = 0; t < num_tables; ++t) {
     const size_t n = values_per_table[t];
     if (n >= (size_t{1} << 31)) {
@@ -152,7 +169,7 @@ void PrepareKeys(FeatureKeys* features, size_t num_features, int num_tables, uin
 
 void IndexIn(const uint64_t* a, size_t na, const uint64_t* b, size_t nb, int32_t base,
              int32_t* out) {
-  thread_local DedupTable set;
+  DedupTable& set = ThreadScratch().dedup;
   set.Reset(nb);
   bool inserted;
   for (size_t j = 0; j < nb; ++j) {
