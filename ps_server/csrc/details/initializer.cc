@@ -175,7 +175,11 @@ void TruncatedNormals(uint64_t seed, uint64_t key, int dim, float mean, float st
       const float x = std::clamp(1.41421356f * q * p, -2.0f, 2.0f);
       values[h] = std::fma(stddev, x, mean);
     }
-    std::memcpy(out + j0, values, sizeof(float) * std::min(kBlock, dim - j0));
+    if (dim - j0 >= kBlock) {
+      std::memcpy(out + j0, values, sizeof values);  // one vector store
+    } else {
+      std::memcpy(out + j0, values, sizeof(float) * (dim - j0));
+    }
   }
 }
 
