@@ -31,6 +31,19 @@ class OpenHashMap {
   };
 
   static constexpr size_t kMinCapacity = 256;
+  // Capacities double up to kSmallCapacity, then jump to one huge page's
+  // worth of slots: probes land at random, and on 4 KiB pages nearly every
+  // one of them is a TLB miss too (a page walk, long under virtualization).
+  // At that size the rows themselves fill a 2 MiB pool chunk or more.
+  static constexpr size_t kHugeCapacity = (size_t{2} << 20) / sizeof(Slot);
+  static constexpr size_t kSmallCapacity = kHugeCapacity / 8;
+  static size_t Larger(size_t capacity) {
+    const size_t doubled = std::max(kMinCapacity, capacity * 2);
+    return doubled > kSmallCapacity && doubled < kHugeCapacity ? kHugeCapacity : doubled;
+  }
+  static size_t Smaller(size_t capacity) {
+    return capacity == kHugeCapacity ? kSmallCapacity : capacity / 2;
+  }
 
   OpenHashMap() = default;
   ~OpenHashMap() { Unmap(); }
@@ -64,7 +77,7 @@ class OpenHashMap {
   // Inserts a key known to be absent; returns where to store its (non-zero)
   // value. May rehash.
   V* InsertNew(uint64_t key, uint64_t hash) {
-    if ((size_ + 1) * 4 > capacity_ * 3) Rehash(std::max(kMinCapacity, capacity_ * 2));
+    if ((size_ + 1) * 4 > capacity_ * 3) Rehash(Larger(capacity_));
     size_t i = hash & mask_;
     while (Occupied(slots_[i])) i = (i + 1) & mask_;
     slots_[i].key = key;
@@ -100,10 +113,10 @@ class OpenHashMap {
     }
   }
 
-  // Halves capacity while the table would stay under 3/8 load.
+  // Shrinks capacity while the table would stay under 3/8 load.
   void MaybeShrink() {
     size_t cap = capacity_;
-    while (cap > kMinCapacity && size_ * 16 < cap * 3) cap /= 2;
+    while (cap > kMinCapacity && size_ * 8 < Smaller(cap) * 3) cap = Smaller(cap);
     if (size_ == 0) {
       Unmap();
     } else if (cap < capacity_) {
