@@ -169,14 +169,22 @@ void PrepareKeys(FeatureKeys* features, size_t num_features, int num_tables, uin
 
 void IndexIn(const uint64_t* a, size_t na, const uint64_t* b, size_t nb, int32_t base,
              int32_t* out) {
-  DedupTable& set = ThreadScratch().dedup;
+  Scratch& s = ThreadScratch();
+  DedupTable& set = s.dedup;
+  std::vector<uint64_t>& hashes = s.value_hashes;
+  constexpr size_t kAhead = 16;  // prefetch distance into the set
   set.Reset(nb);
+  hashes.resize(std::max(na, nb));
+  for (size_t j = 0; j < nb; ++j) hashes[j] = ps::Mix64(b[j]);
   bool inserted;
   for (size_t j = 0; j < nb; ++j) {
-    set.Insert(b[j], ps::Mix64(b[j]), static_cast<uint32_t>(j), &inserted);
+    if (j + kAhead < nb) set.Prefetch(hashes[j + kAhead]);
+    set.Insert(b[j], hashes[j], static_cast<uint32_t>(j), &inserted);
   }
+  for (size_t i = 0; i < na; ++i) hashes[i] = ps::Mix64(a[i]);
   for (size_t i = 0; i < na; ++i) {
-    const int64_t j = set.Find(a[i], ps::Mix64(a[i]));
+    if (i + kAhead < na) set.Prefetch(hashes[i + kAhead]);
+    const int64_t j = set.Find(a[i], hashes[i]);
     out[i] = j < 0 ? -1 : base + static_cast<int32_t>(j);
   }
 }
