@@ -121,7 +121,7 @@ def batch_inputs(
     group_rows, table_base = layout.bases(prepared)
     features = {}
     single = []
-    row_index: list[list[np.ndarray]] = [[] for _ in layout.groups]
+    row_index: list[list[tuple[np.ndarray, int, np.ndarray | None]]] = [[] for _ in layout.groups]
     for f in sparse:
         index = prepared.features[f.name]
         base = table_base[f.table.name]
@@ -132,10 +132,11 @@ def batch_inputs(
             and index.weights is None
             and (len(lengths) == 0 or lengths.max() <= 1)
         ):
-            zero_row = group_rows[layout.group_of(f.table.name)]
-            rows = np.full(batch.size, zero_row, dtype=np.int32)
-            rows[lengths == 1] = index.inverse + base
-            row_index[layout.group_of(f.table.name)].append(rows)
+            # (inverse, base, which rows have a value: None when all do)
+            every = len(index.inverse) == batch.size
+            row_index[layout.group_of(f.table.name)].append(
+                (index.inverse, base, None if every else lengths == 1)
+            )
             single.append(True)
             continue
         single.append(False)
@@ -166,10 +167,16 @@ def batch_inputs(
                 f"dense feature {f.name!r} has {columns.shape[1]} columns, declared dim {f.dim}"
             )
         dense_inputs[f.name] = np.ascontiguousarray(columns, dtype=np.float32)
-    matrices = [
-        np.stack(cols, axis=1) if cols else np.zeros((batch.size, 0), np.int32)
-        for cols in row_index
-    ]
+    matrices = []
+    for zero_row, columns in zip(group_rows, row_index, strict=True):
+        matrix = np.empty((batch.size, len(columns)), np.int32)
+        for j, (inverse, base, present) in enumerate(columns):
+            if present is None:
+                np.add(inverse, np.int32(base), out=matrix[:, j])
+            else:  # rows without a value read the zero row
+                matrix[:, j] = zero_row
+                matrix[present, j] = inverse + base
+        matrices.append(matrix)
     return StepInputs(
         batch.size,
         group_rows,
