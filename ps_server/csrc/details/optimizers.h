@@ -39,8 +39,23 @@ inline bool AllFinite(const float* values, int n) {
   return largest < 0x7f800000u;
 }
 
+// An optimizer's spec with what every row update of a batch shares, worked
+// out once per batch (Adam's log2 betas: beta^t as exp2(t log2 beta) costs
+// a third of pow).
+struct RowOptimizer : OptimizerSpec {
+  double log2_beta1 = 0.0;
+  double log2_beta2 = 0.0;
+
+  explicit RowOptimizer(const OptimizerSpec& spec) : OptimizerSpec(spec) {
+    if (spec.kind == OptimizerKind::kAdam) {
+      log2_beta1 = std::log2(static_cast<double>(spec.beta1));
+      log2_beta2 = std::log2(static_cast<double>(spec.beta2));
+    }
+  }
+};
+
 template <OptimizerKind K>
-inline void UpdateRow(const OptimizerSpec& o, int dim,
+inline void UpdateRow(const RowOptimizer& o, int dim,
                       float* __restrict w,        // (dim,)
                       float* __restrict state,    // (state_dim,)
                       const float* __restrict g,  // (dim,)
@@ -64,8 +79,9 @@ inline void UpdateRow(const OptimizerSpec& o, int dim,
     float& t = state[2 * dim];
     t += 1.0f;
     const double td = t;
-    const auto lr_t = static_cast<float>(o.learning_rate * std::sqrt(1.0 - std::pow(o.beta2, td)) /
-                                         (1.0 - std::pow(o.beta1, td)));
+    const auto lr_t =
+        static_cast<float>(o.learning_rate * std::sqrt(1.0 - std::exp2(td * o.log2_beta2)) /
+                           (1.0 - std::exp2(td * o.log2_beta1)));
     const float b1 = o.beta1, b2 = o.beta2, eps = o.epsilon;
     for (int j = 0; j < dim; ++j) {
       const float gj = g[j] * scale;
@@ -113,8 +129,9 @@ inline void WithOptimizer(OptimizerKind kind, Fn&& fn) {
 // Runtime-dispatched UpdateRow, for callers that update one row at a time.
 inline void ApplyUpdate(const OptimizerSpec& opt, int dim, float* weights, float* state,
                         const float* grad, float scale) {
+  const RowOptimizer row_opt(opt);
   WithOptimizer(opt.kind, [&](auto kind) {
-    UpdateRow<decltype(kind)::value>(opt, dim, weights, state, grad, scale);
+    UpdateRow<decltype(kind)::value>(row_opt, dim, weights, state, grad, scale);
   });
 }
 

@@ -300,7 +300,7 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
     const auto& g = GroupDuplicates(s, grads, &result->duplicates);
     if (!g.empty()) groups = &g;
   }
-  const OptimizerSpec& opt = spec_.optimizer;
+  const RowOptimizer opt(spec_.optimizer);
   const int dim = layout_.dim;
   const Create create = spec_.admission.min_count <= 1 ? Create::kAdmit : Create::kNever;
   // Counted locally: `result` shares a cache line with other shards' results.
