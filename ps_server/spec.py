@@ -176,7 +176,7 @@ class Normal(Initializer):
 
 @dataclass(frozen=True)
 class TruncatedNormal(Initializer):
-    """Normal with values beyond 2 stddev redrawn. stddev None = 1/sqrt(dim)."""
+    """Normal truncated to mean +- 2 stddev (by its inverse CDF). stddev None = 1/sqrt(dim)."""
 
     stddev: float | None = None
     mean: float = 0.0
