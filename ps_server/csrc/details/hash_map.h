@@ -13,6 +13,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -37,6 +38,7 @@ class OpenHashMap {
   // At that size the rows themselves fill a 2 MiB pool chunk or more.
   static constexpr size_t kHugeCapacity = (size_t{2} << 20) / sizeof(Slot);
   static constexpr size_t kSmallCapacity = kHugeCapacity / 8;
+  static_assert(std::has_single_bit(kHugeCapacity), "capacities must be powers of two");
   static size_t Larger(size_t capacity) {
     const size_t doubled = std::max(kMinCapacity, capacity * 2);
     return doubled > kSmallCapacity && doubled < kHugeCapacity ? kHugeCapacity : doubled;

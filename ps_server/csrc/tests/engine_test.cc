@@ -83,6 +83,28 @@ void TestHashMapShrinks() {
   for (uint64_t k = 99001; k <= 100000; ++k) CHECK(*map.Find(k, Mix64(k)) == k);
 }
 
+void TestHashMapJumpsToOneHugePage() {
+  using Map = details::OpenHashMap<uint64_t>;
+  Map map;
+  uint64_t k = 1;
+  while (map.capacity() < Map::kSmallCapacity) {
+    *map.InsertNew(k, Mix64(k)) = k;
+    ++k;
+  }
+  while (map.size() * 4 < Map::kSmallCapacity * 3) {
+    *map.InsertNew(k, Mix64(k)) = k;
+    ++k;
+  }
+  *map.InsertNew(k, Mix64(k)) = k;  // past 3/4 of 16K slots: straight to 2 MiB
+  CHECK(map.capacity() == Map::kHugeCapacity);
+  CHECK(map.bytes() == (size_t{2} << 20));
+  for (uint64_t key = 1; key <= k; ++key) CHECK(*map.Find(key, Mix64(key)) == key);
+  for (uint64_t key = 1; key <= k - 5000; ++key) map.Erase(key, Mix64(key));
+  map.MaybeShrink();  // 5000 rows: back to 16K slots (3/8 load at most), not 64K
+  CHECK(map.capacity() == Map::kSmallCapacity);
+  for (uint64_t key = k - 4999; key <= k; ++key) CHECK(*map.Find(key, Mix64(key)) == key);
+}
+
 void TestPoolReleasesChunks() {
   details::MemoryPool pool(64, 88);
   std::vector<char*> rows;
@@ -322,6 +344,7 @@ void TestEngineMatchesNaiveBaseline() {
 int main() {
   TestHashMapMatchesReference();
   TestHashMapShrinks();
+  TestHashMapJumpsToOneHugePage();
   TestPoolReleasesChunks();
   TestPendingCounterIsBounded();
   TestChangeLogSegmentsAndFloor();
