@@ -69,9 +69,9 @@ class DedupTable {
   uint32_t epoch_ = 0;
 };
 
-// Per-thread scratch memory, reached through a plain pointer: in a shared
-// library GCC re-derives a thread_local's address (a __tls_get_addr call)
-// inside loops rather than keep it in a register.
+// Per-thread scratch memory, reached through the reference a non-inlined
+// call returns: in a shared library GCC re-derives a thread_local's address
+// (a __tls_get_addr call) inside loops rather than keep it in a register.
 struct Scratch {
   DedupTable dedup;
   std::vector<uint64_t> value_hashes;  // of one feature's values

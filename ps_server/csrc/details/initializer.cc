@@ -146,7 +146,7 @@ inline float LogUnit(float y) {
 // sqrt(2) erfinv(u erf(sqrt 2)), with |u erf(sqrt 2)| <= 0.9545, where
 // Giles' single-precision erfinv ("Approximating the erfinv function", 2010)
 // needs only its central polynomial (w < 2.43 < 5). No redraws and no
-// branches: 16 values at a time from 8 counter-based mixes, ~2 ns a value.
+// branches: 16 values at a time from 8 counter-based mixes, ~4 ns a value.
 void TruncatedNormals(uint64_t seed, uint64_t key, int dim, float mean, float stddev, float* out) {
   constexpr int kBlock = 16;
   constexpr float kErfSqrt2 = 0.954499736f;  // erf(2 / sqrt(2)): the mass within 2 stddev
