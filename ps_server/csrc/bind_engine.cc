@@ -129,6 +129,23 @@ Engine::TablePart PartOf(const Engine& e, const py::tuple& t, size_t size, const
   return p;
 }
 
+// A multi-table call's list of parts: each parsed by PartOf, then by
+// fill(tuple, dim, part) for the call's own fields.
+template <class Fill>
+std::vector<Engine::TablePart> PartsOf(const Engine& e, const py::list& parts, size_t size,
+                                       const char* call, Fill&& fill) {
+  std::vector<Engine::TablePart> many;
+  many.reserve(parts.size());
+  for (const py::handle& item : parts) {
+    const auto t = item.cast<py::tuple>();
+    int dim = 0;
+    Engine::TablePart p = PartOf(e, t, size, call, &dim);
+    fill(t, dim, p);
+    many.push_back(p);
+  }
+  return many;
+}
+
 // The `updated` array of a push: (n, dim), or any rows with updated_rows.
 float* UpdatedRows(const py::object& updated, size_t n, int dim, const int32_t* rows) {
   float* out = nullptr;
@@ -269,16 +286,10 @@ void BindEngine(py::module_& m) {
           "pull_many",
           [](Engine& e, const py::list& parts, bool train) {
             // parts: [(table, keys, out, shard_offsets)]; out must be given.
-            std::vector<Engine::TablePart> many;
-            many.reserve(parts.size());
-            for (const py::handle& item : parts) {
-              const auto t = item.cast<py::tuple>();
-              int dim = 0;
-              Engine::TablePart p = PartOf(e, t, 4, "pull_many", &dim);
+            const auto many = PartsOf(e, parts, 4, "pull_many", [&](auto& t, int dim, auto& p) {
               if (t[2].is_none()) throw py::value_error("pull_many: out must be given");
               p.out = PullInto(dim, p.n, py::reinterpret_borrow<py::object>(t[2])).mutable_data();
-              many.push_back(p);
-            }
+            });
             py::gil_scoped_release release;
             e.PullMany(many, train);
           },
@@ -288,20 +299,14 @@ void BindEngine(py::module_& m) {
           [](Engine& e, const py::list& parts, bool unique, int only) {
             if (only < 0 || only > 2) throw py::value_error("push_many: only must be 0, 1 or 2");
             // parts: [(table, keys, grads, shard_offsets, updated, updated_rows)].
-            std::vector<Engine::TablePart> many;
-            many.reserve(parts.size());
-            for (const py::handle& item : parts) {
-              const auto t = item.cast<py::tuple>();
-              int dim = 0;
-              Engine::TablePart p = PartOf(e, t, 6, "push_many", &dim);
+            const auto many = PartsOf(e, parts, 6, "push_many", [&](auto& t, int dim, auto& p) {
               p.grads = Column<float>(py::reinterpret_borrow<py::object>(t[2]), p.n, dim, "grads");
               if (p.grads == nullptr) throw py::value_error("push_many: grads must be given");
               const auto updated = py::reinterpret_borrow<py::object>(t[4]);
               p.updated_rows =
                   Column<int32_t>(py::reinterpret_borrow<py::object>(t[5]), p.n, 1, "updated_rows");
               p.updated = UpdatedRows(updated, p.n, dim, p.updated_rows);
-              many.push_back(p);
-            }
+            });
             py::gil_scoped_release release;
             const PushResult r = e.PushMany(many, unique, static_cast<Engine::Only>(only));
             py::gil_scoped_acquire acquire;
