@@ -50,6 +50,40 @@ from wuliang.reader.prepare import PreparedKeys
 
 LOSSES = ("binary_crossentropy", "mse", "softmax_crossentropy")
 _NO_POSITIONS = np.zeros(0, dtype=np.int32)  # pooled features need none
+_TF_ALIGN = 64  # bytes: TensorFlow's tensor alignment (EIGEN_MAX_ALIGN_BYTES)
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous array that ``as_tensor`` shares with
+    TensorFlow instead of copying (its data 64-byte aligned)."""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape)) * dtype.itemsize
+    buffer = np.empty(size + _TF_ALIGN, np.uint8)
+    start = -buffer.ctypes.data % _TF_ALIGN
+    return buffer[start : start + size].view(dtype).reshape(shape)
+
+
+def as_tensor(value: Any) -> Any:
+    """A step input as a tensor. A C-contiguous, 64-byte aligned, writeable
+    numpy array is shared through DLPack (public API; no copy: feeding a
+    step's 3.5 MB of pulled rows by conversion cost ~1 ms of the main
+    thread); anything else is left to TensorFlow, which copies it. The
+    caller must not write the array while the step runs."""
+    if (
+        isinstance(value, np.ndarray)
+        and value.size
+        and value.flags.c_contiguous
+        and value.flags.writeable
+        and value.ctypes.data % _TF_ALIGN == 0
+    ):
+        return tf.experimental.dlpack.from_dlpack(value.__dlpack__())
+    return value
+
+
+def _aligned_copy(values: np.ndarray, dtype: Any) -> np.ndarray:
+    out = aligned_empty(values.shape, dtype)
+    out[...] = values
+    return out
 
 
 @dataclass(frozen=True)
@@ -166,10 +200,10 @@ def batch_inputs(
             raise ValueError(
                 f"dense feature {f.name!r} has {columns.shape[1]} columns, declared dim {f.dim}"
             )
-        dense_inputs[f.name] = np.ascontiguousarray(columns, dtype=np.float32)
+        dense_inputs[f.name] = _aligned_copy(columns, np.float32)
     matrices = []
     for zero_row, columns in zip(group_rows, row_index, strict=True):
-        matrix = np.empty((batch.size, len(columns)), np.int32)
+        matrix = aligned_empty((batch.size, len(columns)), np.int32)
         for j, (inverse, base, present) in enumerate(columns):
             if present is None:
                 np.add(inverse, np.int32(base), out=matrix[:, j])
@@ -511,8 +545,14 @@ class StepFunctions:
             (fi.inverse, fi.segments, fi.weights, fi.positions)
             for fi in (inputs.features[f.name] for f in self.sparse if f.name in inputs.features)
         )
-        dense = tuple(inputs.dense[f.name] for f in self.dense)
-        return tuple(rows), tuple(inputs.row_index), features, dense, np.int32(inputs.size)
+        dense = tuple(as_tensor(inputs.dense[f.name]) for f in self.dense)
+        return (
+            tuple(as_tensor(r) for r in rows),
+            tuple(as_tensor(index) for index in inputs.row_index),
+            features,
+            dense,
+            np.int32(inputs.size),
+        )
 
     def _train_step(
         self,

@@ -32,6 +32,7 @@ from wuliang.embedding.bridge import (
     LossFn,
     StepFunctions,
     StepInputs,
+    aligned_empty,
     batch_inputs,
     embedding_of,
 )
@@ -307,7 +308,7 @@ class Session:
         sizes, _ = self.layout.bases(prepared)
         rows = []
         for (dim, _), size in zip(self.layout.groups, sizes, strict=True):
-            packed = np.empty((size + 1, dim), dtype=np.float32)
+            packed = aligned_empty((size + 1, dim), np.float32)
             packed[size] = 0.0
             rows.append(packed)
         return rows
