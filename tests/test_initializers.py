@@ -72,6 +72,33 @@ def test_same_vectors_for_any_shard_count_and_engine(
         np.testing.assert_array_equal(engine.pull("t", keys[perm]), reference[perm])
 
 
+@pytest.mark.parametrize("dim", [3, 16, 40])
+@pytest.mark.parametrize("new_every", [1, 3, 20])
+def test_rows_created_in_batches_get_their_initial_vectors(
+    dim: int, new_every: int, rng: np.random.Generator, make_engine: MakeEngine
+) -> None:
+    """New rows get their weights in batches, after the index probes: a row's
+    visit (the pull's copy, the push's update) must still see them, with new
+    keys dense or sparse among known ones, repeated in the batch, or created
+    by a push."""
+    init = TruncatedNormal(stddev=0.2)
+    keys = np.unique(rng.integers(0, 2**63, size=3000, dtype=np.uint64))
+    rng.shuffle(keys)
+    reference = initial_vectors(make_engine, init, keys, dim=dim)
+    engine = make_engine(2)
+    engine.create_table(table("t", dim, init))
+    known = np.ones(len(keys), bool)
+    known[::new_every] = False
+    engine.pull("t", keys[known])  # rows for all but every new_every-th key
+    batch = np.concatenate([keys, keys[:50]])  # the first 50 keys twice
+    np.testing.assert_array_equal(engine.pull("t", batch), reference[np.r_[: len(keys), :50]])
+    fresh = np.unique(rng.integers(0, 2**63, size=500, dtype=np.uint64))
+    engine.push("t", fresh, np.zeros((len(fresh), dim), np.float32))  # created by the push
+    np.testing.assert_array_equal(
+        engine.pull("t", fresh, train=False), initial_vectors(make_engine, init, fresh, dim=dim)
+    )
+
+
 def test_int64_and_uint64_keys_share_initial_vectors(make_engine: MakeEngine) -> None:
     signed = np.array([-1, -2, -(2**63), 5], np.int64)
     a = initial_vectors(make_engine, Normal(), signed)

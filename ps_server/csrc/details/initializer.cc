@@ -208,4 +208,15 @@ void InitializeWeights(const InitSpec& spec, uint64_t seed, uint64_t key, int di
   }
 }
 
+void InitializeRows(const InitSpec& spec, uint64_t seed, const uint64_t* keys, float* const* out,
+                    size_t n, int dim) {
+  if (spec.kind == InitKind::kTruncatedNormal) {
+    for (size_t i = 0; i < n; ++i) {
+      TruncatedNormals(seed, keys[i], dim, spec.mean, spec.stddev, out[i]);
+    }
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) InitializeWeights(spec, seed, keys[i], dim, out[i]);
+}
+
 }  // namespace wuliang::ps::details

@@ -111,10 +111,7 @@ char* TableShard::CreateRow(uint64_t key, uint64_t hash, const Clock& clock, uin
   meta->version = blank ? 0 : clock.version;
   meta->update_time = clock.now;
   meta->count = count;
-  if (!blank) {
-    InitializeWeights(spec_.initializer, spec_.seed, key, layout_.dim, RowLayout::Weights(row));
-    InitState(spec_.optimizer, layout_.dim, RowLayout::State(cold));
-  }
+  if (!blank) InitState(spec_.optimizer, layout_.dim, RowLayout::State(cold));
   try {
     *index_.InsertNew(key, hash) = row;
   } catch (...) {
@@ -122,7 +119,15 @@ char* TableShard::CreateRow(uint64_t key, uint64_t hash, const Clock& clock, uin
     throw;
   }
   ++counters_.inserted;
-  if (!blank) LogChange(key, clock.version);
+  if (blank) return row;
+  if (defer_init_) {  // weights in the next FlushInit
+    pending_keys_[num_pending_init_] = key;
+    pending_weights_[num_pending_init_++] = RowLayout::Weights(row);
+    if (num_pending_init_ == kInitBatch) FlushInit();
+  } else {
+    InitializeWeights(spec_.initializer, spec_.seed, key, layout_.dim, RowLayout::Weights(row));
+  }
+  LogChange(key, clock.version);
   return row;
 }
 
@@ -191,9 +196,30 @@ void TableShard::Pipeline(const Slice& s, Create create, const Clock& clock, Vis
     }
   };
   const size_t n = s.size();
+  // New rows are initialized in batches of kInitBatch (FlushInit), their
+  // chains of vector operations overlapping, instead of one by one between
+  // index probes; a row still waiting is flushed before its visit (it was
+  // created at pending_from or later), and whatever waits at the end, or on
+  // an exception, is flushed on the way out.
+  struct Deferred {
+    TableShard* shard;
+    explicit Deferred(TableShard* t) : shard(t) { shard->defer_init_ = true; }
+    ~Deferred() {
+      shard->FlushInit();
+      shard->defer_init_ = false;
+    }
+  } deferred(this);
+  size_t pending_from = n;  // the first key whose row waits for its weights
   const auto resolve = [&](size_t k) {
     char** found = index_.Find(s.key(k), hashes_[k]);
-    return found != nullptr ? *found : ResolveMissing(s, k, create, clock);
+    if (found != nullptr) return *found;
+    char* row = ResolveMissing(s, k, create, clock);
+    if (num_pending_init_ == 0) {
+      pending_from = n;
+    } else if (pending_from == n) {
+      pending_from = k;
+    }
+    return row;
   };
   constexpr size_t kAhead = kSlotsAhead + kRowsAhead;
   for (size_t k = 0; k < std::min(n, kAhead); ++k) index_.Prefetch(hashes_[k]);
@@ -210,8 +236,18 @@ void TableShard::Pipeline(const Slice& s, Create create, const Clock& clock, Vis
       prefetch(ahead);
       ring[k % kRowsAhead] = ahead;
     }
+    if (pending_from <= k) {
+      FlushInit();
+      pending_from = n;
+    }
     visit(k, row);
   }
+}
+
+void TableShard::FlushInit() {
+  InitializeRows(spec_.initializer, spec_.seed, pending_keys_, pending_weights_, num_pending_init_,
+                 layout_.dim);
+  num_pending_init_ = 0;
 }
 
 void TableShard::Pull(const ShardBatch& batch, float* out, bool train, const Clock& clock) {

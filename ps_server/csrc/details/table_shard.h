@@ -127,9 +127,13 @@ class TableShard {
   // Key k of the slice has no row: create it as `create` says, or null.
   [[gnu::noinline]] char* ResolveMissing(const Slice& s, size_t k, Create create,
                                          const Clock& clock);
-  // kCold: the visit also touches the cold part (prefetched too).
+  // kCold: the visit also touches the cold part (prefetched too). Rows it
+  // creates get their initial weights in batches (see FlushInit), always
+  // before their visit.
   template <bool kCold, class Visit>
   void Pipeline(const Slice& s, Create create, const Clock& clock, Visit&& visit);
+  // Initializes the weights of the rows created since the last flush.
+  void FlushInit();
   // Finds repeated keys; returns per-key group (-1 plain, -2 repeat, >= 0
   // index of the summed gradient in sums_), empty when there are none.
   const std::vector<int32_t>& GroupDuplicates(const Slice& s, const float* grads,
@@ -152,6 +156,12 @@ class TableShard {
   std::vector<uint32_t> dedup_;
   std::vector<int32_t> groups_;
   std::vector<float> sums_;
+  // New rows waiting for their initial weights (only inside Pipeline).
+  static constexpr size_t kInitBatch = 8;
+  bool defer_init_ = false;
+  size_t num_pending_init_ = 0;
+  uint64_t pending_keys_[kInitBatch];
+  float* pending_weights_[kInitBatch];
 };
 
 }  // namespace wuliang::ps::details
