@@ -19,6 +19,7 @@ namespace {
 #endif
 constexpr size_t kSlotsAhead = WL_SLOTS_AHEAD;  // prefetch distance of index probes
 constexpr size_t kRowsAhead = WL_ROWS_AHEAD;    // prefetch distance of row reads
+constexpr size_t kAheadOfVisit = 8;             // of a push's scattered inputs and outputs
 constexpr size_t kMinLog = 1 << 16;             // change/removal log entries always kept
 constexpr size_t kScanBlock = 16;               // slots an export scan visits in a row
 
@@ -341,8 +342,19 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
   const Create create = spec_.admission.min_count <= 1 ? Create::kAdmit : Create::kNever;
   // Counted locally: `result` shares a cache line with other shards' results.
   uint64_t applied = 0, dropped_nan = 0, dropped_pending = 0;
+  const size_t n = s.size();
   WithOptimizer(opt.kind, [&](auto kind) {
     Pipeline</*kCold=*/true>(s, create, clock, [&](size_t k, char* row) {
+      // The scattered rows of `updated` and of the gradients that keys a
+      // few visits ahead use: no hardware prefetcher sees them coming.
+      if (updated_rows != nullptr && k + kAheadOfVisit < n) {
+        const size_t ahead = s.pos(k + kAheadOfVisit);
+        PrefetchBytes<false>(reinterpret_cast<const char*>(grads + ahead * dim), dim * 4);
+        if (updated_rows[ahead] >= 0) {
+          PrefetchBytes<true>(
+              reinterpret_cast<const char*>(updated + size_t(updated_rows[ahead]) * dim), dim * 4);
+        }
+      }
       // What a pull (train=false) after this push returns: the row as left,
       // or the initial vector of a key without one.
       float* out = nullptr;
