@@ -349,10 +349,12 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
       // few visits ahead use: no hardware prefetcher sees them coming.
       if (updated_rows != nullptr && k + kAheadOfVisit < n) {
         const size_t ahead = s.pos(k + kAheadOfVisit);
-        PrefetchBytes<false>(reinterpret_cast<const char*>(grads + ahead * dim), dim * 4);
+        PrefetchBytes<false>(reinterpret_cast<const char*>(grads + ahead * dim),
+                             dim * sizeof(float));
         if (updated_rows[ahead] >= 0) {
-          PrefetchBytes<true>(
-              reinterpret_cast<const char*>(updated + size_t(updated_rows[ahead]) * dim), dim * 4);
+          PrefetchBytes<true>(reinterpret_cast<const char*>(
+                                  updated + static_cast<size_t>(updated_rows[ahead]) * dim),
+                              dim * sizeof(float));
         }
       }
       // What a pull (train=false) after this push returns: the row as left,
