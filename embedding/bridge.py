@@ -19,7 +19,9 @@ ID features) skips pooling: all such features of a dimension are looked up
 by one gather of a ``[B, F]`` index matrix; an empty row points at a zero
 row kept after each group's pulled rows.
 
-``U`` is an input of the function, not a variable. The tape watches each
+``U`` is an input of the function, not a variable, and like the index
+matrices it is handed to TensorFlow without a copy (64-byte aligned numpy
+buffers shared through DLPack, ``as_tensor``). The tape watches each
 lookup's output (``gather(U, index)``), so TensorFlow returns dL/d(values)
 per looked-up value, a dense tensor; the host sums them into the rows they
 were read from (``StepFunctions.row_gradients``, C++ ``scatter_add_rows``)
