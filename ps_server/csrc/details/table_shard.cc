@@ -347,7 +347,7 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
     Pipeline</*kCold=*/true>(s, create, clock, [&](size_t k, char* row) {
       // The scattered rows of `updated` and of the gradients that keys a
       // few visits ahead use: no hardware prefetcher sees them coming.
-      if (updated_rows != nullptr && k + kAheadOfVisit < n) {
+      if (updated != nullptr && updated_rows != nullptr && k + kAheadOfVisit < n) {
         const size_t ahead = s.pos(k + kAheadOfVisit);
         PrefetchBytes<false>(reinterpret_cast<const char*>(grads + ahead * dim),
                              dim * sizeof(float));
