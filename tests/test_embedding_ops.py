@@ -86,3 +86,27 @@ def test_scatter_add_rows_errors() -> None:
         scatter_add_rows(out, np.array([0], np.int32), np.ones((1, 3), np.float32))
     with pytest.raises(TypeError, match="float32"):
         scatter_add_rows(out.astype(np.float64), np.array([0], np.int32), np.ones((1, 2)))
+
+
+def test_aligned_inputs_are_shared_with_tensorflow_others_copied() -> None:
+    from wuliang.embedding.bridge import aligned_empty, as_tensor
+
+    rows = aligned_empty((1000, 16), np.float32)
+    assert rows.ctypes.data % 64 == 0 and rows.flags.c_contiguous
+    rows[:] = 1.0
+    shared = as_tensor(rows)
+    assert isinstance(shared, tf.Tensor)
+    rows[3, 5] = 7.0  # the tensor reads the same memory
+    assert float(shared[3, 5]) == 7.0
+    np.testing.assert_array_equal(tf.reduce_sum(shared, axis=1).numpy()[:3], [16.0] * 3)
+    index = aligned_empty((4, 3), np.int32)
+    index[:] = 2
+    assert as_tensor(index).dtype == tf.int32
+    assert aligned_empty((0, 16), np.float32).shape == (0, 16)
+
+    unaligned = np.zeros(1001, np.float32)[1:]
+    assert as_tensor(unaligned) is unaligned  # TensorFlow copies it itself
+    frozen = aligned_empty((8,), np.float32)
+    frozen.flags.writeable = False
+    assert as_tensor(frozen) is frozen
+    assert as_tensor(np.zeros((0, 4), np.float32)).shape == (0, 4)
