@@ -290,8 +290,9 @@ class Engine:
         """``push`` for many tables at once (one hand-off per shard); the
         results are summed. ``only="updated"`` applies just the keys with
         ``updated_rows[i] >= 0``, ``only="rest"`` the others (both need
-        ``unique=True``): a push in two halves, the rows the next step shares
-        first."""
+        ``unique=True``; the rest writes no rows, so its ``updated_rows``
+        are not checked): a push in two halves, the rows the next step
+        shares first."""
         if only not in _ONLY:
             raise ValueError(f"only must be one of {', '.join(_ONLY)}, got {only!r}")
         if only != "all" and not unique:

@@ -553,6 +553,17 @@ def test_push_writes_updated_rows_where_asked(make_engine: MakeEngine) -> None:
     ]:
         with pytest.raises(ValueError, match=match):
             engine.push("t", keys, grads, updated=target, updated_rows=bad)
+    # The rest of a split push writes no rows: its updated_rows only pick
+    # the keys without one (so repeats there are not an error).
+    repeated = np.array([0, -1, 0, -1, 3, 3], np.int32)
+    with pytest.raises(ValueError, match="twice"):
+        engine.push_many([PushPart("t", keys, grads, None, target, repeated)], unique=True)
+    before = target.copy()
+    rest = engine.push_many(
+        [PushPart("t", keys, grads, None, target, repeated)], unique=True, only="rest"
+    )
+    assert rest.applied == 2  # keys 2 and 4
+    np.testing.assert_array_equal(target, before)
     with pytest.raises(ValueError, match="needs updated"):
         engine.push("t", keys, grads, updated_rows=where)
     with pytest.raises(ValueError, match="updated"):

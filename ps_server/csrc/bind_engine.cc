@@ -146,8 +146,11 @@ std::vector<Engine::TablePart> PartsOf(const Engine& e, const py::list& parts, s
   return many;
 }
 
-// The `updated` array of a push: (n, dim), or any rows with updated_rows.
-float* UpdatedRows(const py::object& updated, size_t n, int dim, const int32_t* rows) {
+// The `updated` array of a push: (n, dim), or any rows with updated_rows
+// (checked unless `writes` is false: the rest of a split push writes no
+// rows, its updated_rows only select keys).
+float* UpdatedRows(const py::object& updated, size_t n, int dim, const int32_t* rows,
+                   bool writes = true) {
   float* out = nullptr;
   if (rows == nullptr) {
     out = Column<float>(updated, n, dim, "updated");
@@ -156,7 +159,7 @@ float* UpdatedRows(const py::object& updated, size_t n, int dim, const int32_t* 
     const auto arr = py::reinterpret_borrow<py::array>(updated);
     const size_t n_rows = arr.ndim() == 2 ? static_cast<size_t>(arr.shape(0)) : 0;
     out = Column<float>(updated, n_rows, dim, "updated");
-    CheckDistinctRows(rows, n, n_rows);
+    if (writes) CheckDistinctRows(rows, n, n_rows);
   }
   if (out != nullptr && !py::reinterpret_borrow<py::array>(updated).writeable())
     throw py::value_error("updated must be writeable");
@@ -305,7 +308,7 @@ void BindEngine(py::module_& m) {
               const auto updated = py::reinterpret_borrow<py::object>(t[4]);
               p.updated_rows =
                   Column<int32_t>(py::reinterpret_borrow<py::object>(t[5]), p.n, 1, "updated_rows");
-              p.updated = UpdatedRows(updated, p.n, dim, p.updated_rows);
+              p.updated = UpdatedRows(updated, p.n, dim, p.updated_rows, /*writes=*/only != 2);
             });
             py::gil_scoped_release release;
             const PushResult r = e.PushMany(many, unique, static_cast<Engine::Only>(only));
