@@ -17,12 +17,11 @@ i's input (engine ``push(updated=, updated_rows=)``) in a first half of the
 push (those keys only), and the main thread waits only for that half before
 step i: no second pull, and the rest of the push overlaps step i. A push
 that has already started when step i is pulled is not linked; the pull then
-waits for it. The
-engine's shard workers run a shard's pull and push tasks one at a time, so
-whichever comes first, the push's rows are what step i sees. With staleness 1
-the early pull is all: rows can be one update old. An exception in either
-thread is re-raised in the main thread with its traceback; ``close()`` waits
-for the pending pushes and joins both threads.
+waits for it. The engine's shard workers run a shard's pull and push tasks
+one at a time, so whichever comes first, the push's rows are what step i
+sees. With staleness 1 the early pull is all: rows can be one update old. An
+exception in either thread is re-raised in the main thread with its
+traceback; ``close()`` waits for the pending pushes and joins both threads.
 """
 
 from __future__ import annotations
