@@ -72,11 +72,13 @@ bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/ps_bench.py
 	$(BIN)/python benchmarks/reader_bench.py
 	$(BIN)/python benchmarks/export_bench.py
+	$(BIN)/python benchmarks/train_bench.py
 
 bench-quick: $(VENV)/.bench
 	$(BIN)/python benchmarks/ps_bench.py --quick
 	$(BIN)/python benchmarks/reader_bench.py --quick
 	$(BIN)/python benchmarks/export_bench.py --quick
+	$(BIN)/python benchmarks/train_bench.py --quick
 
 clean:
 	rm -rf build $(VENV)

@@ -41,15 +41,23 @@ Adam run; its initial weights are the same (``keras.utils.set_random_seed``).
 All three see the same batches in the same order: wuliang reads the Parquet
 files through its reader (its real pipeline, timed); the other two get the
 same rows read into numpy beforehand (not timed) and fed per step. Each
-contender runs ``--warmup`` steps (tracing, first allocations; not timed),
-then ``--steps`` timed steps (TF-native Adam: ``--native-adam-steps``, its
-steps being slow and all alike); every step fetches its loss. wuliang's time
-runs from the end of its last warm-up step until ``train`` returns (its last
-push applied). Contenders run one after the other, so each has the whole
+contender first runs ``--warmup`` steps (tracing, first allocations; not
+timed). The timed steps (``--steps``; TF-native Adam: ``--native-adam-steps``,
+its steps being slow and all alike) are split into ``--rounds`` rounds; in
+each round every contender in turn runs one untimed step and then its share
+of timed steps, first to last in odd rounds and last to first in even ones.
+This VM's speed drifts by over 10% within minutes even with no steal time,
+so contenders taking turns see the same machine on average, where running
+each once, one after the other, put the drift into every ratio. A wuliang
+round is one ``Session.train`` call on a reader starting where the last one
+stopped (``ReaderPosition``); it is timed from the end of its untimed step
+(the pipeline filling) until ``train`` returns (its last push applied); every
+step fetches its loss. Contenders run one at a time, so each has the whole
 machine; TensorFlow keeps its default thread pools throughout.
 
-Per optimizer the result has the samples/s of each contender, wuliang's
-ratio to the ceiling and its speedup over TF-native; the process CPU time
+Per optimizer the result has the samples/s of each contender (over all
+rounds, and per round in ``rounds_samples_per_s``), wuliang's ratio to the
+ceiling and its speedup over TF-native; the process CPU time
 per timed step of each (all threads: on a busy machine a steadier measure of
 the work done than wall time) and the steal time per step (CPU the
 hypervisor gave to other guests meanwhile, from /proc/stat: when it is not
@@ -66,8 +74,8 @@ and the ceiling's. ``--timeline DIR`` also writes wuliang's Chrome trace
 (``wuliang.hooks.Timeline``, pushes included) per optimizer. The last line
 printed is one JSON object: ``{"adagrad": {...}, "adam": {...}}``.
 
-    python benchmarks/train_bench.py                 # 200 timed steps (TF-native Adam: 50)
-    python benchmarks/train_bench.py --quick         # 30 timed steps (TF-native Adam: 10)
+    python benchmarks/train_bench.py          # 200 timed steps, 4 rounds (TF-native Adam: 50)
+    python benchmarks/train_bench.py --quick  # 30 timed steps, 3 rounds (TF-native Adam: 10)
     python benchmarks/train_bench.py --optimizers adam --staleness 1 --timeline /tmp/tl
 
 TensorFlow: ``pip install '.[bench]'`` (tensorflow-cpu).
@@ -94,6 +102,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from bench_data import cores, parquet_files  # benchmarks/, the script's folder
 
+from wuliang.hooks import SessionRunArgs, SessionRunHook, Timeline
 from wuliang.reader import ParquetReader
 from wuliang.reader.datagen import DENSE, LABEL, SINGLE
 
@@ -196,18 +205,70 @@ def steal_ms() -> float:
         return 0.0
 
 
-def time_steps(name: str, step: Callable[[int], Any], warmup: int, steps: int, batch: int) -> Run:
-    """`steps` timed steps after `warmup` untimed ones; every step's loss."""
-    losses = []
-    t0 = cpu0 = steal0 = 0.0
-    for i in range(warmup + steps):
-        if i == warmup:
-            t0, cpu0, steal0 = time.perf_counter(), time.process_time(), steal_ms()
-        losses.append(float(step(i)))  # .numpy(): the step has finished
-    elapsed = time.perf_counter() - t0
-    cpu_ms = 1e3 * (time.process_time() - cpu0) / steps
-    steal = (steal_ms() - steal0) / steps
-    return Run(name, steps * batch / elapsed, cpu_ms, losses, {"steps": steps}, steal)
+@dataclass
+class Clocks:
+    """Wall, process CPU and steal time at one moment."""
+
+    wall: float
+    cpu: float
+    steal: float
+
+    @staticmethod
+    def now() -> Clocks:
+        return Clocks(time.perf_counter(), time.process_time(), steal_ms())
+
+
+@dataclass
+class Timed:
+    """A contender's timed steps, summed over the rounds."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    steal_ms: float = 0.0
+    rates: list[float] = field(default_factory=list)  # samples/s of each round
+
+    def add(self, steps: int, start: Clocks, end: Clocks, batch: int) -> None:
+        if steps:
+            self.rates.append(steps * batch / (end.wall - start.wall))
+        self.steps += steps
+        self.seconds += end.wall - start.wall
+        self.cpu_seconds += end.cpu - start.cpu
+        self.steal_ms += end.steal - start.steal
+
+    def run(self, name: str, batch: int, losses: list[float], extra: dict[str, Any]) -> Run:
+        return Run(
+            name,
+            self.steps * batch / self.seconds,
+            1e3 * self.cpu_seconds / self.steps,
+            losses,
+            {"steps": self.steps, **extra},
+            self.steal_ms / self.steps,
+        )
+
+
+class StepLoop:
+    """A contender stepping through the numpy batches in order: ``play``
+    runs `untimed` then `timed` steps from where the last call stopped."""
+
+    def __init__(self, name: str, step: Callable[[int], Any], batch: int) -> None:
+        self.name = name
+        self.batch = batch
+        self.step = step  # batch index -> loss (the step has finished)
+        self.losses: list[float] = []
+        self.timed = Timed()
+
+    def play(self, untimed: int, timed: int) -> None:
+        first = len(self.losses)
+        for i in range(first, first + untimed):
+            self.losses.append(float(self.step(i)))
+        start = Clocks.now()
+        for i in range(first + untimed, first + untimed + timed):
+            self.losses.append(float(self.step(i)))
+        self.timed.add(timed, start, Clocks.now(), self.batch)
+
+    def result(self, batch: int) -> Run:
+        return self.timed.run(self.name, batch, self.losses, {})
 
 
 def progress(run: Run, steps: int, ceiling: Run | None, note: str = "") -> None:
@@ -225,7 +286,7 @@ def progress(run: Run, steps: int, ceiling: Run | None, note: str = "") -> None:
 # -- contenders ------------------------------------------------------------------------
 
 
-def run_ceiling(tf: Any, kind: str, data: Batches, args: argparse.Namespace) -> Run:
+def ceiling_loop(tf: Any, kind: str, data: Batches, args: argparse.Namespace) -> StepLoop:
     model = make_tower(args.seed)
     optimizer = tower_optimizer(kind)
     width = len(SINGLE) * DIM
@@ -255,10 +316,10 @@ def run_ceiling(tf: Any, kind: str, data: Batches, args: argparse.Namespace) -> 
         loss, _ = train_step(randoms[i % NUM_RANDOM], data.dense[i], data.labels[i])
         return loss.numpy()
 
-    return time_steps("ceiling", step, args.warmup, args.steps, args.batch)
+    return StepLoop("ceiling", step, args.batch)
 
 
-def run_tf_native(tf: Any, kind: str, data: Batches, args: argparse.Namespace, steps: int) -> Run:
+def tf_native_loop(tf: Any, kind: str, data: Batches, args: argparse.Namespace) -> StepLoop:
     model = make_tower(args.seed)
     optimizer = tower_optimizer(kind)
     table = tf.Variable(
@@ -298,104 +359,139 @@ def run_tf_native(tf: Any, kind: str, data: Batches, args: argparse.Namespace, s
     def step(i: int) -> Any:
         return train_step(data.keys[i], data.dense[i], data.labels[i]).numpy()
 
-    return time_steps("tf_native", step, args.warmup, steps, args.batch)
+    return StepLoop("tf_native", step, args.batch)
 
 
-def run_wuliang(
-    tf: Any, kind: str, files: list[Path], data: Batches, args: argparse.Namespace
-) -> Run:
-    from wuliang import Context, DenseFeature, EmbeddingTable, Session, SparseFeature
-    from wuliang.embedding import concat
-    from wuliang.hooks import SessionRunArgs, SessionRunHook, Timeline
-    from wuliang.optimizers import Adagrad, Adam
+class WuliangLoop:
+    """wuliang through its real pipeline: each ``play`` is one
+    ``Session.train`` call on a reader that starts where the last one
+    stopped (``ReaderPosition``); timed from the end of its untimed steps
+    until ``train`` returns (its last push applied)."""
 
-    model = make_tower(args.seed)
-    context = Context() if args.staleness is None else Context(staleness=args.staleness)
-    emb_opt = Adagrad(0.05) if kind == "adagrad" else Adam(1e-3)
-    tables = {name: EmbeddingTable(name, DIM, optimizer=emb_opt) for name in SINGLE}
-    features = [SparseFeature(name, tables[name]) for name in SINGLE]
-    features += [DenseFeature(name) for name in DENSE]
+    def __init__(
+        self, tf: Any, kind: str, files: list[Path], data: Batches, args: argparse.Namespace
+    ) -> None:
+        from wuliang import Context, DenseFeature, EmbeddingTable, Session, SparseFeature
+        from wuliang.embedding import concat
+        from wuliang.optimizers import Adagrad, Adam
 
-    def tower(embeddings: dict, dense: dict) -> Any:
-        inputs = [embeddings[n] for n in SINGLE] + [dense[n] for n in DENSE]
-        return model(concat(inputs))
+        model = make_tower(args.seed)
+        self.context = Context() if args.staleness is None else Context(staleness=args.staleness)
+        emb_opt = Adagrad(0.05) if kind == "adagrad" else Adam(1e-3)
+        tables = {name: EmbeddingTable(name, DIM, optimizer=emb_opt) for name in SINGLE}
+        features: list[Any] = [SparseFeature(name, tables[name]) for name in SINGLE]
+        features += [DenseFeature(name) for name in DENSE]
 
-    class Meter(SessionRunHook):
-        """Every step's loss, end time and stage timings; the first batch's C1."""
+        def tower(embeddings: dict, dense: dict) -> Any:
+            inputs = [embeddings[n] for n in SINGLE] + [dense[n] for n in DENSE]
+            return model(concat(inputs))
 
-        def __init__(self) -> None:
-            self.losses: list[float] = []
-            self.ends: list[float] = []
-            self.cpu: list[float] = []
-            self.steal: list[float] = []
-            self.uniques: list[int] = []
-            self.timings: list[dict[str, float]] = []
-            self.first_c1: np.ndarray | None = None
+        self.session = Session(tower, features, self.context, optimizer=tower_optimizer(kind))
+        self.name, self.kind, self.files, self.data, self.args = "wuliang", kind, files, data, args
+        self.position: Any = None  # the reader's, after the last batch trained
+        self.losses: list[float] = []
+        self.timings: list[dict[str, float]] = []  # of the timed steps
+        self.uniques: list[int] = []
+        self.step_seconds: list[float] = []  # the timed steps' periods
+        self.timed = Timed()
+        self.reader_threads = 0
 
-        def before_run(self, run_context: Any) -> Any:
-            if self.first_c1 is None:
-                self.first_c1 = np.array(run_context.batch.sparse["C1"].values, copy=True)
-            prepared = run_context.batch.prepared
-            if prepared is not None:
-                self.uniques.append(sum(len(k.uniques) for k in prepared.tables.values()))
-            return SessionRunArgs(["loss"])
+    def play(self, untimed: int, timed: int) -> None:
+        if timed and untimed < 1:
+            raise ValueError("wuliang's timed steps follow an untimed one (the pipeline fills)")
+        first = len(self.losses)
+        meter = _Meter()
+        hooks: list[Any] = [meter]
+        args = self.args
+        if args.timeline is not None and timed and not self.timed.steps:  # the first timed round
+            path = args.timeline / f"wuliang-{self.kind}.json"
+            hooks.append(Timeline(path, first_step=first + untimed, num_steps=min(timed, 20)))
+        reader = ParquetReader(
+            [str(f) for f in self.files],
+            args.batch,
+            features=[*SINGLE, *DENSE],
+            label=LABEL,
+            start=self.position,
+        )
+        self.reader_threads = reader.num_threads
+        total = untimed + timed
+        try:
+            result = self.session.train(reader, steps=total, hooks=hooks)
+            done = Clocks.now()
+        finally:
+            reader.close()
+        if result["steps"] != total:
+            raise AssertionError(f"wuliang ran {result['steps']} steps, expected {total}")
+        expected = self.data.keys[first][:, 0].view(np.uint64)
+        if not np.array_equal(meter.first_c1, expected):
+            raise AssertionError(f"wuliang's batch {first} differs from the numpy contenders'")
+        self.position = meter.position
+        self.losses += meter.losses
+        if timed:
+            start = meter.clocks[untimed - 1]
+            self.timed.add(timed, start, done, args.batch)
+            self.timings += meter.timings[untimed:]
+            self.uniques += meter.uniques[untimed:]
+            ends = [c.wall for c in meter.clocks[untimed - 1 :]]
+            self.step_seconds += list(np.diff(ends))
 
-        def after_run(self, run_context: Any, run_values: Any) -> None:
-            self.losses.append(float(run_values.results["loss"]))
-            self.ends.append(time.perf_counter())
-            self.cpu.append(time.process_time())
-            self.steal.append(steal_ms())
-            self.timings.append(dict(run_values.timings))
+    def result(self, batch: int) -> Run:
+        stages = {
+            f"{stage}_ms": round(1e3 * float(np.mean([t.get(stage, 0.0) for t in self.timings])), 2)
+            for stage in ("read", "prepare", "wait_push", "pull", "wait_update", "compute")
+        }
+        stages["step_ms"] = round(1e3 * float(np.mean(self.step_seconds)), 2)
+        stages["main_thread_other_ms"] = round(stages["step_ms"] - stages["compute_ms"], 2)
+        rows = sum(s["rows"] for s in self.context.engine.stats().values())
+        extra = {
+            "uniques_per_step": round(float(np.mean(self.uniques))) if self.uniques else None,
+            "new_rows_per_step": round(rows / len(self.losses)),
+            "staleness": self.context.staleness,
+            "prefetch": self.context.prefetch,
+            "engine_shards": self.context.num_shards,
+            "engine_rows": rows,
+            "stages": stages,
+        }
+        return self.timed.run(self.name, batch, self.losses, extra)
 
-    meter = Meter()
-    hooks: list[Any] = [meter]
-    if args.timeline is not None:
-        path = args.timeline / f"wuliang-{kind}.json"
-        hooks.append(Timeline(path, first_step=args.warmup, num_steps=min(args.steps, 20)))
-    session = Session(tower, features, context, optimizer=tower_optimizer(kind))
-    reader = ParquetReader(
-        [str(f) for f in files], args.batch, features=[*SINGLE, *DENSE], label=LABEL
-    )
-    total = args.warmup + args.steps
-    result = session.train(reader, steps=total, hooks=hooks)
-    done, cpu_done, steal_done = time.perf_counter(), time.process_time(), steal_ms()
-    reader.close()
-    if result["steps"] != total:
-        raise AssertionError(f"wuliang ran {result['steps']} steps, expected {total}")
-    if not np.array_equal(meter.first_c1, data.keys[0][:, 0].view(np.uint64)):
-        raise AssertionError("wuliang's first batch differs from the numpy contenders' first")
-    rate = args.steps * args.batch / (done - meter.ends[args.warmup - 1])
-    cpu_ms = 1e3 * (cpu_done - meter.cpu[args.warmup - 1]) / args.steps
-
-    timed = meter.timings[args.warmup :]
-    periods = np.diff(meter.ends[args.warmup - 1 :])
-    stages = {
-        f"{stage}_ms": round(1e3 * float(np.mean([t.get(stage, 0.0) for t in timed])), 2)
-        for stage in ("read", "prepare", "wait_push", "pull", "wait_update", "compute")
-    }
-    stages["step_ms"] = round(1e3 * float(np.mean(periods)), 2)
-    stages["main_thread_other_ms"] = round(stages["step_ms"] - stages["compute_ms"], 2)
-    rows = sum(s["rows"] for s in context.engine.stats().values())
-    extra = {
-        "uniques_per_step": round(float(np.mean(meter.uniques))) if meter.uniques else None,
-        "new_rows_per_step": round(rows / total),
-        "staleness": context.staleness,
-        "prefetch": context.prefetch,
-        "engine_shards": context.num_shards,
-        "reader_threads": reader.num_threads,
-        "engine_rows": rows,
-        "stages": stages,
-    }
-    context.close()
-    steal = (steal_done - meter.steal[args.warmup - 1]) / args.steps
-    return Run("wuliang", rate, cpu_ms, meter.losses, extra, steal)
+    def close(self) -> None:
+        self.context.close()
 
 
-# -- main ------------------------------------------------------------------------------
+class _Meter(SessionRunHook):
+    """Every step's loss, end clocks and stage timings, the batch's unique
+    keys, the first batch's C1 and the reader's position after the last."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.clocks: list[Clocks] = []
+        self.uniques: list[int] = []
+        self.timings: list[dict[str, float]] = []
+        self.first_c1: np.ndarray | None = None
+        self.position: Any = None
+
+    def before_run(self, run_context: Any) -> Any:
+        batch = run_context.batch
+        if self.first_c1 is None:
+            self.first_c1 = np.array(batch.sparse["C1"].values, copy=True)
+        self.position = batch.position
+        if batch.prepared is not None:
+            self.uniques.append(sum(len(k.uniques) for k in batch.prepared.tables.values()))
+        return SessionRunArgs(["loss"])
+
+    def after_run(self, run_context: Any, run_values: Any) -> None:
+        self.losses.append(float(run_values.results["loss"]))
+        self.clocks.append(Clocks.now())
+        self.timings.append(dict(run_values.timings))
 
 
 def ratio(a: float, b: float) -> float:
     return round(a / b, 3)
+
+
+def split(total: int, parts: int) -> list[int]:
+    """`total` in `parts` near-equal parts."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
 def bench_optimizer(
@@ -404,13 +500,28 @@ def bench_optimizer(
     native_steps = min(args.native_adam_steps, args.steps) if kind == "adam" else args.steps
     tower = "keras.optimizers.Adagrad(0.01)" if kind == "adagrad" else "keras.optimizers.Adam(1e-3)"
     print(f"{kind}: tower {tower}", flush=True)
-    ceiling = run_ceiling(tf, kind, data, args)
+    wuliang = WuliangLoop(tf, kind, files, data, args)
+    contenders = [ceiling_loop(tf, kind, data, args), tf_native_loop(tf, kind, data, args), wuliang]
+    timed = {
+        "ceiling": split(args.steps, args.rounds),
+        "tf_native": split(native_steps, args.rounds),
+        "wuliang": split(args.steps, args.rounds),
+    }
+    try:
+        for c in contenders:
+            c.play(args.warmup, 0)
+            gc.collect()
+        for r in range(args.rounds):
+            for c in contenders if r % 2 == 0 else contenders[::-1]:
+                c.play(1, timed[c.name][r])  # one untimed step: wuliang's pipeline fills
+                gc.collect()
+            rates = ", ".join(f"{c.name} {c.timed.rates[-1] / 1e3:.1f}K" for c in contenders)
+            print(f"  round {r + 1}/{args.rounds}: {rates} samples/s", flush=True)
+        ceiling, native, ours = (c.result(args.batch) for c in contenders)
+    finally:
+        wuliang.close()
     progress(ceiling, args.steps, None)
-    gc.collect()
-    native = run_tf_native(tf, kind, data, args, native_steps)
     progress(native, native_steps, ceiling)
-    gc.collect()
-    ours = run_wuliang(tf, kind, files, data, args)
     stages = ours.extra["stages"]
     progress(
         ours,
@@ -419,11 +530,11 @@ def bench_optimizer(
         f"; per step {stages['step_ms']:.0f} ms: compute {stages['compute_ms']:.0f}, "
         f"pull {stages['pull_ms']:.0f}, prepare {stages['prepare_ms']:.0f} (ahead)",
     )
-    gc.collect()
-    common = args.warmup + native_steps  # every contender ran these steps, on the same batches
+    common = min(len(c.losses) for c in contenders)  # every contender ran these batches
     stages["ceiling_step_ms"] = round(1e3 * args.batch / ceiling.samples_per_s, 2)
     result: dict[str, Any] = {
         "ceiling_samples_per_s": round(ceiling.samples_per_s),
+        "rounds_samples_per_s": {c.name: [round(x) for x in c.timed.rates] for c in contenders},
         "tf_native_samples_per_s": round(native.samples_per_s),
         "wuliang_samples_per_s": round(ours.samples_per_s),
         "ratio_to_ceiling": ratio(ours.samples_per_s, ceiling.samples_per_s),
@@ -447,11 +558,12 @@ def bench_optimizer(
         "steps": args.steps,
         "tf_native_steps": native_steps,
         "warmup_steps": args.warmup,
+        "rounds": args.rounds,
         "batch": args.batch,
         "staleness": ours.extra["staleness"],
         "prefetch": ours.extra["prefetch"],
         "engine_shards": ours.extra["engine_shards"],
-        "reader_threads": ours.extra["reader_threads"],
+        "reader_threads": wuliang.reader_threads,
         "wuliang_tables": len(SINGLE),
         "wuliang_rows": ours.extra["engine_rows"],
         "tf_native_buckets": BUCKETS,
@@ -468,6 +580,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="timed steps per contender")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="rounds the timed steps are split into, contenders alternating (default 4; "
+        "--quick: 3)",
+    )
     parser.add_argument("--quick", action="store_true", help="30 timed steps")
     parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument(
@@ -494,9 +612,13 @@ def main() -> None:
         args.steps = 30
     if args.native_adam_steps is None:
         args.native_adam_steps = 10 if args.quick else 50
-    if args.warmup < 1 or args.steps < 1:
-        parser.error("--warmup and --steps must be >= 1")
-    count = args.warmup + args.steps
+    if args.rounds is None:
+        args.rounds = 3 if args.quick else 4
+    if args.warmup < 1 or args.rounds < 1 or min(args.steps, args.native_adam_steps) < args.rounds:
+        parser.error(
+            "--warmup and --rounds must be >= 1, --steps and --native-adam-steps >= --rounds"
+        )
+    count = args.warmup + args.rounds + args.steps
     rows = count * args.batch
     data_dir = args.data_dir or Path(tempfile.gettempdir()) / f"wuliang-train-bench-{rows}"
 
