@@ -500,8 +500,12 @@ def bench_optimizer(
     native_steps = min(args.native_adam_steps, args.steps) if kind == "adam" else args.steps
     tower = "keras.optimizers.Adagrad(0.01)" if kind == "adagrad" else "keras.optimizers.Adam(1e-3)"
     print(f"{kind}: tower {tower}", flush=True)
-    wuliang = WuliangLoop(tf, kind, files, data, args)
-    contenders = [ceiling_loop(tf, kind, data, args), tf_native_loop(tf, kind, data, args), wuliang]
+    contenders: list[Any] = [
+        ceiling_loop(tf, kind, data, args),
+        tf_native_loop(tf, kind, data, args),
+    ]
+    wuliang = WuliangLoop(tf, kind, files, data, args)  # made last: closed below (engine threads)
+    contenders.append(wuliang)
     timed = {
         "ceiling": split(args.steps, args.rounds),
         "tf_native": split(native_steps, args.rounds),
