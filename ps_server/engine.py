@@ -119,6 +119,14 @@ def _as_float32(values: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
     return np.ascontiguousarray(values)
 
 
+def _check_step(step: int | None) -> int | None:
+    if step is None:
+        return None
+    if isinstance(step, bool) or not isinstance(step, int | np.integer) or not 0 <= step < 2**63:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    return int(step)
+
+
 def _as_column(values: Any, dtype: type, shape: tuple[int, ...], what: str) -> np.ndarray | None:
     if values is None:
         return None
@@ -247,15 +255,23 @@ class Engine:
         tid, keys, out, offsets = self._pull_args(PullPart(table, keys, out, shard_offsets))
         return self.native.pull(tid, keys, train, out, offsets)
 
-    def pull_many(self, parts: Sequence[PullPart], *, train: bool = True) -> None:
+    def pull_many(
+        self, parts: Sequence[PullPart], *, train: bool = True, step: int | None = None
+    ) -> None:
         """``pull`` into each part's ``out`` (required), for many tables at once:
-        one hand-off to each shard's worker instead of one per table."""
+        one hand-off to each shard's worker instead of one per table.
+
+        ``step``: the training step of the batch (default: ``self.step``),
+        for a trainer that pulls step s + 1 before pushing step s: rows the
+        pull creates carry it, and ``push_many(step=s)`` then leaves alone
+        the rows that a pull of a later step admitted, as running the steps
+        one after the other would (their keys had no row yet at step s)."""
         args = []
         for part in parts:
             if part.out is None:
                 raise ValueError(f"pull_many: the part for table {part.table!r} has no out")
             args.append(self._pull_args(part))
-        self.native.pull_many(args, train)
+        self.native.pull_many(args, train, _check_step(step))
 
     def push(
         self,
@@ -285,20 +301,25 @@ class Engine:
         )
 
     def push_many(
-        self, parts: Sequence[PushPart], *, unique: bool = False, only: str = "all"
+        self,
+        parts: Sequence[PushPart],
+        *,
+        unique: bool = False,
+        only: str = "all",
+        step: int | None = None,
     ) -> PushResult:
         """``push`` for many tables at once (one hand-off per shard); the
         results are summed. ``only="updated"`` applies just the keys with
         ``updated_rows[i] >= 0``, ``only="rest"`` the others (both need
         ``unique=True``; the rest writes no rows, so its ``updated_rows``
         are not checked): a push in two halves, the rows the next step
-        shares first."""
+        shares first. ``step``: the batch's training step (see ``pull_many``)."""
         if only not in _ONLY:
             raise ValueError(f"only must be one of {', '.join(_ONLY)}, got {only!r}")
         if only != "all" and not unique:
             raise ValueError(f"push_many(only={only!r}) needs unique=True")
         args = [self._push_args(part) for part in parts]
-        return PushResult(**self.native.push_many(args, unique, _ONLY[only]))
+        return PushResult(**self.native.push_many(args, unique, _ONLY[only], _check_step(step)))
 
     def _pull_args(self, part: PullPart) -> tuple:
         tid = self._id(part.table)
@@ -408,6 +429,19 @@ class Engine:
         keys = as_keys(keys)
         versions = _as_column(versions, np.uint64, (len(keys),), "versions")
         self.native.load_removed(self._id(table), keys, versions, int(floor))
+
+    def pending_counts(self, table: str) -> tuple[np.ndarray, np.ndarray]:
+        """(keys uint64, counts uint32) of the keys seen but not admitted yet
+        (``Admission(min_count > 1)``), sorted by key."""
+        return self.native.pending_counts(self._id(table))
+
+    def load_pending(self, table: str, keys: KeyArray, counts: np.ndarray) -> None:
+        """Sets the sighting counts of keys waiting for admission (e.g. a
+        checkpoint's). Keys that have a row are skipped; a count of 0 forgets
+        the key."""
+        keys = as_keys(keys)
+        counts = _as_column(counts, np.uint32, (len(keys),), "counts")
+        self.native.load_pending(self._id(table), keys, counts)
 
     def trim_removed(self, table: str, upto: int) -> None:
         """Forgets removal records of versions <= upto (after exporting them)."""

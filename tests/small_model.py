@@ -45,10 +45,18 @@ class Losses(wl.hooks.SessionRunHook):
         self.values.append(float(run_values.results["loss"]))
 
 
-def make_session(num_shards: int = 2) -> wl.Session:
+def make_session(
+    num_shards: int = 2, admission: wl.admission.Admission | None = None
+) -> wl.Session:
+    """``admission``: the items table's (default: every key at once)."""
     keras.utils.set_random_seed(5)
     users = wl.EmbeddingTable("users", 8, optimizer=wl.optimizers.Adagrad(0.1))
-    items = wl.EmbeddingTable("items", 4, optimizer=wl.optimizers.Adam(0.01))
+    items = wl.EmbeddingTable(
+        "items",
+        4,
+        optimizer=wl.optimizers.Adam(0.01),
+        **({} if admission is None else {"admission": admission}),
+    )
     features = [
         wl.SparseFeature("user", users),
         wl.SparseFeature("items", items, combiner="mean"),

@@ -15,6 +15,8 @@ from wuliang.ps_server import (
     Admission,
     Engine,
     Eviction,
+    PullPart,
+    PushPart,
     RowChunk,
     TableSpec,
     TruncatedNormal,
@@ -162,6 +164,70 @@ def test_pending_counts_are_halved_beyond_capacity(make_engine: MakeEngine) -> N
     engine.pull(t, hot)
     assert engine.contains(t, hot).all()  # the 10th counted sighting
     assert engine.stats(t)["admitted"] == 1
+
+
+@pytest.mark.parametrize(("source", "target"), [(1, 3), (3, 1), (2, 2)])
+def test_pending_counts_reload_into_any_shard_count(
+    source: int, target: int, make_engine: MakeEngine
+) -> None:
+    first = make_engine(source)
+    t = sgd_table(first, admit=Admission(min_count=4))
+    for n in (30, 20, 10):  # keys 0-9 seen 3 times, 10-19 twice, 20-29 once
+        first.pull(t, np.arange(n, dtype=np.int64))
+    first.pull(t, np.arange(5, dtype=np.int64))  # 0-4: a 4th sighting admits them
+    keys, counts = first.pending_counts(t)
+    assert keys.dtype == np.uint64 and counts.dtype == np.uint32
+    np.testing.assert_array_equal(keys, np.arange(5, 30))  # sorted by key
+    np.testing.assert_array_equal(counts, [3] * 5 + [2] * 10 + [1] * 10)
+
+    second = make_engine(target)
+    sgd_table(second, admit=Admission(min_count=4))
+    second.pull(t, [0, 1, 2, 3, 4])  # these have rows here: their counts are skipped
+    second.pull(t, [0, 1, 2, 3, 4])
+    second.pull(t, [0, 1, 2, 3, 4])
+    second.pull(t, [0, 1, 2, 3, 4])
+    second.load_pending(
+        t, np.r_[np.arange(5, dtype=np.uint64), keys], np.r_[np.full(5, 9, np.uint32), counts]
+    )
+    got_keys, got_counts = second.pending_counts(t)
+    np.testing.assert_array_equal(got_keys, keys)
+    np.testing.assert_array_equal(got_counts, counts)
+    second.pull(t, np.arange(30, dtype=np.int64))  # one more sighting each
+    np.testing.assert_array_equal(
+        second.contains(t, np.arange(30, dtype=np.int64)), [1] * 10 + [0] * 20
+    )
+    second.load_pending(t, [25], [0])  # 0 forgets
+    assert 25 not in second.pending_counts(t)[0]
+    with pytest.raises(ValueError, match="counts has shape"):
+        second.load_pending(t, [1, 2], [1])
+    with pytest.raises(TypeError, match="counts"):
+        second.native.load_pending(0, np.array([1], np.uint64), None)
+
+
+def test_a_push_leaves_rows_a_later_steps_pull_admitted(make_engine: MakeEngine) -> None:
+    """A trainer that pulls step s + 1 before pushing step s passes each call's
+    step: the key admitted by pull s + 1 had no row at step s, so push s is
+    dropped for it, as when the calls run one after the other."""
+    engine = make_engine(2)
+    t = sgd_table(engine, admit=Admission(min_count=2))
+    keys = np.array([1, 2, 3], np.int64)
+    out = np.empty((3, 4), np.float32)
+    engine.pull_many([PullPart(t, keys, out)], step=7)  # first sighting: no rows
+    engine.pull_many([PullPart(t, keys[:2], out[:2])], step=8)  # 1, 2 admitted at step 8
+    initial = engine.pull(t, keys, train=False)
+    result = engine.push_many([PushPart(t, keys, ones(3))], step=7)
+    assert (result.applied, result.dropped_pending) == (0, 3)
+    np.testing.assert_array_equal(engine.pull(t, keys, train=False), initial)
+    (chunk,) = engine.export(t)
+    assert sorted(zip(chunk.keys.tolist(), chunk.steps.tolist(), strict=True)) == [(1, 8), (2, 8)]
+    assert engine.push_many([PushPart(t, keys, ones(3))], step=8).applied == 2
+    np.testing.assert_array_equal(engine.pull(t, keys[:2], train=False), initial[:2] - 1)
+    # without a step, a push updates every row it finds (the engine's own step)
+    engine.pull_many([PullPart(t, keys[2:], out[:1])], step=9)
+    assert engine.push_many([PushPart(t, keys, ones(3))]).applied == 3
+    for bad in (-1, 1.5, True, 2**64 - 1):
+        with pytest.raises(ValueError, match="step must be a non-negative int"):
+            engine.push_many([PushPart(t, keys, ones(3))], step=bad)  # type: ignore[arg-type]
 
 
 # --- eviction -----------------------------------------------------------------

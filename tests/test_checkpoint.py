@@ -18,9 +18,11 @@ from wuliang.checkpoint import checkpoints, latest_checkpoint
 from wuliang.storage import CorruptVersionError, Version
 
 
-def train(files: list[str], shuffle: int, steps: int, hooks: list[Any]) -> list[float]:
+def train(
+    files: list[str], shuffle: int, steps: int, hooks: list[Any], admission: Any = None
+) -> list[float]:
     losses = Losses()
-    session = make_session()
+    session = make_session(admission=admission)
     try:
         session.train(reader(files, shuffle), steps=steps, hooks=[*hooks, losses])
     finally:
@@ -48,6 +50,19 @@ def test_resume_equals_uninterrupted(tmp_path: Path, shuffle: int) -> None:
     assert again == whole[10 : 10 + m]
 
 
+def test_resume_with_admission_keeps_the_sighting_counts(tmp_path: Path) -> None:
+    files = write_data(tmp_path)
+    model_dir = tmp_path / "model"
+    admit = wl.admission.MinCount(3)
+    n, m = 10, 14
+    whole = train(files, 0, n + m, [], admit)
+    first = train(files, 0, n, [wl.hooks.Checkpoint(model_dir, every_steps=1000)], admit)
+    pending = Version(model_dir / f"ckpt-{n}").pending_counts("items")
+    assert len(pending[0]) > 100 and set(pending[1].tolist()) == {1, 2}  # waiting keys
+    second = train(files, 0, m, [wl.hooks.Checkpoint(model_dir, every_steps=1000)], admit)
+    assert first + second == whole  # bit for bit: keys seen before the stop count
+
+
 def table_state(session: wl.Session) -> dict[str, dict[int, tuple]]:
     state: dict[str, dict[int, tuple]] = {}
     for table in session.context.tables:
@@ -66,19 +81,24 @@ def table_state(session: wl.Session) -> dict[str, dict[int, tuple]]:
 def test_restore_into_1_3_8_shards(tmp_path: Path) -> None:
     files = write_data(tmp_path)
     model_dir = tmp_path / "model"
-    session = make_session()
+    admit = wl.admission.MinCount(2)
+    session = make_session(admission=admit)
     session.train(reader(files, 0), steps=6)
     path = session.save_checkpoint(model_dir)
     want = table_state(session)
+    pending = session.context.engine.pending_counts("items")
+    assert len(pending[0]) > 50
     keys = {t: np.array(sorted(rows), np.uint64) for t, rows in want.items()}
     pulled = {t: session.context.engine.pull(t, k, train=False) for t, k in keys.items()}
     session.context.close()
     assert all(len(rows) > 50 for rows in want.values())
     for shards in (1, 3, 8):
-        other = make_session(num_shards=shards)
+        other = make_session(num_shards=shards, admission=admit)
         other.restore_checkpoint(model_dir)  # the newest one in the folder
         assert other.global_step == 6
         assert table_state(other) == want
+        for got, saved in zip(other.context.engine.pending_counts("items"), pending, strict=True):
+            np.testing.assert_array_equal(got, saved)
         for t, k in keys.items():
             np.testing.assert_array_equal(other.context.engine.pull(t, k, train=False), pulled[t])
         other.context.close()

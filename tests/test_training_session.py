@@ -683,14 +683,25 @@ def test_pipelined_staleness_zero_equals_step_by_step() -> None:
         np.testing.assert_array_equal(a, b)
 
 
+def row_meta(s: wl.Session, name: str = "emb") -> dict[int, tuple[int, int]]:
+    """key -> (count, step of the last update)."""
+    out = {}
+    for chunk in s.context.engine.export(name):
+        for k, count, step in zip(chunk.keys, chunk.counts, chunk.steps, strict=True):
+            out[int(k)] = (int(count), int(step))
+    return out
+
+
+@pytest.mark.parametrize("admit", [1, 2], ids=["every-key", "min-count-2"])
 @pytest.mark.parametrize("reader_delay", [0.0, 0.05])
 def test_staleness_zero_push_writes_into_the_next_steps_rows(
-    monkeypatch: pytest.MonkeyPatch, reader_delay: float
+    monkeypatch: pytest.MonkeyPatch, reader_delay: float, admit: int
 ) -> None:
     """Both ways a staleness-0 step gets its shared rows are exact: linked (the
     previous push writes them into the early-pulled rows; a fast reader) and
     not linked (that push had begun before the pull, which then waits for it;
-    a slow reader)."""
+    a slow reader). With admission, a key admitted by the early pull of step
+    i + 1 takes no update from the push of step i, as step by step."""
     import wuliang.session
 
     linked: list[bool] = []
@@ -701,9 +712,18 @@ def test_staleness_zero_push_writes_into_the_next_steps_rows(
                 linked.append(item.linked)
                 yield item
 
+    def admitting_table() -> wl.EmbeddingTable:
+        return wl.EmbeddingTable(
+            "emb",
+            4,
+            optimizer=wl.optimizers.SGD(0.1),
+            initializer=Normal(0.3),
+            admission=wl.admission.MinCount(admit),
+        )
+
     monkeypatch.setattr(wuliang.session, "Pipeline", Recording)
     data = batches(10, seed=7)
-    serial = session(context=wl.Context(num_shards=2))
+    serial = session(context=wl.Context(num_shards=2), feats=features(admitting_table()))
     serial_losses = [float(serial.run(b, "loss")) for b in data]
 
     def read() -> Iterator[CsrBatch]:
@@ -711,13 +731,17 @@ def test_staleness_zero_push_writes_into_the_next_steps_rows(
             time.sleep(reader_delay)
             yield b
 
-    piped = session(context=wl.Context(num_shards=2, prefetch=3))
+    piped = session(context=wl.Context(num_shards=2, prefetch=3), feats=features(admitting_table()))
     recorder = RecordLoss()
     piped.train(read(), hooks=[recorder])
     assert recorder.losses == serial_losses
-    piped_rows = rows(piped)
-    for key, row in rows(serial).items():
+    piped_rows, serial_rows = rows(piped), rows(serial)
+    assert set(piped_rows) == set(serial_rows)
+    for key, row in serial_rows.items():
         np.testing.assert_array_equal(piped_rows[key], row)
+    assert row_meta(piped) == row_meta(serial)
+    if admit > 1:
+        assert serial.context.engine.stats("emb")["dropped_pending"] > 0
     assert len(linked) == 10 and not linked[0]
     if reader_delay:  # the first steps trace: the puller may still get ahead
         assert not all(linked[1:])

@@ -7,6 +7,8 @@
   step and time, version): ``tables/<table>/part-*.arrow``;
 * every table's removal log (key, version; ``removed.arrow``), which delta
   exports made from this checkpoint need, and its floor;
+* every table's admission counts (key, sightings; ``pending.arrow``) of
+  the keys seen but not admitted yet, so that admission resumes exactly;
 * the tower's variables and the tower optimizer's state:
   ``dense/model.*`` (``tf.train.Checkpoint`` of the tower, or of the variables
   the traced step captures when the tower is a plain function, and the
@@ -25,8 +27,7 @@ Restoring verifies every file first (a corrupt checkpoint changes nothing),
 replaces each table's rows (the engine's shard count may differ from the
 writer's: rows are re-partitioned by key), sets the step and the version,
 and restores the dense state at the next step, once the step function is
-traced (so its variables exist). What is not restored: the sighting counts
-of keys still waiting for admission.
+traced (so its variables exist).
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ def save(
             )
             keys, versions = engine.removed_log(name)
             writer.write_removed(name, keys, versions, engine.stats(name)["removed_floor"])
+            writer.write_pending(name, *engine.pending_counts(name))
         dense = dense_checkpoint(session)
         dense.write(str(writer.path(DENSE_PREFIX)))
         writer.add_tree("dense")
@@ -201,6 +203,7 @@ def restore(session: Session, path: str | os.PathLike) -> dict[str, Any] | None:
             keys, versions = version.removed_log(name, verified=True)
             floor = version.tables[name].get("removed_floor", 0)
             engine.load_removed(name, keys, versions, floor)
+            engine.load_pending(name, *version.pending_counts(name, verified=True))
     ctx.global_step = int(version["step"])
     engine.step = ctx.global_step
     engine.restore_version(int(version["engine_version"]) + 1)

@@ -64,8 +64,9 @@ class Pipeline:
         prepare: batch -> (PreparedKeys, StepInputs), for batches the reader
             did not prepare.
         rows_for: PreparedKeys -> the batch's (unfilled) packed rows.
-        pull: (PreparedKeys, rows) -> None: pulls into rows.
-        push: (PreparedKeys, row gradients, seq, link or None, linked_done)
+        pull: (PreparedKeys, rows, step) -> None: pulls into rows the
+            batch of that global step.
+        push: (PreparedKeys, row gradients, step, link or None, linked_done)
             -> None, calling linked_done() once the linked rows are written;
             None for evaluation.
         link: (previous PreparedKeys, PreparedKeys, rows) -> what the previous
@@ -89,7 +90,7 @@ class Pipeline:
         batches: Iterator[CsrBatch],
         prepare: Callable[[CsrBatch], tuple[PreparedKeys, StepInputs]],
         rows_for: Callable[[PreparedKeys], list[np.ndarray]],
-        pull: Callable[[PreparedKeys, list[np.ndarray]], None],
+        pull: Callable[[PreparedKeys, list[np.ndarray], int], None],
         push: Callable[[PreparedKeys, Any, int, Any, Callable[[], None]], None] | None,
         link: Callable[[PreparedKeys, PreparedKeys, list[np.ndarray]], Any] | None,
         depth: int,
@@ -259,7 +260,7 @@ class Pipeline:
                     if not linked and not self._wait_for_push(seq - 1):
                         return
                 waited = time.perf_counter()
-                self.pull(prepared, rows)
+                self.pull(prepared, rows, step)
                 pulled = time.perf_counter()
                 self.trace.record("pull", step, waited, pulled)
                 timings = {
@@ -303,7 +304,11 @@ class Pipeline:
                 start = time.perf_counter()
                 with self.trace.span("push", self.first_step + seq):
                     self.push_fn(
-                        prepared, grads, seq, link, lambda s=seq, t=start: self._linked_done(s, t)
+                        prepared,
+                        grads,
+                        self.first_step + seq,
+                        link,
+                        lambda s=seq, t=start: self._linked_done(s, t),
                     )
                 with self.pushed_cv:
                     self.pushed = seq

@@ -159,7 +159,7 @@ class Session:
             probe = self.functions.evaluate(inputs, self._pull(prepared, False), labels=False)
             self._output_names = set(probe["outputs"])
         self._check_fetches(names, strict=True)
-        rows = self._pull(prepared, train)
+        rows = self._pull(prepared, train, step=self.global_step)
         results, _ = self._step(
             feed, prepared, inputs, rows, names, train, self.hooks, None, {}, synced=True
         )
@@ -197,7 +197,7 @@ class Session:
             batches,
             self._prepare,
             self._rows_for,
-            lambda p, rows: self._pull(p, True, rows),
+            lambda p, rows, step: self._pull(p, True, rows, step),
             self._push_async,
             self._link,
             ctx.prefetch,
@@ -314,9 +314,14 @@ class Session:
         return rows
 
     def _pull(
-        self, prepared: PreparedKeys, train: bool, rows: list[np.ndarray] | None = None
+        self,
+        prepared: PreparedKeys,
+        train: bool,
+        rows: list[np.ndarray] | None = None,
+        step: int | None = None,
     ) -> list[np.ndarray]:
-        """The packed rows of each group of tables (each table pulled into its slice)."""
+        """The packed rows of each group of tables (each table pulled into its
+        slice); ``step``: the batch's global step (see ``Engine.pull_many``)."""
         _, bases = self.layout.bases(prepared)
         rows = self._rows_for(prepared) if rows is None else rows
         parts = []
@@ -326,7 +331,7 @@ class Session:
                 base = bases[table]
                 out = packed[base : base + len(keys.uniques)]
                 parts.append(PullPart(table, keys.uniques, out, keys.shard_offsets))
-        self.context.engine.pull_many(parts, train=train)
+        self.context.engine.pull_many(parts, train=train, step=step)
         return rows
 
     def _link(
@@ -342,15 +347,16 @@ class Session:
         return rows, dest
 
     def _push_async(
-        self, prepared: PreparedKeys, grads: Any, seq: int, link: Any, linked_done: Any
+        self, prepared: PreparedKeys, grads: Any, step: int, link: Any, linked_done: Any
     ) -> None:
-        self._push(prepared, *grads, link=link, linked_done=linked_done)
+        self._push(prepared, *grads, step=step, link=link, linked_done=linked_done)
 
     def _push(
         self,
         prepared: PreparedKeys,
         inputs: StepInputs,
         gather_grads: Any,
+        step: int,
         link: tuple[list[np.ndarray], dict[str, np.ndarray]] | None = None,
         linked_done: Callable[[], None] | None = None,
     ) -> None:
@@ -371,12 +377,12 @@ class Session:
                 )
         engine = self.context.engine
         if link is None:
-            engine.push_many(parts, unique=True)
+            engine.push_many(parts, unique=True, step=step)
             return
-        engine.push_many(parts, unique=True, only="updated")
+        engine.push_many(parts, unique=True, only="updated", step=step)
         if linked_done is not None:
             linked_done()
-        engine.push_many(parts, unique=True, only="rest")
+        engine.push_many(parts, unique=True, only="rest", step=step)
 
     def _step(
         self,
@@ -416,7 +422,7 @@ class Session:
             grads = out["gather_grads"]
             if push is None:
                 with self.trace.span("push", step):
-                    self._push(prepared, inputs, grads)
+                    self._push(prepared, inputs, grads, step)
             else:
                 push((inputs, grads))
             self.context.advance()
@@ -464,7 +470,7 @@ class Session:
             iter(reader),
             self._prepare,
             self._rows_for,
-            lambda p, rows: self._pull(p, False, rows),
+            lambda p, rows, step: self._pull(p, False, rows),
             None,
             None,
             self.context.prefetch,

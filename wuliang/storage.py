@@ -7,6 +7,7 @@ A *version* is a directory::
         manifest.json                     what is here, with a sha256 per file
         tables/<table>/part-00000.arrow   rows (Arrow IPC file, uncompressed)
         tables/<table>/removed.arrow      removal records: key, version
+        tables/<table>/pending.arrow      admission counts (checkpoints): key, count
         dense/..., serving/...            TF checkpoint, SavedModel files
 
 A rows file has the columns ``key`` (uint64), ``vector`` (fixed-size list of
@@ -24,7 +25,7 @@ engine's shard count, so a version restores into any number of shards.
     {"format": "wuliang-version/1", "kind": "checkpoint" | "full" | "delta",
      "created": unix time, ...caller's fields (step, version, parent, ...),
      "tables": {name: {"dim", "state_dim" (stored; 0: none), "optimizer",
-                       "rows", "parts", "removed", "removed_floor"}},
+                       "rows", "parts", "removed", "removed_floor", "pending"}},
      "files": {relative path: {"sha256", "bytes", "rows"}}}
 
 Writes are atomic: ``VersionWriter`` writes under ``<root>/.tmp-<name>-*``,
@@ -258,20 +259,29 @@ class VersionWriter:
         keys = np.ascontiguousarray(keys, np.uint64)
         if versions is None:
             versions = np.zeros(len(keys), np.uint64)
-        batch = pa.record_batch(
-            [pa.array(keys, pa.uint64()), pa.array(np.asarray(versions, np.uint64), pa.uint64())],
-            names=["key", "version"],
-        )
-        relative = f"tables/{table}/removed.arrow"
+        self._write_records(table, "removed", keys, "version", np.asarray(versions, np.uint64))
+        if floor is not None:
+            self.tables[table]["removed_floor"] = int(floor)
+
+    def write_pending(self, table: str, keys: np.ndarray, counts: np.ndarray) -> None:
+        """Writes a table's admission counts (after ``write_table``): keys
+        seen but not admitted yet, and how often each was seen."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        self._write_records(table, "pending", keys, "count", np.asarray(counts, np.uint32))
+
+    def _write_records(
+        self, table: str, kind: str, keys: np.ndarray, name: str, values: np.ndarray
+    ) -> None:
+        """``tables/<table>/<kind>.arrow``: a key column and one value column."""
+        batch = pa.record_batch([pa.array(keys), pa.array(values)], names=["key", name])
+        relative = f"tables/{table}/{kind}.arrow"
         with (
             pa.OSFile(str(self.path(relative)), "wb") as sink,
             pa.ipc.new_file(sink, batch.schema) as w,
         ):
             w.write_batch(batch)
         self.add_file(relative, len(keys))
-        self.tables[table]["removed"] = len(keys)
-        if floor is not None:
-            self.tables[table]["removed_floor"] = int(floor)
+        self.tables[table][kind] = len(keys)
 
     def commit(self, **fields: Any) -> Path:
         """Writes the manifest and renames the version into place."""
@@ -420,15 +430,27 @@ class Version:
     def removed_log(self, table: str, verified: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """The table's removal records: (keys, versions), uint64 (the file
         checked first, unless ``verify()`` already did: ``verified=True``)."""
-        relative = f"tables/{table}/removed.arrow"
-        if relative not in self.manifest["files"]:
-            return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
-        path = self.path / relative if verified else self.checked(relative)
-        with pa.memory_map(str(path)) as source:
-            reader = pa.ipc.open_file(source)
-            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
-            keys = [b.column("key").to_numpy() for b in batches]
-            versions = [b.column("version").to_numpy() for b in batches]
+        return self._records(table, "removed", "version", np.uint64, verified)
+
+    def pending_counts(self, table: str, verified: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """The table's admission counts: (keys uint64, counts uint32); none in
+        versions written without them."""
+        return self._records(table, "pending", "count", np.uint32, verified)
+
+    def _records(
+        self, table: str, kind: str, name: str, dtype: type, verified: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        relative = f"tables/{table}/{kind}.arrow"
+        keys: list[np.ndarray] = []
+        values: list[np.ndarray] = []
+        if relative in self.manifest["files"]:
+            path = self.path / relative if verified else self.checked(relative)
+            with pa.memory_map(str(path)) as source:
+                reader = pa.ipc.open_file(source)
+                for i in range(reader.num_record_batches):
+                    batch = reader.get_batch(i)
+                    keys.append(batch.column("key").to_numpy())
+                    values.append(batch.column(name).to_numpy())
         if not keys:
-            return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
-        return np.concatenate(keys), np.concatenate(versions)
+            return np.zeros(0, np.uint64), np.zeros(0, dtype)
+        return np.concatenate(keys), np.concatenate(values)

@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -55,6 +56,12 @@ void CheckDistinctRows(const int32_t* rows, size_t n, size_t n_rows) {
       throw py::value_error("updated_rows names row " + std::to_string(r) + " twice");
     }
   }
+}
+
+// A data call's step: the caller's, or the engine's current one.
+uint64_t StepOr(const std::optional<uint64_t>& step) {
+  if (step && *step == Engine::kCurrentStep) throw py::value_error("step is too large");
+  return step.value_or(Engine::kCurrentStep);
 }
 
 // A column argument: None, or a C-contiguous array of exactly dtype T with
@@ -287,19 +294,20 @@ void BindEngine(py::module_& m) {
           "updated"_a = py::none(), "updated_rows"_a = py::none())
       .def(
           "pull_many",
-          [](Engine& e, const py::list& parts, bool train) {
+          [](Engine& e, const py::list& parts, bool train, std::optional<uint64_t> step) {
             // parts: [(table, keys, out, shard_offsets)]; out must be given.
             const auto many = PartsOf(e, parts, 4, "pull_many", [&](auto& t, int dim, auto& p) {
               if (t[2].is_none()) throw py::value_error("pull_many: out must be given");
               p.out = PullInto(dim, p.n, py::reinterpret_borrow<py::object>(t[2])).mutable_data();
             });
             py::gil_scoped_release release;
-            e.PullMany(many, train);
+            e.PullMany(many, train, StepOr(step));
           },
-          "parts"_a, "train"_a = true)
+          "parts"_a, "train"_a = true, "step"_a = py::none())
       .def(
           "push_many",
-          [](Engine& e, const py::list& parts, bool unique, int only) {
+          [](Engine& e, const py::list& parts, bool unique, int only,
+             std::optional<uint64_t> step) {
             if (only < 0 || only > 2) throw py::value_error("push_many: only must be 0, 1 or 2");
             // parts: [(table, keys, grads, shard_offsets, updated, updated_rows)].
             const auto many = PartsOf(e, parts, 6, "push_many", [&](auto& t, int dim, auto& p) {
@@ -311,11 +319,12 @@ void BindEngine(py::module_& m) {
               p.updated = UpdatedRows(updated, p.n, dim, p.updated_rows, /*writes=*/only != 2);
             });
             py::gil_scoped_release release;
-            const PushResult r = e.PushMany(many, unique, static_cast<Engine::Only>(only));
+            const PushResult r =
+                e.PushMany(many, unique, static_cast<Engine::Only>(only), StepOr(step));
             py::gil_scoped_acquire acquire;
             return PushDict(r);
           },
-          "parts"_a, "unique"_a = false, "only"_a = 0)
+          "parts"_a, "unique"_a = false, "only"_a = 0, "step"_a = py::none())
       .def(
           "erase",
           [](Engine& e, int table, const py::array& keys) {
@@ -409,6 +418,32 @@ void BindEngine(py::module_& m) {
           },
           "table"_a, "keys"_a, "versions"_a, "floor"_a)
       .def("trim_removed", &Engine::TrimRemoved, "table"_a, "upto"_a, Release())
+      .def(
+          "pending_counts",
+          [](Engine& e, int table) {
+            std::vector<std::pair<uint64_t, uint32_t>> pending;
+            {
+              py::gil_scoped_release release;
+              pending = e.PendingCounts(table);
+            }
+            py::array_t<uint64_t> keys(pending.size());
+            py::array_t<uint32_t> counts(pending.size());
+            uint64_t* k = keys.mutable_data();
+            uint32_t* c = counts.mutable_data();
+            for (size_t i = 0; i < pending.size(); ++i) std::tie(k[i], c[i]) = pending[i];
+            return py::make_tuple(keys, counts);
+          },
+          "table"_a)
+      .def(
+          "load_pending",
+          [](Engine& e, int table, const py::array& keys, const py::object& counts) {
+            const KeyArray k = Keys(keys);
+            const uint32_t* c = Column<uint32_t>(counts, k.size, 1, "counts");
+            if (c == nullptr) throw py::type_error("counts must be a numpy array, not None");
+            py::gil_scoped_release release;
+            e.LoadPending(table, k.data, c, k.size);
+          },
+          "table"_a, "keys"_a, "counts"_a)
       .def(
           "load",
           [](Engine& e, int table, const py::array& keys, const py::object& weights,

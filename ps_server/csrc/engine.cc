@@ -365,13 +365,20 @@ void Engine::Pull(int table, const uint64_t* keys, size_t n, float* out, bool tr
   PullMany({part}, train);
 }
 
-void Engine::PullMany(const std::vector<TablePart>& parts, bool train) {
+Clock Engine::ClockAt(uint64_t step) const {
+  if (step == kCurrentStep) return Now(this->step(), version());
+  Clock clock = Now(step, version());
+  clock.step_given = true;
+  return clock;
+}
+
+void Engine::PullMany(const std::vector<TablePart>& parts, bool train, uint64_t step) {
   std::vector<TableDef*> defs;
   defs.reserve(parts.size());
   for (const TablePart& p : parts) defs.push_back(Def(p.table));
   std::vector<Plan> plans;
   const std::vector<int> active = PlanParts(parts, &plans);
-  const Clock clock = Now(step(), version());
+  const Clock clock = ClockAt(step);
   RunOn(active, [&](int s) {
     for (size_t i = 0; i < parts.size(); ++i) {
       if (parts[i].n == 0) continue;
@@ -404,7 +411,8 @@ PushResult Engine::Push(int table, const uint64_t* keys, size_t n, const float* 
   return PushMany({part}, keys_unique);
 }
 
-PushResult Engine::PushMany(const std::vector<TablePart>& parts, bool keys_unique, Only only) {
+PushResult Engine::PushMany(const std::vector<TablePart>& parts, bool keys_unique, Only only,
+                            uint64_t step) {
   if (only != Only::kAll && !keys_unique) {
     throw std::invalid_argument("a push split by updated_rows needs unique keys");
   }
@@ -416,7 +424,7 @@ PushResult Engine::PushMany(const std::vector<TablePart>& parts, bool keys_uniqu
   }
   std::vector<Plan> plans;
   const std::vector<int> active = PlanParts(parts, &plans);
-  const Clock clock = Now(step(), version());
+  const Clock clock = ClockAt(step);
   std::vector<PushResult> results(num_shards_);
   RunOn(active, [&](int s) {
     for (size_t i = 0; i < parts.size(); ++i) {
@@ -613,6 +621,31 @@ void Engine::LoadRemoved(int table, const uint64_t* keys, const uint64_t* versio
   RunOnShards([&](int s) {
     ShardOfDef(def, s)->LoadRemoved(shard_keys[s].data(), shard_versions[s].data(),
                                     shard_keys[s].size(), floor);
+  });
+}
+
+std::vector<std::pair<uint64_t, uint32_t>> Engine::PendingCounts(int table) {
+  TableDef* def = Def(table);
+  std::vector<std::vector<std::pair<uint64_t, uint32_t>>> per_shard(num_shards_);
+  RunOnShards([&](int s) { ShardOfDef(def, s)->PendingCounts(&per_shard[s]); });
+  std::vector<std::pair<uint64_t, uint32_t>> counts;
+  for (const auto& c : per_shard) counts.insert(counts.end(), c.begin(), c.end());
+  std::sort(counts.begin(), counts.end());
+  return counts;
+}
+
+void Engine::LoadPending(int table, const uint64_t* keys, const uint32_t* counts, size_t n) {
+  TableDef* def = Def(table);
+  std::vector<std::vector<uint64_t>> shard_keys(num_shards_);
+  std::vector<std::vector<uint32_t>> shard_counts(num_shards_);
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t s = ShardOf(keys[i], num_shards_);
+    shard_keys[s].push_back(keys[i]);
+    shard_counts[s].push_back(counts[i]);
+  }
+  RunOnShards([&](int s) {
+    ShardOfDef(def, s)->LoadPending(shard_keys[s].data(), shard_counts[s].data(),
+                                    shard_keys[s].size());
   });
 }
 

@@ -15,6 +15,23 @@ uint32_t PendingCounter::Observe(uint64_t key, uint64_t hash) {
   return 1;
 }
 
+void PendingCounter::Set(uint64_t key, uint64_t hash, uint32_t count) {
+  if (count == 0) {
+    map_.Erase(key, hash);
+    return;
+  }
+  if (uint32_t* found = map_.Find(key, hash)) {
+    *found = count;
+    return;
+  }
+  if (map_.size() >= capacity_) Decay();
+  *map_.InsertNew(key, hash) = count;
+}
+
+void PendingCounter::Counts(std::vector<std::pair<uint64_t, uint32_t>>* out) const {
+  map_.ForEach([&](uint64_t key, uint32_t count) { out->emplace_back(key, count); });
+}
+
 void PendingCounter::Decay() {
   std::vector<std::pair<uint64_t, uint32_t>> kept;
   map_.ForEach([&](uint64_t key, uint32_t count) {

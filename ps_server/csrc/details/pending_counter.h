@@ -8,6 +8,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "details/hash_map.h"
 
@@ -20,6 +22,10 @@ class PendingCounter {
   // Counts one sighting of key; returns its count including this one.
   uint32_t Observe(uint64_t key, uint64_t hash);
   void Forget(uint64_t key, uint64_t hash) { map_.Erase(key, hash); }
+  // Sets a key's count (a checkpoint's); 0 forgets the key.
+  void Set(uint64_t key, uint64_t hash, uint32_t count);
+  // Appends every (key, count).
+  void Counts(std::vector<std::pair<uint64_t, uint32_t>>* out) const;
 
   size_t size() const { return map_.size(); }
   size_t bytes() const { return map_.bytes(); }

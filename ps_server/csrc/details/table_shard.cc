@@ -340,6 +340,8 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
   const RowOptimizer opt(spec_.optimizer);
   const int dim = layout_.dim;
   const Create create = spec_.admission.min_count <= 1 ? Create::kAdmit : Create::kNever;
+  // A row a pull of a later step admitted did not exist at this push's step.
+  const bool skip_later_rows = clock.step_given && spec_.admission.min_count > 1;
   // Counted locally: `result` shares a cache line with other shards' results.
   uint64_t applied = 0, dropped_nan = 0, dropped_pending = 0;
   const size_t n = s.size();
@@ -376,7 +378,8 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
           InitializeWeights(spec_.initializer, spec_.seed, s.key(k), dim, out);
         }
       };
-      if (row == nullptr) {
+      if (row == nullptr ||
+          (skip_later_rows && RowLayout::Meta(pool_.Cold(row))->update_step > clock.step)) {
         ++dropped_pending;
         report();
         return;
@@ -607,6 +610,14 @@ void TableShard::LoadRemoved(const uint64_t* keys, const uint64_t* versions, siz
                              uint64_t floor) {
   removed_.Forget(floor);
   for (size_t i = 0; i < n; ++i) removed_.Record(keys[i], versions[i]);
+}
+
+void TableShard::LoadPending(const uint64_t* keys, const uint32_t* counts, size_t n) {
+  if (spec_.admission.min_count <= 1) return;  // every key is admitted at once
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t hash = Mix64(keys[i]);
+    if (index_.Find(keys[i], hash) == nullptr) pending_.Set(keys[i], hash, counts[i]);
+  }
 }
 
 TableStats TableShard::Snapshot() const {

@@ -52,6 +52,7 @@ struct Clock {
   uint64_t step;
   uint32_t now;  // unix seconds
   uint64_t version;
+  bool step_given = false;  // the caller's batch step, not the engine's
 };
 
 struct TableDef {
@@ -108,6 +109,11 @@ class TableShard {
   void TrimRemoved(uint64_t upto) { removed_.Forget(upto); }
   // Appends removal records (sorted by version), incomplete up to `floor`.
   void LoadRemoved(const uint64_t* keys, const uint64_t* versions, size_t n, uint64_t floor);
+  // Sighting counts of keys waiting for admission; LoadPending sets them.
+  void PendingCounts(std::vector<std::pair<uint64_t, uint32_t>>* out) const {
+    pending_.Counts(out);
+  }
+  void LoadPending(const uint64_t* keys, const uint32_t* counts, size_t n);
 
   TableStats Snapshot() const;
   size_t rows() const { return index_.size(); }

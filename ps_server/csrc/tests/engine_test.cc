@@ -153,6 +153,21 @@ void TestPendingCounterIsBounded() {
   CHECK(pending.Observe(424242, Mix64(424242)) > 1);
 }
 
+void TestPendingCounterSetAndCounts() {
+  details::PendingCounter pending(8);
+  for (uint64_t k = 1; k <= 3; ++k) pending.Set(k, Mix64(k), static_cast<uint32_t>(k * 2));
+  pending.Set(2, Mix64(2), 0);  // forgets
+  pending.Set(3, Mix64(3), 5);  // overwrites
+  std::vector<std::pair<uint64_t, uint32_t>> counts;
+  pending.Counts(&counts);
+  std::sort(counts.begin(), counts.end());
+  CHECK(counts.size() == 2 && counts[0] == std::make_pair(uint64_t{1}, uint32_t{2}) &&
+        counts[1] == std::make_pair(uint64_t{3}, uint32_t{5}));
+  CHECK(pending.Observe(3, Mix64(3)) == 6);  // counting goes on from the set value
+  for (uint64_t k = 10; k < 30; ++k) pending.Set(k, Mix64(k), 1);  // stays bounded
+  CHECK(pending.size() <= 8);
+}
+
 // Several threads push +1 gradients for overlapping keys; with SGD, lr 1 and
 // zero init every row must end at exactly -(number of pushes of its key).
 void TestChangeLogSegmentsAndFloor() {
@@ -347,6 +362,7 @@ int main() {
   TestHashMapJumpsToOneHugePage();
   TestPoolReleasesChunks();
   TestPendingCounterIsBounded();
+  TestPendingCounterSetAndCounts();
   TestChangeLogSegmentsAndFloor();
   TestConcurrentPushesAreExact();
   TestDuplicatesAreSummed();

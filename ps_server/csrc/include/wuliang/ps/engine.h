@@ -43,6 +43,7 @@ namespace details {
 class ShardWorker;
 struct TableDef;
 struct Plan;
+struct Clock;
 }  // namespace details
 
 struct EngineOptions {
@@ -176,10 +177,18 @@ class Engine {
   // `only` splits a push in two (keys_unique required): kUpdated applies the
   // keys with updated_rows[i] >= 0, kRest the others, so a trainer can hand
   // the next step its shared rows before the rest of the push is done.
+  //
+  // `step`: the training step of the batch (default: the engine's step()).
+  // A trainer that pulls step s + 1 before pushing step s passes each call's
+  // own step, and gets what running the steps one after the other gives:
+  // rows created by a pull carry its step, and a push of step s leaves alone
+  // the rows a pull of a later step admitted (AdmissionSpec): their keys had
+  // no row yet at step s, so the update is dropped as pending.
   enum class Only { kAll, kUpdated, kRest };
-  void PullMany(const std::vector<TablePart>& parts, bool train);
+  static constexpr uint64_t kCurrentStep = UINT64_MAX;
+  void PullMany(const std::vector<TablePart>& parts, bool train, uint64_t step = kCurrentStep);
   PushResult PushMany(const std::vector<TablePart>& parts, bool keys_unique = false,
-                      Only only = Only::kAll);
+                      Only only = Only::kAll, uint64_t step = kCurrentStep);
   // Removes rows; returns how many existed.
   uint64_t Erase(int table, const uint64_t* keys, size_t n);
   // Writes 1 for keys that have a row, else 0.
@@ -206,6 +215,12 @@ class Engine {
   // incomplete up to `floor`.
   void LoadRemoved(int table, const uint64_t* keys, const uint64_t* versions, size_t n,
                    uint64_t floor);
+  // (key, count) of the keys seen but not admitted yet (AdmissionSpec), in
+  // key order.
+  std::vector<std::pair<uint64_t, uint32_t>> PendingCounts(int table);
+  // Sets the sighting counts of keys waiting for admission (a checkpoint's);
+  // keys that have a row are skipped, a count of 0 forgets the key.
+  void LoadPending(int table, const uint64_t* keys, const uint32_t* counts, size_t n);
   // Inserts or overwrites rows exactly. keys and weights are required; state
   // defaults to the optimizer's initial state, counts to 0, steps/times to
   // now and versions to the current version.
@@ -243,6 +258,8 @@ class Engine {
                              std::vector<details::Plan>* plans) const;
   void CheckFinite(const details::TableDef& def, const TablePart& part) const;
   EvictResult EvictTable(details::TableDef* def);
+  // The clock of a data call: its own step, or kCurrentStep for step().
+  details::Clock ClockAt(uint64_t step) const;
 
   int num_shards_;
   std::vector<std::unique_ptr<details::ShardWorker>> workers_;
