@@ -5,6 +5,7 @@ Import as ``wuliang.hooks``.
 
 from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
 from wuliang.hooks.checkpoint import Checkpoint
+from wuliang.hooks.evict import Evict
 from wuliang.hooks.export import IncrementalExport
 from wuliang.hooks.periodic import PeriodicSyncHook
 from wuliang.hooks.standard import (
@@ -22,6 +23,7 @@ RunArgs = SessionRunArgs  # the short name
 __all__ = [
     "Checkpoint",
     "Eval",
+    "Evict",
     "IncrementalExport",
     "Logging",
     "NanGuard",

@@ -46,11 +46,21 @@ class Losses(wl.hooks.SessionRunHook):
 
 
 def make_session(
-    num_shards: int = 2, admission: wl.admission.Admission | None = None
+    num_shards: int = 2,
+    admission: wl.admission.Admission | None = None,
+    hooks: tuple[wl.hooks.SessionRunHook, ...] = (),
+    eviction: wl.eviction.Eviction | None = None,
+    evict_every_steps: int | None = 1000,
 ) -> wl.Session:
-    """``admission``: the items table's (default: every key at once)."""
+    """``admission``: the items table's (default: every key at once);
+    ``eviction``: the users table's (default: none)."""
     keras.utils.set_random_seed(5)
-    users = wl.EmbeddingTable("users", 8, optimizer=wl.optimizers.Adagrad(0.1))
+    users = wl.EmbeddingTable(
+        "users",
+        8,
+        optimizer=wl.optimizers.Adagrad(0.1),
+        **({} if eviction is None else {"eviction": eviction}),
+    )
     items = wl.EmbeddingTable(
         "items",
         4,
@@ -67,8 +77,8 @@ def make_session(
     def tower(embeddings: dict, dense: dict) -> Any:
         return mlp(wl.embedding.concat([embeddings["user"], embeddings["items"], dense["x"]]))
 
-    context = wl.Context(num_shards=num_shards, staleness=0)
-    return wl.Session(tower, features, context, optimizer=keras.optimizers.Adam(0.01))
+    context = wl.Context(num_shards=num_shards, staleness=0, evict_every_steps=evict_every_steps)
+    return wl.Session(tower, features, context, hooks, optimizer=keras.optimizers.Adam(0.01))
 
 
 def reader(files: list[str], shuffle: int) -> ParquetReader:

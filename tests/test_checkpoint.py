@@ -63,6 +63,21 @@ def test_resume_with_admission_keeps_the_sighting_counts(tmp_path: Path) -> None
     assert first + second == whole  # bit for bit: keys seen before the stop count
 
 
+def test_periodic_checkpoints_of_a_run_loop(tmp_path: Path) -> None:
+    """Session hooks act on schedule when the caller drives Session.run."""
+    files = write_data(tmp_path)
+    model_dir = tmp_path / "model"
+    hook = wl.hooks.Checkpoint(model_dir, every_steps=2, keep=None)
+    session = make_session(hooks=(hook,))
+    for batch, _ in zip(reader(files, 0), range(5), strict=False):
+        session.run(batch, "loss")
+    assert [s for s, _ in checkpoints(model_dir)] == [2, 4]
+    session.run(next(iter(reader(files, 0))), "loss", train=False)  # evaluation: no step
+    session.close()  # ends the hooks: the last step is saved
+    assert [s for s, _ in checkpoints(model_dir)] == [2, 4, 5]
+    session.context.close()
+
+
 def table_state(session: wl.Session) -> dict[str, dict[int, tuple]]:
     state: dict[str, dict[int, tuple]] = {}
     for table in session.context.tables:

@@ -68,6 +68,10 @@ class Context:
             is applied (exact); 1: the pull of step i may run while step i-1
             trains, so rows can be one update old (faster).
         prefetch: batches read, prepared and pulled ahead of the step.
+        evict_every_steps: how often a session applies the eviction policies
+            of its tables (``EmbeddingTable(eviction=...)``) while training:
+            it adds a ``hooks.Evict`` of its own unless given one; None: only
+            an explicit ``hooks.Evict`` or ``engine.evict()`` evicts.
     """
 
     def __init__(
@@ -76,6 +80,7 @@ class Context:
         num_shards: int | None = None,
         staleness: int = 0,
         prefetch: int = 2,
+        evict_every_steps: int | None = 1000,
     ) -> None:
         if ps != "embedded":
             raise ValueError(
@@ -85,9 +90,16 @@ class Context:
             raise ValueError(f"staleness must be 0 or 1, got {staleness!r}")
         if not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError(f"prefetch must be an int >= 1, got {prefetch!r}")
+        if evict_every_steps is not None and (
+            not isinstance(evict_every_steps, int) or evict_every_steps < 1
+        ):
+            raise ValueError(
+                f"evict_every_steps must be an int >= 1 or None, got {evict_every_steps!r}"
+            )
         self.engine = Engine(num_shards or max(1, min(os.cpu_count() or 1, 16)))
         self.staleness = staleness
         self.prefetch = prefetch
+        self.evict_every_steps = evict_every_steps
         self.global_step = 0
         self.tables: dict[str, EmbeddingTable] = {}
 

@@ -38,6 +38,7 @@ from wuliang.embedding.bridge import (
 )
 from wuliang.embedding.features import Feature, split_features
 from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
+from wuliang.hooks.evict import Evict
 from wuliang.metrics import Metrics
 from wuliang.pipeline import Pipeline
 from wuliang.ps_server import PullPart, PushPart
@@ -98,6 +99,10 @@ class Session:
             self.optimizer,
         )
         self.hooks = list(hooks)
+        evicting = [name for name, t in tables.items() if t.eviction.enabled]
+        every = self.context.evict_every_steps
+        if evicting and every and not any(isinstance(h, Evict) for h in self.hooks):
+            self.hooks.insert(0, Evict(every_steps=every, tables=evicting))  # before checkpoints
         self.trace = Trace()
         self._output_names: set[str] | None = None
         self._hooks_begun = False
@@ -159,6 +164,9 @@ class Session:
             probe = self.functions.evaluate(inputs, self._pull(prepared, False), labels=False)
             self._output_names = set(probe["outputs"])
         self._check_fetches(names, strict=True)
+        if train:  # every run step is synced: the periodic hooks act when due
+            for hook in self.hooks:
+                hook.sync_after(self.global_step)
         rows = self._pull(prepared, train, step=self.global_step)
         results, _ = self._step(
             feed, prepared, inputs, rows, names, train, self.hooks, None, {}, synced=True
