@@ -50,7 +50,8 @@ class Checkpoint(PeriodicSyncHook):
         super().after_create_session(session)
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
-        self._position = getattr(run_context.batch, "position", None)
+        if run_context.train:  # the position after the last trained batch
+            self._position = getattr(run_context.batch, "position", None)
         super().after_run(run_context, run_values)
 
     def trigger(self, session: Any) -> None:

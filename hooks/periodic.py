@@ -50,11 +50,18 @@ class PeriodicSyncHook(SessionRunHook):
             return due
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
+        if not run_context.train:  # an evaluation run changes nothing to save
+            return
         with self._lock:
             due = run_context.step in self._due
-            self._due.discard(run_context.step)
+            # marks of this step and of steps read ahead but never trained
+            self._due = {s for s in self._due if s > run_context.step}
         if due and run_context.synced:
             self._fire(run_context.session)
+
+    def begin(self) -> None:
+        with self._lock:
+            self._due.clear()  # marks of a previous train() that stopped early
 
     def end(self, session: Any) -> None:
         if session.global_step != self._last_step:

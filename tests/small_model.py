@@ -51,9 +51,12 @@ def make_session(
     hooks: tuple[wl.hooks.SessionRunHook, ...] = (),
     eviction: wl.eviction.Eviction | None = None,
     evict_every_steps: int | None = 1000,
+    keras_model: bool = False,
 ) -> wl.Session:
     """``admission``: the items table's (default: every key at once);
-    ``eviction``: the users table's (default: none)."""
+    ``eviction``: the users table's (default: none); ``keras_model``: the
+    tower is a ``keras.Model`` whose ``call`` takes (embeddings, dense), as in
+    docs/training.md (default: a function over a Keras MLP)."""
     keras.utils.set_random_seed(5)
     users = wl.EmbeddingTable(
         "users",
@@ -77,8 +80,20 @@ def make_session(
     def tower(embeddings: dict, dense: dict) -> Any:
         return mlp(wl.embedding.concat([embeddings["user"], embeddings["items"], dense["x"]]))
 
+    if keras_model:
+        tower = Tower(mlp)
+
     context = wl.Context(num_shards=num_shards, staleness=0, evict_every_steps=evict_every_steps)
     return wl.Session(tower, features, context, hooks, optimizer=keras.optimizers.Adam(0.01))
+
+
+class Tower(keras.Model):
+    def __init__(self, mlp: keras.Model) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+    def call(self, embeddings: dict, dense: dict) -> Any:
+        return self.mlp(wl.embedding.concat([*embeddings.values(), *dense.values()]))
 
 
 def reader(files: list[str], shuffle: int) -> ParquetReader:

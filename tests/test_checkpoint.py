@@ -78,6 +78,45 @@ def test_periodic_checkpoints_of_a_run_loop(tmp_path: Path) -> None:
     session.context.close()
 
 
+def test_saving_right_after_a_restore_keeps_the_restored_tower(tmp_path: Path) -> None:
+    """No step between restore and save: the tower is restored only at the
+    next step, so the new checkpoint must hold the restored one, not the
+    fresh tower."""
+    files = write_data(tmp_path)
+    batch = next(iter(reader(files, 0)))
+    trained = make_session()
+    trained.train(reader(files, 0), steps=6)
+    want = trained.run(batch, "predictions", train=False)
+    first = trained.save_checkpoint(tmp_path / "a")
+    trained.context.close()
+
+    again = make_session()
+    again.restore_checkpoint(first)
+    second = again.save_checkpoint(tmp_path / "b", keep=1)
+    again.train(reader(files, 0), steps=1)  # restores from the new one
+    again.context.close()
+    check = make_session()
+    check.restore_checkpoint(second)
+    np.testing.assert_array_equal(check.run(batch, "predictions", train=False), want)
+    check.context.close()
+
+
+def test_evaluation_runs_leave_the_checkpoint_position_alone(tmp_path: Path) -> None:
+    """The final checkpoint resumes after the last trained batch, whatever the
+    caller evaluated after training (a batch without a position included)."""
+    files = write_data(tmp_path)
+    hook = wl.hooks.Checkpoint(tmp_path / "model", every_steps=100)
+    session = make_session(hooks=(hook,))
+    session.train(reader(files, 0), steps=4)
+    batch = next(iter(reader(files, 0)))
+    batch.position = None  # as a hand-built batch
+    session.run(batch, "predictions", train=False)
+    session.close()
+    (path,) = hook.saved
+    assert Version(path)["reader_position"]["batches"] == 4
+    session.context.close()
+
+
 def table_state(session: wl.Session) -> dict[str, dict[int, tuple]]:
     state: dict[str, dict[int, tuple]] = {}
     for table in session.context.tables:

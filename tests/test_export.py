@@ -136,9 +136,10 @@ def served(path: Path, batch: Any, embeddings: dict[str, np.ndarray]) -> np.ndar
     return signature(**inputs, x=x)["predictions"].numpy()
 
 
-def test_saved_model_serves_the_session_predictions(tmp_path: Path) -> None:
+@pytest.mark.parametrize("keras_model", [False, True], ids=["function", "keras-model"])
+def test_saved_model_serves_the_session_predictions(tmp_path: Path, keras_model: bool) -> None:
     files = write_data(tmp_path)
-    session = make_session()
+    session = make_session(keras_model=keras_model)
     batch = next(iter(reader(files, 0)))
     for version in (1, 2):  # the second one reuses the first one's graph
         session.train(reader(files, 0), steps=5)

@@ -314,3 +314,19 @@ def test_progress_bar(session: Any, capsys: pytest.CaptureFixture[str]) -> None:
     session.train(batches(3), hooks=[hooks.ProgressBar(total=3)])
     err = capsys.readouterr().err
     assert "3/3" in err and "loss=" in err
+
+
+def test_no_end_after_a_failed_step(tmp_path: Path) -> None:
+    """As TF's MonitoredSession: after a step raised, no hook's end() runs, so
+    a Checkpoint hook does not save what the failure left (a NaN tower)."""
+    extra = hooks.Checkpoint(tmp_path / "extra", every_steps=1000)
+    s = new_session(Tower(nan=True))
+    with pytest.raises(FloatingPointError, match="nan"):
+        s.train(batches(4), hooks=[hooks.NanGuard(), extra])
+    own = hooks.Checkpoint(tmp_path / "own", every_steps=1000)
+    t = new_session(Tower(nan=True), session_hooks=(own, hooks.NanGuard()))
+    with pytest.raises(FloatingPointError, match="nan"):
+        t.run(batches(1)[0], "loss")
+    t.close()
+    assert extra.saved == own.saved == []
+    assert not (tmp_path / "extra").exists() and not (tmp_path / "own").exists()

@@ -90,3 +90,11 @@ def test_metrics_accepts_column_vectors_and_empty() -> None:
     m.update(np.array([[0.0], [1.0]]), np.array([[0.2], [0.8]]))
     assert m.result()["auc"] == 1.0
     assert Metrics().result() == {"examples": 0}
+
+
+def test_loss_is_weighted_by_batch_rows() -> None:
+    """Batch losses are means: a short last batch counts by its rows."""
+    metrics = Metrics()
+    metrics.update(np.array([1, 0, 1, 0]), np.full(4, 0.5), loss=1.0)
+    metrics.update(np.array([1]), np.array([0.5]), loss=0.0)
+    assert metrics.result()["loss"] == pytest.approx(0.8)

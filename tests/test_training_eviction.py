@@ -107,3 +107,15 @@ def test_evict_logs_what_it_removed(tmp_path: Path, caplog: pytest.LogCaptureFix
     assert line.startswith("step 5: evicted ") and "users" in line
     assert np.sum([r["users"]["total"] for _, r in evict_hook(session).results]) > 0
     session.context.close()
+
+
+def test_an_evict_hook_given_to_train_replaces_the_sessions(tmp_path: Path) -> None:
+    files = write_data(tmp_path)
+    session = make_session(eviction=TTL, evict_every_steps=3)
+    own = wl.hooks.Evict(every_steps=5)
+    session.train(reader(files, 0), steps=6, hooks=[own])
+    assert [step for step, _ in own.results] == [5]
+    assert evict_hook(session).results == []  # the session's own sat this train() out
+    session.train(reader(files, 0), steps=3)
+    assert [step for step, _ in evict_hook(session).results] == [9]
+    session.context.close()

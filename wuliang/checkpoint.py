@@ -67,6 +67,18 @@ def latest_checkpoint(model_dir: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
+def restored_dense(session: Session) -> Version | None:
+    """The checkpoint whose tower a session restores at its next step (its
+    dense state until then), or None."""
+    prefix = session.pending_dense_restore
+    if prefix is None:
+        return None
+    path = Path(prefix)
+    for _ in DENSE_PREFIX.split("/"):
+        path = path.parent
+    return Version(path)
+
+
 def dense_checkpoint(session: Session) -> Any:
     """A ``tf.train.Checkpoint`` of the tower and the tower's optimizer."""
     import tensorflow as tf
@@ -154,11 +166,15 @@ def save(
             keys, versions = engine.removed_log(name)
             writer.write_removed(name, keys, versions, engine.stats(name)["removed_floor"])
             writer.write_pending(name, *engine.pending_counts(name))
-        dense = dense_checkpoint(session)
-        dense.write(str(writer.path(DENSE_PREFIX)))
-        writer.add_tree("dense")
-        write_saved_model(session, writer.path(SERVING))
-        writer.add_tree(SERVING)
+        restored = restored_dense(session)
+        if restored is None:
+            dense_checkpoint(session).write(str(writer.path(DENSE_PREFIX)))
+            writer.add_tree("dense")
+            write_saved_model(session, writer.path(SERVING))
+            writer.add_tree(SERVING)
+        else:  # no step since a restore: the tower is still that checkpoint's
+            restored.link_tree("dense", writer)
+            restored.link_tree(SERVING, writer)
         path = writer.commit(
             step=step,
             engine_version=version,
@@ -166,6 +182,8 @@ def save(
             num_shards=ctx.num_shards,
             model=model_description(session),
         )
+    if restored is not None:  # the restored one may be rotated out below
+        session.schedule_dense_restore(str(path / DENSE_PREFIX))
     if keep is not None:
         for _, old in checkpoints(model_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)

@@ -121,6 +121,12 @@ class SessionSource:
         return self.engine.removed_keys(table, since)
 
     def write_serving(self, writer: VersionWriter) -> None:
+        from wuliang.checkpoint import restored_dense
+
+        restored = restored_dense(self.session)
+        if restored is not None:  # no step since a restore: that checkpoint's tower
+            restored.link_tree(SERVING, writer)
+            return
         write_saved_model(self.session, writer.path(SERVING))
         writer.add_tree(SERVING)
 

@@ -45,15 +45,16 @@ class Metrics:
     def __init__(self) -> None:
         self._labels: list[np.ndarray] = []
         self._scores: list[np.ndarray] = []
-        self._loss_sum = 0.0
-        self._batches = 0
+        self._loss_sum = 0.0  # batch losses weighted by batch size
+        self._loss_rows = 0
 
     def update(self, labels: np.ndarray, scores: np.ndarray, loss: float | None = None) -> None:
         self._labels.append(np.asarray(labels, dtype=np.float32).ravel())
         self._scores.append(np.asarray(scores, dtype=np.float32).ravel())
-        if loss is not None:
-            self._loss_sum += float(loss)
-            self._batches += 1
+        if loss is not None:  # a batch's mean: weighted by its rows
+            rows = len(self._labels[-1])
+            self._loss_sum += float(loss) * rows
+            self._loss_rows += rows
 
     def result(self) -> dict[str, float]:
         if not self._labels:
@@ -69,6 +70,6 @@ class Metrics:
             "mean_label": mean_label,
             "examples": len(y),
         }
-        if self._batches:
-            out["loss"] = self._loss_sum / self._batches
+        if self._loss_rows:
+            out["loss"] = self._loss_sum / self._loss_rows
         return out

@@ -89,7 +89,6 @@ def serving_module(session: Session) -> Any:
     functions = session.functions
     sparse, dense = list(session.sparse), list(session.dense)
     module = tf.Module()
-    module.tracked = tower_trackables(session)
 
     def serve(inputs: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         embeddings = {
@@ -104,6 +103,17 @@ def serving_module(session: Session) -> Any:
         return {"predictions": predictions}
 
     module.serve = tf.function(serve, input_signature=[input_specs(session)])
+    module.serve.get_concrete_function()  # builds the tower if no step has yet
+    # The variables only: a tracked Keras model would be traced by the saver
+    # through its own call(inputs), which a tower taking (embeddings, dense)
+    # does not accept.
+    variables: dict[int, Any] = {}
+    for value in tower_trackables(session).values():
+        if isinstance(value, tf.Variable):
+            value = [value]
+        for variable in value if isinstance(value, list | tuple) else value.variables:
+            variables.setdefault(id(variable), variable)
+    module.tower_variables = list(variables.values())
     return module
 
 

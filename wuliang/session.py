@@ -101,11 +101,14 @@ class Session:
         self.hooks = list(hooks)
         evicting = [name for name, t in tables.items() if t.eviction.enabled]
         every = self.context.evict_every_steps
+        self._own_evict: Evict | None = None
         if evicting and every and not any(isinstance(h, Evict) for h in self.hooks):
-            self.hooks.insert(0, Evict(every_steps=every, tables=evicting))  # before checkpoints
+            self._own_evict = Evict(every_steps=every, tables=evicting)
+            self.hooks.insert(0, self._own_evict)  # before checkpoints
         self.trace = Trace()
         self._output_names: set[str] | None = None
         self._hooks_begun = False
+        self._failed = False  # a step raised: close() does not end the session hooks
         self._dense_restore: str | None = None  # checkpoint prefix, restored at the next step
         self._resume_position: dict[str, Any] | None = None  # for the next train()
 
@@ -149,6 +152,12 @@ class Session:
         at the next step, once traced (so that every variable exists)."""
         self._dense_restore = prefix
 
+    @property
+    def pending_dense_restore(self) -> str | None:
+        """The TF checkpoint prefix the next step restores the tower from
+        (None: none pending); until then it holds the session's dense state."""
+        return self._dense_restore
+
     def run(
         self, feed: CsrBatch, fetch: str | Sequence[str] = ("loss",), train: bool = True
     ) -> Any:
@@ -167,10 +176,14 @@ class Session:
         if train:  # every run step is synced: the periodic hooks act when due
             for hook in self.hooks:
                 hook.sync_after(self.global_step)
-        rows = self._pull(prepared, train, step=self.global_step)
-        results, _ = self._step(
-            feed, prepared, inputs, rows, names, train, self.hooks, None, {}, synced=True
-        )
+        try:
+            rows = self._pull(prepared, train, step=self.global_step)
+            results, _ = self._step(
+                feed, prepared, inputs, rows, names, train, self.hooks, None, {}, synced=True
+            )
+        except BaseException:
+            self._failed = True
+            raise
         return results[fetch] if isinstance(fetch, str) else results
 
     def train(
@@ -178,7 +191,10 @@ class Session:
     ) -> dict[str, float]:
         """Trains on the reader's batches (all, or ``steps``) through the pipeline."""
         extra = list(hooks)
-        hooks = [*self.hooks, *extra]
+        own = self.hooks
+        if self._own_evict is not None and any(isinstance(h, Evict) for h in extra):
+            own = [h for h in own if h is not self._own_evict]  # the caller's replaces it
+        hooks = [*own, *extra]
         self._begin(self.hooks)
         self._begin(extra, force=True)
         ctx = self.context
@@ -216,6 +232,7 @@ class Session:
         )
         done = samples = 0
         start = time.perf_counter()
+        finished = False
         try:
             for item in pipeline:
                 _, stop = self._step(
@@ -236,8 +253,15 @@ class Session:
                 samples += item.batch.size
                 if stop or (steps is not None and done >= steps):
                     break
+            finished = True
+        except BaseException:
+            self._failed = True
+            raise
         finally:
-            pipeline.close()
+            pipeline.close()  # raises a pending push error
+        # As TensorFlow's MonitoredSession: no end() after a failed step, so
+        # a Checkpoint hook does not save what the failure left (a NaN tower).
+        if finished:
             for hook in extra:
                 hook.end(self)
         elapsed = time.perf_counter() - start
@@ -261,11 +285,13 @@ class Session:
             yield _numpy(out["predictions"])
 
     def close(self) -> None:
-        """Ends the session's hooks."""
-        if self._hooks_begun:
+        """Ends the session's hooks (not after a failed step, as TensorFlow's
+        MonitoredSession: a Checkpoint hook would save what the failure left)."""
+        if self._hooks_begun and not self._failed:
             for hook in self.hooks:
                 hook.end(self)
-            self._hooks_begun = False
+        self._hooks_begun = False
+        self._failed = False
 
     # -- internals -------------------------------------------------------------
 
