@@ -263,6 +263,26 @@ Clock Now(uint64_t step, uint64_t version) {
   return Clock{step, static_cast<uint32_t>(std::time(nullptr)), version};
 }
 
+// Per-key records (a checkpoint's removals or admission counts) grouped by
+// shard, in their order.
+template <class V>
+struct ShardRecords {
+  std::vector<std::vector<uint64_t>> keys;
+  std::vector<std::vector<V>> values;
+};
+
+template <class V>
+ShardRecords<V> SplitByShard(const uint64_t* keys, const V* values, size_t n, int num_shards) {
+  ShardRecords<V> out{std::vector<std::vector<uint64_t>>(num_shards),
+                      std::vector<std::vector<V>>(num_shards)};
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t s = ShardOf(keys[i], num_shards);
+    out.keys[s].push_back(keys[i]);
+    out.values[s].push_back(values[i]);
+  }
+  return out;
+}
+
 }  // namespace
 
 int Engine::CreateTable(const TableSpec& spec) {
@@ -612,15 +632,10 @@ void Engine::LoadRemoved(int table, const uint64_t* keys, const uint64_t* versio
       throw std::invalid_argument("removal records must be sorted by version");
   }
   TableDef* def = Def(table);
-  std::vector<std::vector<uint64_t>> shard_keys(num_shards_), shard_versions(num_shards_);
-  for (size_t i = 0; i < n; ++i) {
-    const uint32_t s = ShardOf(keys[i], num_shards_);
-    shard_keys[s].push_back(keys[i]);
-    shard_versions[s].push_back(versions[i]);
-  }
+  const auto split = SplitByShard(keys, versions, n, num_shards_);
   RunOnShards([&](int s) {
-    ShardOfDef(def, s)->LoadRemoved(shard_keys[s].data(), shard_versions[s].data(),
-                                    shard_keys[s].size(), floor);
+    ShardOfDef(def, s)->LoadRemoved(split.keys[s].data(), split.values[s].data(),
+                                    split.keys[s].size(), floor);
   });
 }
 
@@ -636,16 +651,10 @@ std::vector<std::pair<uint64_t, uint32_t>> Engine::PendingCounts(int table) {
 
 void Engine::LoadPending(int table, const uint64_t* keys, const uint32_t* counts, size_t n) {
   TableDef* def = Def(table);
-  std::vector<std::vector<uint64_t>> shard_keys(num_shards_);
-  std::vector<std::vector<uint32_t>> shard_counts(num_shards_);
-  for (size_t i = 0; i < n; ++i) {
-    const uint32_t s = ShardOf(keys[i], num_shards_);
-    shard_keys[s].push_back(keys[i]);
-    shard_counts[s].push_back(counts[i]);
-  }
+  const auto split = SplitByShard(keys, counts, n, num_shards_);
   RunOnShards([&](int s) {
-    ShardOfDef(def, s)->LoadPending(shard_keys[s].data(), shard_counts[s].data(),
-                                    shard_keys[s].size());
+    ShardOfDef(def, s)->LoadPending(split.keys[s].data(), split.values[s].data(),
+                                    split.keys[s].size());
   });
 }
 
