@@ -3,7 +3,9 @@
 A hook sees every step of a ``Session``::
 
     begin()                               before the first step (graph/state may be extended)
-    after_create_session(session)         the session exists
+    restore_session(session)              restore the session's state (Checkpoint): after
+                                          every begin(), before any after_create_session()
+    after_create_session(session)         the session exists, restored
     before_run(run_context) -> SessionRunArgs | None   fetch more names this step
     after_run(run_context, run_values)    run_values.results: the fetched values by name
     sync_after(step) -> bool              ahead of a step: want the engine in sync after it
@@ -38,6 +40,11 @@ class SessionRunContext:
     stop_requested: bool = False
     synced: bool = False  # every push of this step applied and nothing pulled ahead
 
+    @property
+    def labeled(self) -> bool:
+        """The batch has labels (``loss`` can be fetched)."""
+        return self.batch.labels is not None
+
     def request_stop(self) -> None:
         self.stop_requested = True
 
@@ -55,6 +62,10 @@ class SessionRunHook:
 
     def begin(self) -> None:
         pass
+
+    def restore_session(self, session: Any) -> None:
+        """Where a hook restores the session (a checkpoint), so that every
+        hook's ``after_create_session`` sees the restored step."""
 
     def after_create_session(self, session: Any) -> None:
         pass

@@ -41,13 +41,12 @@ class Checkpoint(PeriodicSyncHook):
         self.saved: list[Path] = []  # what this hook wrote, oldest first
         self._position: Any = None
 
-    def after_create_session(self, session: Any) -> None:
+    def restore_session(self, session: Any) -> None:
         from wuliang.checkpoint import latest_checkpoint
 
         latest = latest_checkpoint(self.model_dir) if self.restore else None
         if latest is not None and session.global_step == 0:
             session.restore_checkpoint(latest)
-        super().after_create_session(session)
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
         if run_context.train:  # the position after the last trained batch

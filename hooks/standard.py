@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
+from wuliang.hooks.periodic import PeriodicSyncHook
 
 log = logging.getLogger("wuliang")
 
@@ -40,13 +41,16 @@ class _EverySteps(SessionRunHook):
 
 
 class Logging(_EverySteps):
-    """Logs step, the fetched values and samples/s every ``every_steps`` steps."""
+    """Logs step, the fetched values and samples/s every ``every_steps``
+    training steps. The fetches are also asked at the first step, so that a
+    bad name fails at once."""
 
     def __init__(self, every_steps: int = 100, fetches: Sequence[str] = ("loss",)) -> None:
         super().__init__(every_steps)
         self.fetches = list(fetches)
         self._since = 0.0
         self._samples = 0
+        self._checked = False
 
     def begin(self) -> None:
         _ensure_log_handler()
@@ -54,9 +58,14 @@ class Logging(_EverySteps):
         self._samples = 0
 
     def before_run(self, run_context: SessionRunContext) -> SessionRunArgs:
-        return SessionRunArgs(self.fetches if self.due(run_context.step) else ())
+        if not run_context.train or (self._checked and not self.due(run_context.step)):
+            return SessionRunArgs()
+        self._checked = True
+        return SessionRunArgs(self.fetches)
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
+        if not run_context.train:
+            return
         self._samples += run_context.batch.size
         if not self.due(run_context.step):
             return
@@ -93,7 +102,7 @@ class StopAtStep(SessionRunHook):
 
 
 class ProgressBar(SessionRunHook):
-    """A tqdm progress bar of steps with the loss."""
+    """A tqdm progress bar of training steps with the loss."""
 
     def __init__(self, total: int | None = None, desc: str = "train") -> None:
         self.total = total
@@ -106,9 +115,11 @@ class ProgressBar(SessionRunHook):
         self._bar = tqdm(total=self.total, desc=self.desc, unit="step", dynamic_ncols=True)
 
     def before_run(self, run_context: SessionRunContext) -> SessionRunArgs:
-        return SessionRunArgs(["loss"])
+        return SessionRunArgs(["loss"] if run_context.train else [])
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
+        if not run_context.train:
+            return
         self._bar.update(1)
         loss = run_values.results.get("loss")
         if loss is not None:
@@ -120,15 +131,18 @@ class ProgressBar(SessionRunHook):
 
 
 class NanGuard(SessionRunHook):
-    """Fails (or stops) training when the loss is NaN or infinite."""
+    """Fails (or stops) training when the loss is NaN or infinite (checked
+    in every run with labels, evaluation runs too)."""
 
     def __init__(self, fail: bool = True) -> None:
         self.fail = fail
 
     def before_run(self, run_context: SessionRunContext) -> SessionRunArgs:
-        return SessionRunArgs(["loss"])
+        return SessionRunArgs(["loss"] if run_context.labeled else [])
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
+        if "loss" not in run_values.results:
+            return
         loss = float(run_values.results["loss"])
         if math.isfinite(loss):
             return
@@ -142,7 +156,7 @@ class NanGuard(SessionRunHook):
 
 class Summary(_EverySteps):
     """TensorBoard event files in ``logdir``: loss, AUC of the last interval's
-    predictions, samples/s and rows per embedding table."""
+    predictions, samples/s and rows per embedding table (training steps)."""
 
     def __init__(self, logdir: str | os.PathLike, every_steps: int = 100) -> None:
         super().__init__(every_steps)
@@ -162,13 +176,15 @@ class Summary(_EverySteps):
         self._since = time.perf_counter()
 
     def before_run(self, run_context: SessionRunContext) -> SessionRunArgs:
-        return SessionRunArgs(["loss", "predictions"])
+        return SessionRunArgs(["loss", "predictions"] if run_context.train else [])
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
         import tensorflow as tf
 
         from wuliang.metrics import auc
 
+        if not run_context.train:
+            return
         results = run_values.results
         self._losses.append(float(results["loss"]))
         labels = run_context.batch.labels
@@ -249,35 +265,41 @@ class Timeline(SessionRunHook):
         os.replace(tmp, self.path)
 
 
-class Eval(_EverySteps):
-    """Evaluates on another reader every ``every_steps`` steps (and logs it).
+class Eval(PeriodicSyncHook):
+    """Evaluates on another reader every ``every_steps`` steps or every
+    ``every_secs`` seconds, and at the end (when steps ran since the last
+    evaluation); logs the metrics and keeps them in ``history``. It runs with
+    the engine in sync (every push of the step applied), so the figures do
+    not depend on the pipeline's timing.
 
     Args:
         reader: a reader, or a function returning a fresh one each time.
-        every_steps: how often.
+        every_steps: how often, in steps.
+        every_secs: how often, in seconds.
         steps: evaluate at most this many batches (None: the whole reader).
     """
 
     def __init__(
         self,
         reader: Any | Callable[[], Any],
-        every_steps: int = 1000,
+        every_steps: int | None = 1000,
+        every_secs: float | None = None,
         steps: int | None = None,
     ) -> None:
-        super().__init__(every_steps)
+        super().__init__(every_steps, every_secs)
+        if steps is not None and (not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"steps must be an int >= 1 or None, got {steps!r}")
         self.reader = reader
         self.steps = steps
         self.history: list[tuple[int, dict[str, float]]] = []
 
     def begin(self) -> None:
+        super().begin()
         _ensure_log_handler()
 
-    def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
-        if not self.due(run_context.step):
-            return
+    def trigger(self, session: Any) -> None:
         reader = self.reader() if callable(self.reader) else self.reader
-        metrics = run_context.session.evaluate(reader, steps=self.steps)
-        step = run_context.step + 1
-        self.history.append((step, metrics))
+        metrics = session.evaluate(reader, steps=self.steps)
+        self.history.append((session.global_step, metrics))
         text = ", ".join(f"{k} = {v:.5g}" for k, v in metrics.items())
-        log.info("eval at step %d: %s", step, text)
+        log.info("eval at step %d: %s", session.global_step, text)

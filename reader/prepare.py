@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from wuliang.reader import _reader
-from wuliang.reader.batch import CsrBatch
+from wuliang.reader.batch import Csr, CsrBatch
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class PreparedKeys:
     features: dict[str, FeatureIndex]
     num_shards: int
     feature_tables: dict[str, str] = field(default_factory=dict)  # the map they were prepared for
+    max_lens: dict[str, int] = field(default_factory=dict)  # the trims they were prepared with
 
 
 class KeyPreparer:
@@ -55,13 +56,27 @@ class KeyPreparer:
         feature_tables: sparse feature name -> table name; several features
             may share a table (their keys are deduplicated together).
         num_shards: the engine's shard count (uniques are grouped by shard).
+        max_lens: feature name -> the most values a row keeps (its first
+            ones): a sequence feature's ``max_len``. The rest are dropped
+            before the keys are found, so they are neither pulled nor pushed.
     """
 
-    def __init__(self, feature_tables: Mapping[str, str], num_shards: int = 1) -> None:
+    def __init__(
+        self,
+        feature_tables: Mapping[str, str],
+        num_shards: int = 1,
+        max_lens: Mapping[str, int] | None = None,
+    ) -> None:
         if not feature_tables:
             raise ValueError("feature_tables must map at least one feature to a table")
         if not isinstance(num_shards, int) or num_shards < 1:
             raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+        self.max_lens = dict(max_lens or {})
+        for name, n in self.max_lens.items():
+            if name not in feature_tables:
+                raise KeyError(f"max_lens names {name!r}, not one of the features")
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"max_lens[{name!r}] must be an int >= 1, got {n!r}")
         self.feature_tables = dict(feature_tables)
         self.tables = list(dict.fromkeys(self.feature_tables.values()))
         self._table_index = {t: i for i, t in enumerate(self.tables)}
@@ -69,17 +84,19 @@ class KeyPreparer:
 
     def __call__(self, batch: CsrBatch) -> PreparedKeys:
         inputs = []
+        csrs = {}
         for name, table in self.feature_tables.items():
             csr = batch.sparse.get(name)
             if csr is None:
                 known = ", ".join(batch.sparse) or "none"
                 raise KeyError(f"batch has no sparse feature {name!r} (features: {known})")
+            if name in self.max_lens:
+                csr = _first_values(csr, self.max_lens[name])
+            csrs[name] = csr
             inputs.append((self._table_index[table], np.ascontiguousarray(csr.values)))
         tables, inverses = _reader.prepare_keys(inputs, len(self.tables), self.num_shards)
         features = {
-            name: FeatureIndex(
-                table, inverse, batch.sparse[name].offsets, batch.sparse[name].weights
-            )
+            name: FeatureIndex(table, inverse, csrs[name].offsets, csrs[name].weights)
             for (name, table), inverse in zip(self.feature_tables.items(), inverses, strict=True)
         }
         return PreparedKeys(
@@ -87,4 +104,19 @@ class KeyPreparer:
             features=features,
             num_shards=self.num_shards,
             feature_tables=self.feature_tables,
+            max_lens=self.max_lens,
         )
+
+
+def _first_values(csr: Csr, max_len: int) -> Csr:
+    """The CSR with each row's first ``max_len`` values (itself when no row has more)."""
+    lengths = np.diff(csr.offsets)
+    if len(lengths) == 0 or lengths.max() <= max_len:
+        return csr
+    kept = np.minimum(lengths, max_len)
+    positions = np.arange(len(csr.values)) - np.repeat(csr.offsets[:-1], lengths)
+    keep = positions < max_len
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(kept, out=offsets[1:])
+    weights = None if csr.weights is None else csr.weights[keep]
+    return Csr(csr.values[keep], offsets, weights)

@@ -174,9 +174,46 @@ def test_before_run_fetches_arrive_in_after_run(session: Any) -> None:
         assert all(v >= 0 for v in timings.values())
 
     bad = Recorder("bad", log, fetches=("no_such_output",))
-    with pytest.raises(KeyError, match="no_such_output"):
+    step = session.global_step
+    with pytest.raises(KeyError, match="hook Recorder: cannot fetch 'no_such_output'"):
         session.train(batches(1), hooks=[bad])
+    assert session.global_step == step  # checked before the step trains
     assert wuliang_threads() == []
+
+
+def test_a_bad_fetch_fails_before_anything_trains() -> None:
+    """Logging asks its fetches at the first step too (not only when due), and a
+    hook's names are checked before the step: the typo fails with no step taken
+    (the pipeline's early pulls may have created rows; none was pushed);
+    tower outputs are known before the first step."""
+    s = new_session()
+    with pytest.raises(KeyError, match=r"hook Logging: cannot fetch 'los'.*valid names"):
+        s.train(batches(3), hooks=[hooks.Logging(every_steps=100, fetches=["los"])])
+    assert s.global_step == 0
+    log: list[tuple[str, str, Any]] = []
+    outputs = Recorder("outputs", log, fetches=("user_vec",))
+    assert s.train(batches(1), hooks=[outputs])["steps"] == 1  # a tower output, first step
+    assert outputs.results[0]["user_vec"].shape == (B, 4)
+
+
+def test_session_hooks_in_an_unlabeled_evaluation_run(tmp_path: Path) -> None:
+    """The standard hooks that fetch the loss skip runs without labels (and
+    the training-only ones skip evaluation runs); a hook of the user's that
+    asks for the loss of such a batch is named in the error."""
+    logged = hooks.Logging(every_steps=1)
+    s = new_session(
+        session_hooks=(hooks.NanGuard(), hooks.ProgressBar(), hooks.Summary(tmp_path), logged)
+    )
+    s.run(batches(1)[0], "loss")
+    unlabeled = batches(1, seed=3)[0]
+    unlabeled.labels = None
+    predictions = s.run(unlabeled, "predictions", train=False)
+    assert predictions.shape == (B,) and s.global_step == 1
+    asking = Recorder("user", [], fetches=("loss",))
+    t = new_session(session_hooks=(asking,))
+    with pytest.raises(KeyError, match=r"hook Recorder asked to fetch 'loss'.*no labels"):
+        t.run(unlabeled, "predictions", train=False)
+    s.close()
 
 
 class StopAfter(hooks.SessionRunHook):
@@ -198,6 +235,27 @@ def test_request_stop_ends_training_after_that_step(session: Any) -> None:
     assert result["steps"] == 2 and result["samples"] == 2 * B
     assert session.global_step == start + 2
     assert wuliang_threads() == []
+
+
+def test_hooks_see_the_restored_step(tmp_path: Path) -> None:
+    """A checkpoint is restored before any hook's after_create_session, so
+    StopAtStep(num_steps) listed before Checkpoint counts from the restored step."""
+    first = new_session()
+    first.train(batches(3), hooks=[hooks.Checkpoint(tmp_path)])
+    resumed = new_session()
+    result = resumed.train(
+        batches(10), hooks=[hooks.StopAtStep(num_steps=2), hooks.Checkpoint(tmp_path)]
+    )
+    assert result["steps"] == 2 and resumed.global_step == 5
+
+
+def test_negative_steps_are_refused(session: Any) -> None:
+    for bad in (-3, 1.5):
+        with pytest.raises(ValueError, match="steps must be an int >= 0"):
+            session.train(batches(2), steps=bad)
+        with pytest.raises(ValueError, match="steps must be an int >= 0"):
+            session.evaluate(batches(2), steps=bad)
+    assert session.train(batches(2), steps=0)["steps"] == 0
 
 
 def test_stop_at_step(session: Any) -> None:
@@ -297,17 +355,36 @@ def test_summary_writes_event_files(tmp_path: Path, session: Any) -> None:
     assert all(0.0 <= v <= 1.0 for _, v in found["auc"])
 
 
-def test_eval_runs_every_n_steps(session: Any) -> None:
+def test_eval_runs_every_n_steps_and_at_the_end(session: Any) -> None:
     evaluation = batches(3, seed=9)
     hook = hooks.Eval(lambda: list(evaluation), every_steps=2)
     start = session.global_step
     session.train(batches(5, seed=2), hooks=[hook])
-    assert [step for step, _ in hook.history] == due_steps(start, 5, 2)
+    due = due_steps(start, 5, 2)
+    ends = [] if due[-1] == start + 5 else [start + 5]
+    assert [step for step, _ in hook.history] == due + ends
     for _, metrics in hook.history:
         assert 0.0 <= metrics["auc"] <= 1.0
         assert metrics["examples"] == 3 * B
         assert np.isfinite(metrics["loss"])
     assert wuliang_threads() == []
+
+
+def test_eval_sees_the_engine_in_sync() -> None:
+    """Pipelined training with Eval gives the metrics of evaluating after
+    the same steps taken one at a time (every push applied)."""
+    evaluation = batches(3, seed=9)
+    hook = hooks.Eval(lambda: list(evaluation), every_steps=2)
+    new_session().train(batches(5, seed=2), hooks=[hook])
+    one_by_one = new_session()
+    expected = []
+    for n, batch in enumerate(batches(5, seed=2), 1):
+        one_by_one.run(batch, "loss")
+        if n % 2 == 0 or n == 5:
+            expected.append((n, one_by_one.evaluate(list(evaluation))))
+    assert hook.history == expected
+    with pytest.raises(ValueError, match="steps"):
+        hooks.Eval(evaluation, steps=0)
 
 
 def test_progress_bar(session: Any, capsys: pytest.CaptureFixture[str]) -> None:

@@ -222,6 +222,36 @@ def test_prepare_keeps_weights_and_offsets(rng: np.random.Generator) -> None:
     assert index.offsets is csr.offsets
 
 
+def test_prepare_keeps_the_first_max_len_values() -> None:
+    """A feature with a max_len keeps each row's first values (weights with
+    them); its other keys are not among the table's uniques unless another
+    feature has them."""
+    rows = [[1, 2, 3, 4], [], [5], [6, 7, 8], [9, 1]]
+    offsets = np.zeros(len(rows) + 1, np.int64)
+    offsets[1:] = np.cumsum([len(r) for r in rows])
+    values = np.array([k for r in rows for k in r], np.uint64)
+    weights = np.arange(len(values), dtype=np.float32)
+    other = Csr(np.array([8, 20], np.uint64), np.array([0, 1, 1, 1, 1, 2], np.int64))
+    batch = CsrBatch(
+        {"seq": Csr(values, offsets, weights), "other": other},
+        np.zeros((5, 0), np.float32),
+        None,
+        5,
+    )
+    prepared = KeyPreparer({"seq": "t", "other": "t"}, 2, max_lens={"seq": 2})(batch)
+    index = prepared.features["seq"]
+    uniques = prepared.tables["t"].uniques
+    assert index.offsets.tolist() == [0, 2, 2, 3, 5, 7]
+    assert uniques[index.inverse].tolist() == [1, 2, 5, 6, 7, 9, 1]
+    assert index.weights is not None
+    assert index.weights.tolist() == [0, 1, 4, 5, 6, 8, 9]
+    assert sorted(uniques.tolist()) == [1, 2, 5, 6, 7, 8, 9, 20]  # 8: from "other"
+    assert prepared.max_lens == {"seq": 2}
+    # rows within max_len: the feature's arrays are kept as they are
+    short = KeyPreparer({"seq": "t"}, max_lens={"seq": 4})(batch).features["seq"]
+    assert short.offsets is offsets and short.weights is weights
+
+
 def test_prepare_unknown_feature(rng: np.random.Generator) -> None:
     batch = random_batch(rng, 5)
     with pytest.raises(KeyError, match="'missing'"):
@@ -234,6 +264,10 @@ def test_prepare_bad_arguments() -> None:
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError, match="num_shards"):
             KeyPreparer({"a": "t"}, num_shards=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"max_lens\['a'\]"):
+        KeyPreparer({"a": "t"}, max_lens={"a": 0})
+    with pytest.raises(KeyError, match="'b'"):
+        KeyPreparer({"a": "t"}, max_lens={"b": 3})
 
 
 def test_prepare_rejects_non_integer_values() -> None:

@@ -81,7 +81,11 @@ class Session:
             self.context.create_table(table)
         self.tables = list(tables)
         self.preparer = (
-            KeyPreparer({f.name: f.table.name for f in self.sparse}, self.context.num_shards)
+            KeyPreparer(
+                {f.name: f.table.name for f in self.sparse},
+                self.context.num_shards,
+                {f.name: f.max_len for f in self.sparse if f.is_sequence and f.max_len},
+            )
             if self.sparse
             else None
         )
@@ -166,7 +170,7 @@ class Session:
         if not isinstance(feed, CsrBatch):
             raise TypeError(f"feed must be a CsrBatch, got {type(feed).__name__}")
         names = [fetch] if isinstance(fetch, str) else list(fetch)
-        self._begin(self.hooks)
+        self._begin()
         prepared, inputs = self._prepare(feed)
         if self._output_names is None and any(n not in self.fetchable() for n in names):
             # Learn the tower's output names without training, then check.
@@ -195,11 +199,12 @@ class Session:
         if self._own_evict is not None and any(isinstance(h, Evict) for h in extra):
             own = [h for h in own if h is not self._own_evict]  # the caller's replaces it
         hooks = [*own, *extra]
-        self._begin(self.hooks)
-        self._begin(extra, force=True)
+        if steps is not None and (not isinstance(steps, int) or steps < 0):
+            raise ValueError(f"steps must be an int >= 0 or None, got {steps!r}")
+        self._begin(extra)
         ctx = self.context
         self._attach_preparer(reader)
-        if steps is not None and steps < 1:
+        if steps == 0:
             for hook in extra:
                 hook.end(self)
             return {"steps": 0, "samples": 0, "samples_per_s": 0.0}
@@ -295,15 +300,16 @@ class Session:
 
     # -- internals -------------------------------------------------------------
 
-    def _begin(self, hooks: Sequence[SessionRunHook], force: bool = False) -> None:
-        if hooks is self.hooks:
-            if self._hooks_begun:
-                return
-            self._hooks_begun = True
-        elif not force:
-            return
+    def _begin(self, extra: Sequence[SessionRunHook] = ()) -> None:
+        """Begins the session's hooks (once) and ``extra`` (a train call's):
+        every ``begin``, then every ``restore_session`` (a checkpoint is
+        restored), then every ``after_create_session``."""
+        hooks = [*([] if self._hooks_begun else self.hooks), *extra]
+        self._hooks_begun = True
         for hook in hooks:
             hook.begin()
+        for hook in hooks:
+            hook.restore_session(self)
         for hook in hooks:
             hook.after_create_session(self)
 
@@ -316,6 +322,25 @@ class Session:
                 f"valid names: {', '.join(self.fetchable())}"
             )
 
+    def _check_hook_fetches(
+        self,
+        hook: SessionRunHook,
+        names: Sequence[str],
+        inputs: StepInputs,
+        rows: list[np.ndarray],
+    ) -> None:
+        """Before the step runs: a hook's fetch names are valid for this batch."""
+        if self._output_names is None and any(n not in self.fetchable() for n in names):
+            probe = self.functions.evaluate(inputs, rows, labels=False)  # the tower's outputs
+            self._output_names = set(probe["outputs"])
+        who = f"hook {type(hook).__name__}"
+        if "loss" in names and inputs.labels is None:
+            raise KeyError(f"{who} asked to fetch 'loss', but the batch has no labels")
+        try:
+            self._check_fetches(names, strict=True)
+        except KeyError as error:
+            raise KeyError(f"{who}: {error.args[0]}") from None
+
     def _attach_preparer(self, reader: Any) -> None:
         """Lets a ParquetReader prepare keys in its own threads."""
         if getattr(reader, "prepare", "absent") is None and self.preparer is not None:
@@ -327,6 +352,7 @@ class Session:
             self.preparer is not None
             and (
                 prepared.num_shards != self.context.num_shards
+                or prepared.max_lens != self.preparer.max_lens
                 or any(
                     prepared.feature_tables.get(name) != table
                     for name, table in self.preparer.feature_tables.items()
@@ -442,6 +468,8 @@ class Session:
             args = hook.before_run(context)
             names = list(args.fetches) if isinstance(args, SessionRunArgs) else []
             asked.append(names)
+            if names:
+                self._check_hook_fetches(hook, names, inputs, rows)
             wanted += names
         start = time.perf_counter()
         self._restore_dense(inputs, rows, train)
@@ -449,7 +477,6 @@ class Session:
         out = run(inputs, rows)
         if self._output_names is None:
             self._output_names = set(out["outputs"])
-            self._check_fetches(wanted, strict=True)
         computed = time.perf_counter()
         self.trace.record("compute", step, start, computed)
         if train:
@@ -499,6 +526,8 @@ class Session:
     def _inference(
         self, reader: Any, steps: int | None, with_labels: bool
     ) -> Iterator[tuple[Any, dict[str, Any]]]:
+        if steps is not None and (not isinstance(steps, int) or steps < 0):
+            raise ValueError(f"steps must be an int >= 0 or None, got {steps!r}")
         self._attach_preparer(reader)
         pipeline = Pipeline(
             iter(reader),
