@@ -369,7 +369,13 @@ class WuliangLoop:
     until ``train`` returns (its last push applied)."""
 
     def __init__(
-        self, tf: Any, kind: str, files: list[Path], data: Batches, args: argparse.Namespace
+        self,
+        tf: Any,
+        kind: str,
+        files: list[Path],
+        data: Batches,
+        args: argparse.Namespace,
+        reserve: dict[str, int],
     ) -> None:
         from wuliang import Context, DenseFeature, EmbeddingTable, Session, SparseFeature
         from wuliang.embedding import concat
@@ -378,7 +384,10 @@ class WuliangLoop:
         model = make_tower(args.seed)
         self.context = Context() if args.staleness is None else Context(staleness=args.staleness)
         emb_opt = Adagrad(0.05) if kind == "adagrad" else Adam(1e-3)
-        tables = {name: EmbeddingTable(name, DIM, optimizer=emb_opt) for name in SINGLE}
+        tables = {
+            name: EmbeddingTable(name, DIM, optimizer=emb_opt, reserve_rows=reserve.get(name, 0))
+            for name in SINGLE
+        }
         features: list[Any] = [SparseFeature(name, tables[name]) for name in SINGLE]
         features += [DenseFeature(name) for name in DENSE]
 
@@ -494,8 +503,19 @@ def split(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
+def vocabulary(data: Batches) -> dict[str, int]:
+    """Distinct keys per field in the batches the run reads."""
+    keys = np.concatenate(data.keys)
+    return {name: int(np.unique(keys[:, i]).size) for i, name in enumerate(SINGLE)}
+
+
 def bench_optimizer(
-    tf: Any, kind: str, files: list[Path], data: Batches, args: argparse.Namespace
+    tf: Any,
+    kind: str,
+    files: list[Path],
+    data: Batches,
+    args: argparse.Namespace,
+    reserve: dict[str, int],
 ) -> dict[str, Any]:
     native_steps = min(args.native_adam_steps, args.steps) if kind == "adam" else args.steps
     tower = "keras.optimizers.Adagrad(0.01)" if kind == "adagrad" else "keras.optimizers.Adam(1e-3)"
@@ -504,7 +524,10 @@ def bench_optimizer(
         ceiling_loop(tf, kind, data, args),
         tf_native_loop(tf, kind, data, args),
     ]
-    wuliang = WuliangLoop(tf, kind, files, data, args)  # made last: closed below (engine threads)
+    start = time.perf_counter()
+    # Made last: closed below (engine threads).
+    wuliang = WuliangLoop(tf, kind, files, data, args, reserve)
+    setup_s = time.perf_counter() - start
     contenders.append(wuliang)
     timed = {
         "ceiling": split(args.steps, args.rounds),
@@ -570,6 +593,8 @@ def bench_optimizer(
         "reader_threads": wuliang.reader_threads,
         "wuliang_tables": len(SINGLE),
         "wuliang_rows": ours.extra["engine_rows"],
+        "wuliang_reserved_rows": sum(reserve.values()),
+        "wuliang_setup_s": round(setup_s, 2),
         "tf_native_buckets": BUCKETS,
         "cores": cores(),
         "tf_version": tf.__version__,
@@ -606,6 +631,13 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--reserve",
+        choices=["vocabulary", "none"],
+        default="vocabulary",
+        help="wuliang's tables reserve rows for their field's distinct keys in the data "
+        "(default), or grow from empty",
+    )
+    parser.add_argument(
         "--timeline", type=Path, help="write wuliang's Chrome trace per optimizer into this folder"
     )
     parser.add_argument(
@@ -636,7 +668,10 @@ def main() -> None:
         f"{args.steps} timed steps; {cores()} cores; TensorFlow {tf.__version__}",
         flush=True,
     )
-    result = {kind: bench_optimizer(tf, kind, files, data, args) for kind in args.optimizers}
+    reserve = vocabulary(data) if args.reserve == "vocabulary" else {}
+    result = {
+        kind: bench_optimizer(tf, kind, files, data, args, reserve) for kind in args.optimizers
+    }
     sys.stdout.flush()
     print(json.dumps(result))
 

@@ -37,6 +37,7 @@ class EmbeddingTable:
     admission: Admission = field(default_factory=Admission)
     eviction: Eviction = field(default_factory=Eviction)
     seed: int = 0
+    reserve_rows: int = 0
 
     def __post_init__(self) -> None:
         self.spec()  # checks every field, naming it
@@ -50,6 +51,7 @@ class EmbeddingTable:
             seed=self.seed,
             admission=self.admission,
             eviction=self.eviction,
+            reserve_rows=self.reserve_rows,
         )
 
 

@@ -60,6 +60,7 @@ class TableSpec:
     admission: AdmissionSpec
     eviction: EvictionSpec
     nan_policy: NanPolicy
+    reserve_rows: int
 
 class ExportCursor:
     @property

@@ -188,6 +188,8 @@ BAD_SPECS: dict[str, tuple[Callable[[], object], str]] = {
     "truncated stddev": (lambda: TruncatedNormal(stddev=-1.0), "stddev"),
     "nan_policy": (lambda: TableSpec("t", dim=4, nan_policy="skip"), "nan_policy"),  # type: ignore[arg-type]
     "seed": (lambda: TableSpec("t", dim=4, seed=-1), "seed"),
+    "reserve_rows": (lambda: TableSpec("t", dim=4, reserve_rows=-1), "reserve_rows"),
+    "reserve_rows float": (lambda: TableSpec("t", dim=4, reserve_rows=1e6), "reserve_rows"),  # type: ignore[arg-type]
     "eviction ttl": (lambda: Eviction(ttl_steps=-1), "ttl_steps"),
     "eviction max_rows": (lambda: Eviction(max_rows=1.5), "max_rows"),  # type: ignore[arg-type]
     "pending_capacity": (lambda: Admission(pending_capacity=0), "pending_capacity"),
@@ -457,6 +459,48 @@ def test_stats_counters(engine: Engine) -> None:
     assert stats["row_bytes"] > 0 and stats["index_bytes"] > 0
     assert set(engine.stats()) == {"emb"}
     assert engine.stats()["emb"]["rows"] == 3
+
+
+def test_reserve_rows_holds_memory_from_creation(make_engine: MakeEngine) -> None:
+    engine = make_engine(2)
+    n = 100_000
+    engine.create_table(TableSpec("grows", dim=16, eviction=Eviction(ttl_steps=1)))
+    engine.create_table(TableSpec("held", dim=16, eviction=Eviction(ttl_steps=1), reserve_rows=n))
+    grows, held = engine.stats("grows"), engine.stats("held")
+    assert grows["row_bytes"] == grows["index_bytes"] == 0
+    assert held["rows"] == 0
+    assert held["row_bytes"] >= n * (64 + 16 * 4)  # weights + accumulator, at least
+    assert held["index_bytes"] >= n * 16 * 4 // 3  # at most 3/4 full
+
+    keys = np.arange(1, n + 1, dtype=np.uint64) * 7919
+    for name in ("grows", "held"):
+        engine.pull(name, keys)
+    full = engine.stats("held")
+    assert full["rows"] == n
+    # The reserve held them all: no chunk or index growth on the way.
+    assert (full["row_bytes"], full["index_bytes"]) == (held["row_bytes"], held["index_bytes"])
+    np.testing.assert_array_equal(engine.pull("held", keys), engine.pull("grows", keys))
+
+    # Eviction and compaction give memory back, but not below the reserve.
+    engine.step = 10
+    for name in ("grows", "held"):
+        assert engine.evict(name)["ttl"] == n
+    assert engine.stats("grows")["bytes"] <= 2 * 2 * 2**20  # a current chunk per shard
+    emptied = engine.stats("held")
+    assert (emptied["rows"], emptied["row_bytes"]) == (0, held["row_bytes"])
+    assert emptied["index_bytes"] == held["index_bytes"]
+
+    # Past the reserve the table grows as any other.
+    engine.pull("held", np.arange(1, 3 * n + 1, dtype=np.uint64))
+    more = engine.stats("held")
+    assert more["rows"] == 3 * n and more["row_bytes"] > held["row_bytes"]
+    assert more["index_bytes"] > held["index_bytes"]
+
+
+def test_reserve_larger_than_memory_is_refused(engine: Engine) -> None:
+    with pytest.raises(ValueError, match=r"table 'huge': reserve_rows 1099511627776 needs about"):
+        engine.create_table(TableSpec("huge", dim=16, reserve_rows=2**40))
+    assert engine.tables() == ["emb"]
 
 
 def test_row_meta(engine: Engine, export_all: ExportAll) -> None:

@@ -398,6 +398,28 @@ def test_same_seeds_same_losses() -> None:
     assert first == second
 
 
+def test_reserved_table_trains_the_same() -> None:
+    def run_once(reserve_rows: int) -> tuple[list[float], dict[str, int]]:
+        keras.utils.set_random_seed(123)
+        layer = keras.layers.Dense(1)
+
+        def tower(emb: dict[str, tf.Tensor], dense: dict[str, tf.Tensor]) -> tf.Tensor:
+            return layer(tf.concat([emb["user"], emb["hist"], dense["x"]], axis=1))
+
+        table = wl.EmbeddingTable("emb", 4, reserve_rows=reserve_rows)
+        s = wl.Session(tower, features(table), wl.Context(num_shards=2))
+        held = s.context.engine.stats("emb")
+        record = RecordLoss()
+        s.train(batches(6, seed=4), hooks=[record])
+        return record.losses, held
+
+    grown, empty = run_once(0)
+    reserved, held = run_once(50_000)
+    assert empty["row_bytes"] == 0
+    assert held["rows"] == 0 and held["row_bytes"] >= 50_000 * 4 * 4 * 2
+    assert reserved == grown
+
+
 # --- the pipeline ---------------------------------------------------------------------
 
 

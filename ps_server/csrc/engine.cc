@@ -1,5 +1,7 @@
 #include "wuliang/ps/engine.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <ctime>
@@ -111,6 +113,22 @@ void Require(bool ok, const TableSpec& spec, const std::string& what) {
 }
 
 bool Finite(float x) { return std::isfinite(x); }
+
+// A reserve is faulted in at once: refuse one larger than the machine's
+// memory rather than let the kernel's OOM killer answer.
+void CheckReserve(const TableSpec& spec, const details::RowLayout& layout) {
+  if (spec.reserve_rows == 0) return;
+  const double per_row = static_cast<double>(layout.hot_stride + layout.cold_stride) + 16 * 4 / 3.0;
+  const double need = per_row * static_cast<double>(spec.reserve_rows);
+  const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  if (have <= 0 || need < have) return;
+  constexpr double kGiB = 1 << 30;
+  std::ostringstream msg;
+  msg.precision(3);
+  msg << "reserve_rows " << spec.reserve_rows << " needs about " << need / kGiB
+      << " GiB, more than this machine's " << have / kGiB << " GiB";
+  Require(false, spec, msg.str());
+}
 
 }  // namespace
 
@@ -296,8 +314,17 @@ int Engine::CreateTable(const TableSpec& spec) {
   auto def = std::make_unique<TableDef>();
   def->spec = spec;
   def->layout = details::RowLayout(spec.dim, StateDim(spec.optimizer.kind, spec.dim));
+  CheckReserve(spec, def->layout);
   def->id = id;
-  for (int s = 0; s < num_shards_; ++s) def->shards.push_back(new TableShard(*def));
+  // Each owner thread builds its shard (and faults in its reserved memory).
+  const uint64_t shard_reserve = (spec.reserve_rows + num_shards_ - 1) / num_shards_;
+  def->shards.assign(num_shards_, nullptr);
+  try {
+    RunOnShards([&](int s) { def->shards[s] = new TableShard(*def, shard_reserve); });
+  } catch (...) {
+    RunOnShards([&](int s) { delete def->shards[s]; });
+    throw;
+  }
   tables_[id].store(def.get(), std::memory_order_release);
   all_defs_.push_back(std::move(def));
   next_table_id_.store(id + 1);

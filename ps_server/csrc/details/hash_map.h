@@ -87,6 +87,15 @@ class OpenHashMap {
     return &slots_[i].value;
   }
 
+  // Sizes the index for n entries (at most 3/4 full) now, and never shrinks
+  // it below that size.
+  void Reserve(size_t n) {
+    size_t cap = std::max(capacity_, kMinCapacity);
+    while (n * 4 > cap * 3) cap = Larger(cap);
+    reserved_capacity_ = cap;
+    if (cap > capacity_) Rehash(cap);
+  }
+
   // Removes key; returns its value, or V{} if it was absent.
   V Erase(uint64_t key, uint64_t hash) {
     if (capacity_ == 0) return V{};
@@ -115,11 +124,14 @@ class OpenHashMap {
     }
   }
 
-  // Shrinks capacity while the table would stay under 3/8 load.
+  // Shrinks capacity while the table would stay under 3/8 load (not below
+  // the reserved size).
   void MaybeShrink() {
     size_t cap = capacity_;
-    while (cap > kMinCapacity && size_ * 8 < Smaller(cap) * 3) cap = Smaller(cap);
-    if (size_ == 0) {
+    while (cap > std::max(kMinCapacity, reserved_capacity_) && size_ * 8 < Smaller(cap) * 3) {
+      cap = Smaller(cap);
+    }
+    if (size_ == 0 && reserved_capacity_ == 0) {
       Unmap();
     } else if (cap < capacity_) {
       Rehash(cap);
@@ -176,6 +188,7 @@ class OpenHashMap {
   }
 
   Slot* slots_ = nullptr;
+  size_t reserved_capacity_ = 0;  // MaybeShrink stops here
   size_t capacity_ = 0;
   size_t mask_ = 0;
   size_t size_ = 0;

@@ -107,6 +107,13 @@ void MemoryPool::RemovePartial(Chunk* c) {
   c->partial_pos = -1;
 }
 
+void MemoryPool::Reserve(size_t rows) {
+  reserved_chunks_ = std::max(reserved_chunks_, (rows + rows_per_chunk_ - 1) / rows_per_chunk_);
+  chunks_.reserve(reserved_chunks_);
+  partial_.reserve(reserved_chunks_);
+  while (chunks_.size() < reserved_chunks_) AddPartial(NewChunk());
+}
+
 char* MemoryPool::Allocate() {
   Chunk* c = current_;
   if (c == nullptr || (c->free_head == kNoRow && c->bump == rows_per_chunk_)) {
@@ -145,7 +152,7 @@ void MemoryPool::Free(char* hot) {
   c->free_head = index;
   --c->live;
   --live_rows_;
-  if (c->live == 0 && c != current_) {
+  if (c->live == 0 && c != current_ && CanRelease()) {
     ReleaseChunk(c);
   } else {
     AddPartial(c);
@@ -154,7 +161,8 @@ void MemoryPool::Free(char* hot) {
 
 bool MemoryPool::BeginCompaction(double max_occupancy) {
   const size_t capacity = chunks_.size() * rows_per_chunk_;
-  if (chunks_.size() < 2 || live_rows_ > max_occupancy * capacity) return false;
+  if (chunks_.size() < 2 || !CanRelease() || live_rows_ > max_occupancy * capacity) return false;
+  const size_t releasable = chunks_.size() - reserved_chunks_;
   std::vector<Chunk*> by_live(chunks_);
   std::sort(by_live.begin(), by_live.end(),
             [](const Chunk* a, const Chunk* b) { return a->live < b->live; });
@@ -164,7 +172,10 @@ bool MemoryPool::BeginCompaction(double max_occupancy) {
   size_t free_in_kept = capacity - live_rows_;
   for (Chunk* c : by_live) {
     const size_t holes_in_c = rows_per_chunk_ - c->live;
-    if (keep <= 1 || moved + c->live > free_in_kept - holes_in_c) break;
+    if (keep <= 1 || by_live.size() - keep == releasable ||
+        moved + c->live > free_in_kept - holes_in_c) {
+      break;
+    }
     free_in_kept -= holes_in_c;
     moved += c->live;
     --keep;
@@ -191,7 +202,7 @@ void MemoryPool::EndCompaction() {
     Chunk* c = chunks_[i];
     if (c->draining) {
       c->draining = false;
-      if (c->live == 0) {
+      if (c->live == 0 && CanRelease()) {
         ReleaseChunk(c);
         continue;  // chunks_[i] now holds another chunk
       }

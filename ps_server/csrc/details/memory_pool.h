@@ -12,7 +12,8 @@
 // whose rows are all freed goes back to the OS at once. After evictions leave
 // chunks sparsely used, a compaction (driven by the owner of the row
 // pointers, see TableShard::Compact) moves the rows of the emptiest chunks
-// into holes elsewhere and releases them.
+// into holes elsewhere and releases them. Reserve() maps chunks ahead of
+// need; the pool then keeps at least that many, emptied or not.
 #pragma once
 
 #include <cstddef>
@@ -31,6 +32,9 @@ class MemoryPool {
   MemoryPool(const MemoryPool&) = delete;
   MemoryPool& operator=(const MemoryPool&) = delete;
 
+  // Maps (and faults in) the chunks for `rows` rows now, and keeps at least
+  // that many chunks from then on. Throws std::bad_alloc.
+  void Reserve(size_t rows);
   char* Allocate();  // a row's uninitialised hot part; throws std::bad_alloc
   void Free(char* hot);
   char* Cold(const char* hot) const {
@@ -69,6 +73,7 @@ class MemoryPool {
   void ReleaseChunk(Chunk* chunk);
   void AddPartial(Chunk* chunk);
   void RemovePartial(Chunk* chunk);
+  bool CanRelease() const { return chunks_.size() > reserved_chunks_; }
 
   size_t hot_stride_;
   size_t cold_stride_;
@@ -77,6 +82,7 @@ class MemoryPool {
   size_t rows_per_chunk_;
   size_t cold_offset_;  // of the cold region from the chunk start
   size_t live_rows_ = 0;
+  size_t reserved_chunks_ = 0;   // never released below this many
   std::vector<Chunk*> chunks_;   // all chunks; Chunk::index is the position
   std::vector<Chunk*> partial_;  // chunks with free rows, except current_
   Chunk* current_ = nullptr;     // allocation happens here first

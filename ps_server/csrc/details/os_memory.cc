@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <new>
 
@@ -17,6 +18,11 @@ namespace {
 void PopulateForWriting(void* p, size_t bytes) {
 #ifdef MADV_POPULATE_WRITE
   if (madvise(p, bytes, MADV_POPULATE_WRITE) == 0) return;
+  // Out of memory: fail here rather than touch pages for the OOM killer.
+  if (errno == ENOMEM || errno == EFAULT) {
+    munmap(p, bytes);
+    throw std::bad_alloc();
+  }
 #endif
   auto* bytes_p = static_cast<volatile char*>(p);  // kernels before 5.14
   for (size_t off = 0; off < bytes; off += 4096) bytes_p[off] = 0;

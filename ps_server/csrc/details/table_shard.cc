@@ -64,11 +64,16 @@ template <bool kWrite>
 
 }  // namespace
 
-TableShard::TableShard(const TableDef& def)
+TableShard::TableShard(const TableDef& def, size_t reserve_rows)
     : spec_(def.spec),
       layout_(def.layout),
       pool_(def.layout.hot_stride, def.layout.cold_stride),
-      pending_(def.spec.admission.pending_capacity) {}
+      pending_(def.spec.admission.pending_capacity) {
+  if (reserve_rows > 0) {
+    pool_.Reserve(reserve_rows);
+    index_.Reserve(reserve_rows);
+  }
+}
 
 TableShard::~TableShard() = default;
 

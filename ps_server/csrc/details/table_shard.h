@@ -67,7 +67,8 @@ constexpr size_t kHistogramBuckets = 1 << 16;
 
 class TableShard {
  public:
-  explicit TableShard(const TableDef& def);
+  // reserve_rows: this shard's part of the table's reserve_rows.
+  TableShard(const TableDef& def, size_t reserve_rows);
   ~TableShard();
   TableShard(const TableShard&) = delete;
   TableShard& operator=(const TableShard&) = delete;

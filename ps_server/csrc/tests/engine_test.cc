@@ -142,6 +142,51 @@ void TestPoolReleasesChunks() {
   CHECK(pool.rows() == 0 && pool.chunks() <= 1);
 }
 
+void TestReserveKeepsMemory() {
+  using Map = details::OpenHashMap<uint64_t>;
+  Map map;
+  map.Reserve(100000);  // 3/4 of the capacity holds them: 2^18 slots
+  CHECK(map.capacity() == (size_t{1} << 18) && map.size() == 0);
+  for (uint64_t k = 1; k <= 100000; ++k) *map.InsertNew(k, Mix64(k)) = k;
+  CHECK(map.capacity() == (size_t{1} << 18));  // no rehash on the way
+  for (uint64_t k = 1; k <= 99990; ++k) map.Erase(k, Mix64(k));
+  map.MaybeShrink();
+  CHECK(map.capacity() == (size_t{1} << 18));
+  for (uint64_t k = 99991; k <= 100000; ++k) CHECK(*map.Find(k, Mix64(k)) == k);
+  for (uint64_t k = 100001; k <= 300000; ++k) *map.InsertNew(k, Mix64(k)) = k;
+  CHECK(map.capacity() == (size_t{1} << 19));  // grows past the reserve
+
+  details::MemoryPool pool(64, 88);
+  const size_t per_chunk = pool.rows_per_chunk();
+  pool.Reserve(3 * per_chunk + 1);
+  CHECK(pool.chunks() == 4 && pool.rows() == 0);
+  std::vector<char*> rows;
+  for (size_t i = 0; i < 6 * per_chunk; ++i) rows.push_back(pool.Allocate());
+  CHECK(pool.chunks() == 6);
+  // Free all but one row per chunk, then compact: only the 2 chunks above
+  // the reserve go back.
+  std::vector<char*> kept;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (i % per_chunk == 0) {
+      kept.push_back(rows[i]);
+    } else {
+      pool.Free(rows[i]);
+    }
+  }
+  CHECK(pool.chunks() == 6);
+  CHECK(pool.BeginCompaction(0.75));
+  for (char*& row : kept) {
+    if (pool.IsDraining(row)) row = pool.Relocate(row);
+  }
+  pool.EndCompaction();
+  CHECK(pool.chunks() == 4 && pool.rows() == kept.size());
+  CHECK(!pool.BeginCompaction(0.75));  // nothing above the reserve
+  for (char* row : kept) pool.Free(row);
+  CHECK(pool.chunks() == 4 && pool.rows() == 0);
+  for (size_t i = 0; i < 4 * per_chunk; ++i) pool.Allocate();  // the kept chunks serve
+  CHECK(pool.chunks() == 4);
+}
+
 void TestPendingCounterIsBounded() {
   details::PendingCounter pending(1000);
   for (uint64_t k = 0; k < 100000; ++k) pending.Observe(k, Mix64(k));
@@ -361,6 +406,7 @@ int main() {
   TestHashMapShrinks();
   TestHashMapJumpsToOneHugePage();
   TestPoolReleasesChunks();
+  TestReserveKeepsMemory();
   TestPendingCounterIsBounded();
   TestPendingCounterSetAndCounts();
   TestChangeLogSegmentsAndFloor();

@@ -70,6 +70,10 @@ struct TableSpec {
   AdmissionSpec admission;
   EvictionSpec eviction;
   NanPolicy nan_policy = NanPolicy::kDrop;  // non-finite gradient rows
+  // Rows to hold memory for from creation on (pool chunks and index, faulted
+  // in, split over the shards); the table grows past it as usual, and its
+  // memory never shrinks below it. 0: grow from empty.
+  uint64_t reserve_rows = 0;
 };
 
 // Throws std::invalid_argument naming the bad field.
