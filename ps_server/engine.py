@@ -176,6 +176,10 @@ class Engine:
     def num_shards(self) -> int:
         return self.native.num_shards
 
+    def worker_thread_ids(self) -> list[int]:
+        """The OS thread id of each shard's worker thread (``wuliang-shard``)."""
+        return self.native.worker_thread_ids()
+
     @property
     def step(self) -> int:
         """Global training step, stamped on every updated row."""

@@ -53,6 +53,7 @@ from wuliang.reader.columns import (
     slice_chunk,
 )
 from wuliang.reader.prepare import KeyPreparer
+from wuliang.threads import check_background, set_background
 
 _END = object()  # end of a unit (reader queues) or of the iteration (output queue)
 _CHUNK_ROWS = 1 << 16  # Arrow record batch size asked of the Parquet reader
@@ -157,6 +158,9 @@ class ParquetReader:
         start: a ``ReaderPosition`` (or its dict) to resume from: iteration
             begins with the batch that followed it (see ``ReaderPosition``).
             Each batch's ``position`` says where the reader is after it.
+        background: scheduling of the reader's threads, ``"idle"`` or
+            ``"normal"`` (see ``wuliang.threads``); None: ``"normal"``, or the
+            ``Context``'s setting when a training session iterates it.
     """
 
     def __init__(
@@ -180,6 +184,7 @@ class ParquetReader:
         prepare: KeyPreparer | None = None,
         validate: bool = True,
         start: ReaderPosition | Mapping[str, Any] | None = None,
+        background: str | None = None,
     ) -> None:
         _require(isinstance(batch_size, int) and batch_size >= 1, "batch_size must be >= 1")
         _require(
@@ -219,6 +224,7 @@ class ParquetReader:
         self.null_values = null_values
         self.prepare = prepare
         self.validate = validate
+        self.background = None if background is None else check_background(background)
         self.start = start
         self.stats = ReaderStats()  # since construction, over all iterations
         self._runs: set[_Run] = set()
@@ -306,7 +312,12 @@ class _Run:
         )
         self.pool: ThreadPoolExecutor | None = None
         if self.cfg.prepare is not None or self.cfg.validate:
-            self.pool = ThreadPoolExecutor(k, thread_name_prefix="wuliang-prepare")
+            self.pool = ThreadPoolExecutor(
+                k,
+                thread_name_prefix="wuliang-prepare",
+                initializer=set_background,
+                initargs=(self.cfg.background,),
+            )
         for t in self.threads:
             t.start()
 
@@ -365,6 +376,7 @@ class _Run:
             epoch += 1
 
     def _read_units(self, thread: int) -> None:
+        set_background(self.cfg.background)
         k = self.cfg.num_threads
         q = self.unit_queues[thread]
         try:
@@ -446,6 +458,7 @@ class _Run:
 
     def _assemble(self) -> None:
         cfg = self.cfg
+        set_background(cfg.background)
         try:
             batcher = _ShuffleBatcher(cfg) if cfg.shuffle_buffer > 0 else _Batcher(cfg)
             count = cfg.first_batch - cfg.replay  # batches before the first one read
@@ -494,6 +507,7 @@ class _Config:
         self.single_label = r.single_label
         self.prepare = r.prepare
         self.validate = r.validate
+        self.background = r.background or "normal"
         self.start = r.start
         # seeking (no shuffle): skip `skip_units` files and `skip_rows` rows of the next
         seek = r.start is not None and r.shuffle_buffer == 0

@@ -3,6 +3,8 @@ independent contexts, determinism, pipeline shutdown and staleness."""
 
 from __future__ import annotations
 
+import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -542,6 +544,75 @@ def test_context_arguments() -> None:
         wl.Context(staleness=2)
     with pytest.raises(ValueError, match="prefetch"):
         wl.Context(prefetch=0)
+    with pytest.raises(ValueError, match="background must be 'idle' or 'normal', got 'low'"):
+        wl.Context(background="low")
+
+
+class RecordPolicies(hooks.SessionRunHook):
+    """The scheduling policy of every wuliang thread alive at the first step."""
+
+    def __init__(self) -> None:
+        self.policies: dict[str, int] = {}
+
+    def after_run(
+        self, run_context: hooks.SessionRunContext, run_values: hooks.SessionRunValues
+    ) -> None:
+        if self.policies:
+            return
+        for t in threading.enumerate():
+            if t.name.startswith("wuliang") and t.native_id is not None:
+                self.policies[t.name] = os.sched_getscheduler(t.native_id)
+
+
+def many_files(folder: Path) -> Path:
+    """Enough files that the reader's threads are still busy at the first step."""
+    folder.mkdir()
+    for i in range(8):
+        write_parquet(folder / f"part-{i}.parquet", 64, seed=i)
+    return folder
+
+
+def thread_kind(name: str) -> str:
+    return re.sub(r"[-_]\d+$", "", name)  # wuliang-read-1 -> wuliang-read
+
+
+def shard_policies(context: wl.Context) -> set[int]:
+    return {os.sched_getscheduler(tid) for tid in context.engine.worker_thread_ids()}
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+@pytest.mark.parametrize("background", ["idle", "normal"])
+def test_background_threads_yield_to_tensorflow(tmp_path: Path, background: str) -> None:
+    path = many_files(tmp_path / "data")
+    context = wl.Context(num_shards=2, background=background)
+    expected = os.SCHED_IDLE if background == "idle" else os.SCHED_OTHER
+    assert shard_policies(context) == {expected}
+    s = session(context=context)
+    record = RecordPolicies()
+    with ParquetReader(path, 16, ["user", "hist", "x"], label="click", prefetch=1) as reader:
+        s.train(reader, hooks=[record])
+        assert reader.background == background  # the context's, as the reader had none
+    kinds = {thread_kind(name) for name in record.policies}
+    assert {"wuliang-pull", "wuliang-push", "wuliang-read", "wuliang-assemble"} <= kinds
+    assert set(record.policies.values()) == {expected}, record.policies
+    # The main thread (TensorFlow's caller) is left alone.
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+def test_a_reader_keeps_its_own_background(tmp_path: Path) -> None:
+    path = many_files(tmp_path / "data")
+    s = session(context=wl.Context(num_shards=2))  # idle
+    record = RecordPolicies()
+    columns = ["user", "hist", "x"]
+    with ParquetReader(path, 16, columns, label="click", prefetch=1, background="normal") as reader:
+        s.train(reader, hooks=[record])
+    reading = {"wuliang-read", "wuliang-assemble"}
+    policies = {p for n, p in record.policies.items() if thread_kind(n) in reading}
+    assert policies == {os.SCHED_OTHER}
+    assert record.policies["wuliang-pull"] == os.SCHED_IDLE
+    with pytest.raises(ValueError, match="background must be 'idle' or 'normal', got 'low'"):
+        ParquetReader(path, 16, columns, background="low")
 
 
 # --- more of the API ------------------------------------------------------------------

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 from wuliang.embedding.features import EmbeddingTable
 from wuliang.ps_server import Engine
+from wuliang.threads import check_background, set_background
 
 
 class Trace:
@@ -72,6 +73,12 @@ class Context:
             of its tables (``EmbeddingTable(eviction=...)``) while training:
             it adds a ``hooks.Evict`` of its own unless given one; None: only
             an explicit ``hooks.Evict`` or ``engine.evict()`` evicts.
+        background: scheduling of the threads that feed TensorFlow (the
+            embedded engine's shard workers, the pipeline's and the reader's
+            threads): ``"idle"`` (Linux ``SCHED_IDLE``: they never preempt
+            TensorFlow's threads; steps ~11% shorter on 2 cores) or
+            ``"normal"`` (on a machine shared with other busy processes).
+            See ``wuliang.threads``.
     """
 
     def __init__(
@@ -81,6 +88,7 @@ class Context:
         staleness: int = 0,
         prefetch: int = 2,
         evict_every_steps: int | None = 1000,
+        background: str = "idle",
     ) -> None:
         if ps != "embedded":
             raise ValueError(
@@ -96,7 +104,10 @@ class Context:
             raise ValueError(
                 f"evict_every_steps must be an int >= 1 or None, got {evict_every_steps!r}"
             )
+        self.background = check_background(background)
         self.engine = Engine(num_shards or max(1, min(os.cpu_count() or 1, 16)))
+        for thread_id in self.engine.worker_thread_ids():
+            set_background(self.background, thread_id)
         self.staleness = staleness
         self.prefetch = prefetch
         self.evict_every_steps = evict_every_steps

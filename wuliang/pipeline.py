@@ -38,6 +38,7 @@ import numpy as np
 from wuliang.embedding.bridge import StepInputs
 from wuliang.reader.batch import CsrBatch
 from wuliang.reader.prepare import PreparedKeys
+from wuliang.threads import set_background
 
 _END = object()
 
@@ -81,6 +82,7 @@ class Pipeline:
             and ``release`` around that step's hooks, and no later batch is
             pulled until ``release`` (checkpoints see the engine exactly as
             the step left it).
+        background: scheduling of the two threads (``wuliang.threads``).
 
     Batches read ahead of a stopped loop are dropped (as with tf.data).
     """
@@ -98,8 +100,10 @@ class Pipeline:
         trace: Any,
         first_step: int = 0,
         sync_after: Callable[[int], bool] | None = None,
+        background: str = "normal",
     ) -> None:
         self.batches = batches
+        self.background = background
         self.sync_after = sync_after
         self.released = -1  # highest sync seq released by the main thread
         self._sync_seq: int | None = None
@@ -226,6 +230,7 @@ class Pipeline:
         return not self.stop.is_set() and self.push_error is None
 
     def _pull_loop(self) -> None:
+        set_background(self.background)
         try:
             seq = 0
             previous: PreparedKeys | None = None
@@ -292,6 +297,7 @@ class Pipeline:
 
     def _push_loop(self) -> None:
         assert self.push_fn is not None
+        set_background(self.background)
         try:
             while True:
                 item = self.to_push.get()

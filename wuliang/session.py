@@ -234,6 +234,7 @@ class Session:
             self.trace,
             first_step=self.global_step,
             sync_after=sync_after,
+            background=ctx.background,
         )
         done = samples = 0
         start = time.perf_counter()
@@ -342,9 +343,12 @@ class Session:
             raise KeyError(f"{who}: {error.args[0]}") from None
 
     def _attach_preparer(self, reader: Any) -> None:
-        """Lets a ParquetReader prepare keys in its own threads."""
+        """Lets a ParquetReader prepare keys in its own threads, scheduled as
+        the context's background threads unless it says otherwise."""
         if getattr(reader, "prepare", "absent") is None and self.preparer is not None:
             reader.prepare = self.preparer
+        if getattr(reader, "background", "absent") is None:
+            reader.background = self.context.background
 
     def _prepare(self, batch: CsrBatch) -> tuple[PreparedKeys, StepInputs]:
         prepared = batch.prepared
@@ -540,6 +544,7 @@ class Session:
             self.context.staleness,
             self.trace,
             first_step=self.global_step,
+            background=self.context.background,
         )
         try:
             for n, item in enumerate(pipeline):

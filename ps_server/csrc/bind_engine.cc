@@ -254,6 +254,7 @@ void BindEngine(py::module_& m) {
            }),
            "num_shards"_a)
       .def_property_readonly("num_shards", &Engine::num_shards)
+      .def("worker_thread_ids", &Engine::WorkerThreadIds, Release())
       .def("create_table", &Engine::CreateTable, "spec"_a, Release())
       .def("drop_table", &Engine::DropTable, "name"_a, Release())
       .def("table_id", &Engine::TableId, "name"_a)

@@ -303,6 +303,12 @@ ShardRecords<V> SplitByShard(const uint64_t* keys, const V* values, size_t n, in
 
 }  // namespace
 
+std::vector<int64_t> Engine::WorkerThreadIds() {
+  std::vector<int64_t> ids(num_shards_);
+  RunOnShards([&](int s) { ids[s] = gettid(); });
+  return ids;
+}
+
 int Engine::CreateTable(const TableSpec& spec) {
   ValidateSpec(spec);
   std::lock_guard<std::mutex> lock(create_mutex_);

@@ -129,6 +129,8 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   int num_shards() const { return num_shards_; }
+  // The OS thread id of each shard's worker (for scheduling policies, top).
+  std::vector<int64_t> WorkerThreadIds();
 
   // Returns the table id. Throws std::invalid_argument for a bad spec or a
   // name that is taken.
