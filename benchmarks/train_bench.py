@@ -48,12 +48,14 @@ each round every contender in turn runs one untimed step and then its share
 of timed steps, first to last in odd rounds and last to first in even ones.
 This VM's speed drifts by over 10% within minutes even with no steal time,
 so contenders taking turns see the same machine on average, where running
-each once, one after the other, put the drift into every ratio. A wuliang
-round is one ``Session.train`` call on a reader starting where the last one
-stopped (``ReaderPosition``); it is timed from the end of its untimed step
-(the pipeline filling) until ``train`` returns (its last push applied); every
-step fetches its loss. Contenders run one at a time, so each has the whole
-machine; TensorFlow keeps its default thread pools throughout.
+each once, one after the other, put the drift into every ratio. wuliang
+trains as a user does, in one ``Session.train`` call over all its rounds (in
+a thread of its own): at the last step of each round the engine syncs (that
+step's push applied, nothing of the next round pulled) and the training
+waits in a hook while the others take their turn; a round is timed from the
+end of its untimed step until its last push is applied; every step fetches
+its loss. Contenders run one at a time, so each has the whole machine;
+TensorFlow keeps its default thread pools throughout.
 
 Per optimizer the result has the samples/s of each contender (over all
 rounds, and per round in ``rounds_samples_per_s``), wuliang's ratio to the
@@ -92,6 +94,7 @@ import gc
 import json
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -363,10 +366,13 @@ def tf_native_loop(tf: Any, kind: str, data: Batches, args: argparse.Namespace) 
 
 
 class WuliangLoop:
-    """wuliang through its real pipeline: each ``play`` is one
-    ``Session.train`` call on a reader that starts where the last one
-    stopped (``ReaderPosition``); timed from the end of its untimed steps
-    until ``train`` returns (its last push applied)."""
+    """wuliang through its real pipeline, trained as a user would: one
+    ``Session.train`` call over all of its rounds, in a thread of its own.
+    The last step of each round syncs the engine (its push applied, nothing
+    of the next round pulled) and the training waits in a hook until the
+    next ``play``; reader, pipeline and engine keep their state meanwhile.
+    A round is timed from the end of its untimed step until its last step's
+    push is applied. ``plan``: every ``play`` call's (untimed, timed)."""
 
     def __init__(
         self,
@@ -376,11 +382,14 @@ class WuliangLoop:
         data: Batches,
         args: argparse.Namespace,
         reserve: dict[str, int],
+        plan: list[tuple[int, int]],
     ) -> None:
         from wuliang import Context, DenseFeature, EmbeddingTable, Session, SparseFeature
         from wuliang.embedding import concat
         from wuliang.optimizers import Adagrad, Adam
 
+        if any(untimed < 1 for untimed, _ in plan):
+            raise ValueError("wuliang's rounds start with an untimed step (the pipeline fills)")
         model = make_tower(args.seed)
         self.context = Context() if args.staleness is None else Context(staleness=args.staleness)
         emb_opt = Adagrad(0.05) if kind == "adagrad" else Adam(1e-3)
@@ -397,52 +406,66 @@ class WuliangLoop:
 
         self.session = Session(tower, features, self.context, optimizer=tower_optimizer(kind))
         self.name, self.kind, self.files, self.data, self.args = "wuliang", kind, files, data, args
-        self.position: Any = None  # the reader's, after the last batch trained
-        self.losses: list[float] = []
+        self.plan = plan
+        self.rounds = _Rounds(plan)
+        self.played = 0  # plan entries done
+        self.reader = ParquetReader(
+            [str(f) for f in files], args.batch, features=[*SINGLE, *DENSE], label=LABEL
+        )
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
         self.timings: list[dict[str, float]] = []  # of the timed steps
         self.uniques: list[int] = []
         self.step_seconds: list[float] = []  # the timed steps' periods
         self.timed = Timed()
-        self.reader_threads = 0
+
+    @property
+    def losses(self) -> list[float]:
+        return self.rounds.losses
+
+    def _train(self) -> None:
+        hooks: list[Any] = [self.rounds]
+        if self.args.timeline is not None:  # 20 steps of the first timed round
+            untimed, timed = self.plan[1] if len(self.plan) > 1 else self.plan[0]
+            first = self.plan[0][0] + untimed
+            path = self.args.timeline / f"wuliang-{self.kind}.json"
+            hooks.append(Timeline(path, first_step=first, num_steps=min(timed, 20)))
+        try:
+            total = sum(u + t for u, t in self.plan)
+            result = self.session.train(self.reader, steps=total, hooks=hooks)
+            if result["steps"] != total and not self.rounds.stop:
+                raise AssertionError(f"wuliang ran {result['steps']} steps, expected {total}")
+        except BaseException as error:  # re-raised by play()
+            self.error = error
+        finally:
+            self.rounds.paused.release()  # a play() waiting for its round wakes up
 
     def play(self, untimed: int, timed: int) -> None:
-        if timed and untimed < 1:
-            raise ValueError("wuliang's timed steps follow an untimed one (the pipeline fills)")
-        first = len(self.losses)
-        meter = _Meter()
-        hooks: list[Any] = [meter]
-        args = self.args
-        if args.timeline is not None and timed and not self.timed.steps:  # the first timed round
-            path = args.timeline / f"wuliang-{self.kind}.json"
-            hooks.append(Timeline(path, first_step=first + untimed, num_steps=min(timed, 20)))
-        reader = ParquetReader(
-            [str(f) for f in self.files],
-            args.batch,
-            features=[*SINGLE, *DENSE],
-            label=LABEL,
-            start=self.position,
-        )
-        self.reader_threads = reader.num_threads
-        total = untimed + timed
-        try:
-            result = self.session.train(reader, steps=total, hooks=hooks)
-            done = Clocks.now()
-        finally:
-            reader.close()
-        if result["steps"] != total:
-            raise AssertionError(f"wuliang ran {result['steps']} steps, expected {total}")
+        if (untimed, timed) != self.plan[self.played]:
+            raise AssertionError(f"play({untimed}, {timed}) is not round {self.plan[self.played]}")
+        first = sum(u + t for u, t in self.plan[: self.played])
+        self.played += 1
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._train, name="bench-wuliang")
+            self.thread.start()
+        self.rounds.go.release()
+        self.rounds.paused.acquire()
+        if self.played == len(self.plan):
+            self.thread.join()
+        if self.error is not None:
+            raise self.error
+        meter = self.rounds
+        if len(meter.losses) != first + untimed + timed:
+            raise AssertionError(f"wuliang stopped after {len(meter.losses)} steps")
         expected = self.data.keys[first][:, 0].view(np.uint64)
-        if not np.array_equal(meter.first_c1, expected):
+        if not np.array_equal(meter.first_c1[first], expected):
             raise AssertionError(f"wuliang's batch {first} differs from the numpy contenders'")
-        self.position = meter.position
-        self.losses += meter.losses
         if timed:
-            start = meter.clocks[untimed - 1]
-            self.timed.add(timed, start, done, args.batch)
-            self.timings += meter.timings[untimed:]
-            self.uniques += meter.uniques[untimed:]
-            ends = [c.wall for c in meter.clocks[untimed - 1 :]]
-            self.step_seconds += list(np.diff(ends))
+            clocks = meter.clocks[first + untimed - 1 : first + untimed + timed]
+            self.timed.add(timed, clocks[0], clocks[-1], self.args.batch)
+            self.timings += meter.timings[first + untimed : first + untimed + timed]
+            self.uniques += meter.uniques[first + untimed : first + untimed + timed]
+            self.step_seconds += list(np.diff([c.wall for c in clocks]))
 
     def result(self, batch: int) -> Run:
         stages = {
@@ -464,26 +487,43 @@ class WuliangLoop:
         return self.timed.run(self.name, batch, self.losses, extra)
 
     def close(self) -> None:
+        if self.thread is not None and self.thread.is_alive():  # a failure elsewhere
+            self.rounds.stop = True
+            self.rounds.go.release()
+            self.thread.join()
+        self.reader.close()
         self.context.close()
 
 
-class _Meter(SessionRunHook):
-    """Every step's loss, end clocks and stage timings, the batch's unique
-    keys, the first batch's C1 and the reader's position after the last."""
+class _Rounds(SessionRunHook):
+    """Meters every step (loss, end clocks, stage timings, unique keys, the
+    first C1 values of each round) and, after the last step of each entry of
+    the plan, with the engine synced, waits until ``go`` is released."""
 
-    def __init__(self) -> None:
+    def __init__(self, plan: list[tuple[int, int]]) -> None:
+        bounds = np.cumsum([0, *(u + t for u, t in plan)])
+        self.starts = set(bounds[:-1].tolist())  # global steps beginning a round
+        self.ends = set((bounds[1:] - 1).tolist())
+        self.last = int(bounds[-1]) - 1
+        self.go = threading.Semaphore(0)  # released by play()
+        self.paused = threading.Semaphore(0)  # released when a round is done
+        self.stop = False
         self.losses: list[float] = []
         self.clocks: list[Clocks] = []
         self.uniques: list[int] = []
         self.timings: list[dict[str, float]] = []
-        self.first_c1: np.ndarray | None = None
-        self.position: Any = None
+        self.first_c1: dict[int, np.ndarray] = {}
+
+    def begin(self) -> None:
+        self.go.acquire()  # the first play()
+
+    def sync_after(self, step: int) -> bool:
+        return step in self.ends
 
     def before_run(self, run_context: Any) -> Any:
         batch = run_context.batch
-        if self.first_c1 is None:
-            self.first_c1 = np.array(batch.sparse["C1"].values, copy=True)
-        self.position = batch.position
+        if run_context.step in self.starts:
+            self.first_c1[run_context.step] = np.array(batch.sparse["C1"].values, copy=True)
         if batch.prepared is not None:
             self.uniques.append(sum(len(k.uniques) for k in batch.prepared.tables.values()))
         return SessionRunArgs(["loss"])
@@ -492,6 +532,15 @@ class _Meter(SessionRunHook):
         self.losses.append(float(run_values.results["loss"]))
         self.clocks.append(Clocks.now())
         self.timings.append(dict(run_values.timings))
+        step = run_context.step
+        if step in self.ends:
+            if not run_context.synced:
+                raise AssertionError(f"step {step} ends a round but its push was not waited for")
+            if step != self.last:
+                self.paused.release()
+                self.go.acquire()
+        if self.stop:
+            run_context.request_stop()
 
 
 def ratio(a: float, b: float) -> float:
@@ -524,16 +573,17 @@ def bench_optimizer(
         ceiling_loop(tf, kind, data, args),
         tf_native_loop(tf, kind, data, args),
     ]
-    start = time.perf_counter()
-    # Made last: closed below (engine threads).
-    wuliang = WuliangLoop(tf, kind, files, data, args, reserve)
-    setup_s = time.perf_counter() - start
-    contenders.append(wuliang)
     timed = {
         "ceiling": split(args.steps, args.rounds),
         "tf_native": split(native_steps, args.rounds),
         "wuliang": split(args.steps, args.rounds),
     }
+    plan = [(args.warmup, 0), *((1, n) for n in timed["wuliang"])]  # as played below
+    start = time.perf_counter()
+    # Made last: closed below (engine threads).
+    wuliang = WuliangLoop(tf, kind, files, data, args, reserve, plan)
+    setup_s = time.perf_counter() - start
+    contenders.append(wuliang)
     try:
         for c in contenders:
             c.play(args.warmup, 0)
@@ -590,7 +640,7 @@ def bench_optimizer(
         "staleness": ours.extra["staleness"],
         "prefetch": ours.extra["prefetch"],
         "engine_shards": ours.extra["engine_shards"],
-        "reader_threads": wuliang.reader_threads,
+        "reader_threads": wuliang.reader.num_threads,
         "wuliang_tables": len(SINGLE),
         "wuliang_rows": ours.extra["engine_rows"],
         "wuliang_reserved_rows": sum(reserve.values()),
