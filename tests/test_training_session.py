@@ -589,7 +589,9 @@ def test_background_threads_yield_to_tensorflow(tmp_path: Path, background: str)
     assert shard_policies(context) == {expected}
     s = session(context=context)
     record = RecordPolicies()
-    with ParquetReader(path, 16, ["user", "hist", "x"], label="click", prefetch=1) as reader:
+    with ParquetReader(
+        path, 16, ["user", "hist", "x"], label="click", prefetch=1, num_threads=2
+    ) as reader:
         s.train(reader, hooks=[record])
         assert reader.background == background  # the context's, as the reader had none
     kinds = {thread_kind(name) for name in record.policies}
@@ -605,7 +607,9 @@ def test_a_reader_keeps_its_own_background(tmp_path: Path) -> None:
     s = session(context=wl.Context(num_shards=2))  # idle
     record = RecordPolicies()
     columns = ["user", "hist", "x"]
-    with ParquetReader(path, 16, columns, label="click", prefetch=1, background="normal") as reader:
+    with ParquetReader(
+        path, 16, columns, label="click", prefetch=1, num_threads=2, background="normal"
+    ) as reader:
         s.train(reader, hooks=[record])
     reading = {"wuliang-read", "wuliang-assemble"}
     policies = {p for n, p in record.policies.items() if thread_kind(n) in reading}
