@@ -20,7 +20,9 @@ other busy processes of normal priority, these threads get very little CPU
 than it would; use ``background="normal"`` there. The policy is one-way for
 an unprivileged process (leaving ``SCHED_IDLE`` needs ``CAP_SYS_NICE``), so
 it is set only on threads started for the purpose and on the workers of an
-engine the context owns.
+engine the context owns. Threads that a library starts lazily from one of
+them inherit it: the worker of Arrow's I/O pool that Parquet reading starts
+on first use is such a thread (it does the reader's background work).
 """
 
 from __future__ import annotations
