@@ -33,6 +33,15 @@ class ChangeLog {
     keys_.push_back(key);
   }
 
+  // Allocates (and touches) room for n keys now, so that growing up to n
+  // later writes no fresh memory.
+  void Reserve(size_t n) {
+    const size_t size = keys_.size();
+    if (n <= size) return;
+    keys_.resize(n);     // zero-fills: faults the pages in
+    keys_.resize(size);  // keeps the capacity
+  }
+
   // The log no longer lists every change up to `version`.
   void Forget(uint64_t version);
   // Drops the oldest segments until at most `keep` keys remain.

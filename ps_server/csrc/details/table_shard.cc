@@ -72,6 +72,7 @@ TableShard::TableShard(const TableDef& def, size_t reserve_rows)
   if (reserve_rows > 0) {
     pool_.Reserve(reserve_rows);
     index_.Reserve(reserve_rows);
+    changes_.Reserve(2 * (reserve_rows + kMinLog));  // its bound (BoundLog)
   }
 }
 
