@@ -118,7 +118,9 @@ bool Finite(float x) { return std::isfinite(x); }
 // memory rather than let the kernel's OOM killer answer.
 void CheckReserve(const TableSpec& spec, const details::RowLayout& layout) {
   if (spec.reserve_rows == 0) return;
-  const double per_row = static_cast<double>(layout.hot_stride + layout.cold_stride) + 16 * 4 / 3.0;
+  // Row, index slot at 3/4 load, change log (two keys).
+  const double per_row =
+      static_cast<double>(layout.hot_stride + layout.cold_stride) + 16 * 4 / 3.0 + 16;
   const double need = per_row * static_cast<double>(spec.reserve_rows);
   const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
   if (have <= 0 || need < have) return;
