@@ -405,7 +405,7 @@ class WuliangLoop:
             return model(concat(inputs))
 
         self.session = Session(tower, features, self.context, optimizer=tower_optimizer(kind))
-        self.name, self.kind, self.files, self.data, self.args = "wuliang", kind, files, data, args
+        self.name, self.kind, self.data, self.args = "wuliang", kind, data, args
         self.plan = plan
         self.rounds = _Rounds(plan)
         self.played = 0  # plan entries done
@@ -431,7 +431,7 @@ class WuliangLoop:
             path = self.args.timeline / f"wuliang-{self.kind}.json"
             hooks.append(Timeline(path, first_step=first, num_steps=min(timed, 20)))
         try:
-            total = sum(u + t for u, t in self.plan)
+            total = self.rounds.bounds[-1]
             result = self.session.train(self.reader, steps=total, hooks=hooks)
             if result["steps"] != total and not self.rounds.stop:
                 raise AssertionError(f"wuliang ran {result['steps']} steps, expected {total}")
@@ -443,7 +443,7 @@ class WuliangLoop:
     def play(self, untimed: int, timed: int) -> None:
         if (untimed, timed) != self.plan[self.played]:
             raise AssertionError(f"play({untimed}, {timed}) is not round {self.plan[self.played]}")
-        first = sum(u + t for u, t in self.plan[: self.played])
+        first = self.rounds.bounds[self.played]  # global step of the round's first batch
         self.played += 1
         if self.thread is None:
             self.thread = threading.Thread(target=self._train, name="bench-wuliang")
@@ -501,10 +501,10 @@ class _Rounds(SessionRunHook):
     the plan, with the engine synced, waits until ``go`` is released."""
 
     def __init__(self, plan: list[tuple[int, int]]) -> None:
-        bounds = np.cumsum([0, *(u + t for u, t in plan)])
-        self.starts = set(bounds[:-1].tolist())  # global steps beginning a round
-        self.ends = set((bounds[1:] - 1).tolist())
-        self.last = int(bounds[-1]) - 1
+        self.bounds = np.cumsum([0, *(u + t for u, t in plan)]).tolist()  # round i: [b_i, b_i+1)
+        self.starts = set(self.bounds[:-1])  # global steps beginning a round
+        self.ends = {b - 1 for b in self.bounds[1:]}
+        self.last = self.bounds[-1] - 1
         self.go = threading.Semaphore(0)  # released by play()
         self.paused = threading.Semaphore(0)  # released when a round is done
         self.stop = False
