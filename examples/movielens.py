@@ -61,7 +61,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/datasets/movielens-small"
+DEFAULT_DATA = REPO / "datasets" / "movielens-small"  # ml-latest-small, shipped compressed
 DEFAULT_WORK_DIR = REPO / "runs" / "movielens"
 
 # feature (Parquet column) -> (table, combiner); lists are pooled with a mean.
@@ -85,8 +85,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--data",
         type=Path,
         default=Path(os.environ.get("WULIANG_MOVIELENS", DEFAULT_DATA)),
-        help="MovieLens directory with ratings.csv, movies.csv (and tags.csv) "
-        "(default: $WULIANG_MOVIELENS or ../shared/datasets/movielens-small)",
+        help="MovieLens directory with ratings.csv, movies.csv (and tags.csv), each may be "
+        ".csv.gz (default: $WULIANG_MOVIELENS or the repository's datasets/movielens-small)",
     )
     p.add_argument(
         "--work-dir",
@@ -129,20 +129,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def convert(data: Path, work_dir: Path) -> list[Path]:
     """The day files of data in work_dir/days, converting unless already done."""
-    from wuliang.reader.convert import convert_movielens
+    from wuliang.reader.convert.movielens import convert_movielens, find_csv
 
     days = work_dir / "days"
     marker = work_dir / "converted.json"
-    ratings = data / "ratings.csv"
-    if not ratings.is_file():
+    inputs = {name: find_csv(data, name) for name in ("ratings", "movies", "tags")}
+    if inputs["ratings"] is None:
         raise SystemExit(f"{data} has no ratings.csv (pass --data or set WULIANG_MOVIELENS)")
     source = {
         "data": str(data.resolve()),
         **{
-            name: [s.st_size, s.st_mtime_ns]
-            for name in ("ratings.csv", "movies.csv", "tags.csv")
-            if (data / name).is_file()
-            for s in [(data / name).stat()]
+            path.name: [s.st_size, s.st_mtime_ns]
+            for path in inputs.values()
+            if path is not None
+            for s in [path.stat()]
         },
     }
     if marker.is_file() and json.loads(marker.read_text()) == source:

@@ -16,19 +16,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from repo_data import MOVIELENS, open_movielens
 
 from wuliang.reader import ParquetReader, hash_ints, hash_strings
 from wuliang.reader.convert import CsvSchema, convert_criteo, convert_csv, convert_movielens
 from wuliang.reader.convert._common import PartWriter
 from wuliang.reader.convert.criteo import MISSING_BUCKET, NEGATIVE_BUCKET, bucket_ids
 
-MOVIELENS = Path("/work/shared/datasets/movielens-small")
 SCRIPT = Path(sys.executable).parent / "wuliang"
 ML_FEATURES = ["user_id", "movie_id", "genres", "year", "tags"]
-
-needs_movielens = pytest.mark.skipif(
-    not (MOVIELENS / "ratings.csv").is_file(), reason=f"no MovieLens data in {MOVIELENS}"
-)
 
 
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -62,11 +58,10 @@ def read_all(files: list[Path]) -> pa.Table:
 
 
 def read_csv_rows(name: str) -> list[dict[str, str]]:
-    with open(MOVIELENS / name, newline="", encoding="utf-8") as f:
+    with open_movielens(name) as f:
         return list(csv.DictReader(f))
 
 
-@needs_movielens
 def test_movielens_rows_time_order_and_label(movielens: tuple[list[Path], pa.Table]) -> None:
     files, table = movielens
     ratings = read_csv_rows("ratings.csv")
@@ -99,7 +94,6 @@ def find(table: pa.Table, user: int, movie: int) -> dict:
     return table.slice(int(index), 1).to_pylist()[0]
 
 
-@needs_movielens
 def test_movielens_hand_checked_rows(movielens: tuple[list[Path], pa.Table]) -> None:
     _, table = movielens
     toy_story = find(table, 1, 1)
@@ -122,7 +116,6 @@ def test_movielens_hand_checked_rows(movielens: tuple[list[Path], pa.Table]) -> 
     assert find(table, 2, 89774)["tags"] == []  # rated 1445715189, tagged 1445715200+
 
 
-@needs_movielens
 def test_movielens_tags_are_the_past_tags_of_the_movie(
     movielens: tuple[list[Path], pa.Table],
 ) -> None:
@@ -148,7 +141,6 @@ def test_movielens_tags_are_the_past_tags_of_the_movie(
     assert rows_with_tags > 1000
 
 
-@needs_movielens
 def test_movielens_reads_with_parquet_reader(movielens: tuple[list[Path], pa.Table]) -> None:
     files, table = movielens
     rows = 0
@@ -168,16 +160,16 @@ def test_movielens_reads_with_parquet_reader(movielens: tuple[list[Path], pa.Tab
 
 def small_movielens(dest: Path, ratings: int, with_tags: bool = True) -> Path:
     dest.mkdir()
-    shutil.copy(MOVIELENS / "movies.csv", dest)
+    shutil.copy(MOVIELENS / "movies.csv.gz", dest)  # compressed or not, both read
     if with_tags:
-        shutil.copy(MOVIELENS / "tags.csv", dest)
-    with open(MOVIELENS / "ratings.csv") as src, open(dest / "ratings.csv", "w") as out:
+        with open_movielens("tags.csv") as src, open(dest / "tags.csv", "w") as out:
+            shutil.copyfileobj(src, out)
+    with open_movielens("ratings.csv") as src, open(dest / "ratings.csv", "w") as out:
         for _, line in zip(range(ratings + 1), src, strict=False):
             out.write(line)
     return dest
 
 
-@needs_movielens
 def test_movielens_errors_and_optional_tags(tmp_path: Path) -> None:
     src = small_movielens(tmp_path / "ml", 300, with_tags=False)
     files = convert_movielens(src, tmp_path / "out", progress=False)
@@ -443,7 +435,6 @@ def test_cli_convert_criteo_and_csv(tmp_path: Path) -> None:
     assert done.returncode == 1 and "column 'user': unknown kind 'id'" in done.stderr
 
 
-@needs_movielens
 def test_cli_convert_movielens(tmp_path: Path) -> None:
     small_movielens(tmp_path / "ml", 2000)
     out = tmp_path / "out"
@@ -457,6 +448,6 @@ def test_cli_convert_movielens(tmp_path: Path) -> None:
     assert "1990-01-01.parquet" not in days and (out / "README").exists()
     with ParquetReader(out, batch_size=512, features=ML_FEATURES, label="label") as reader:
         assert sum(b.size for b in reader) == 2000
-    (tmp_path / "ml" / "movies.csv").unlink()
+    (tmp_path / "ml" / "movies.csv.gz").unlink()
     done = run(["convert", "movielens", "ml", "out", "--quiet"], tmp_path)
     assert done.returncode == 1 and "has no movies.csv" in done.stderr

@@ -16,15 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-import pytest
+from repo_data import MOVIELENS
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-MOVIELENS = Path(
-    os.environ.get(
-        "WULIANG_MOVIELENS",
-        Path(__file__).resolve().parents[2] / "shared/datasets/movielens-small",
-    )
-)
 
 
 def run_example(script: str, args: list[str], cwd: Path) -> dict[str, Any]:
@@ -64,7 +58,6 @@ def test_criteo_example(tmp_path: Path) -> None:
     assert pq.read_metadata(split / "boundary-test.parquet").num_rows == 300
 
 
-@pytest.mark.skipif(not (MOVIELENS / "ratings.csv").is_file(), reason="no MovieLens data")
 def test_movielens_example(tmp_path: Path) -> None:
     work = tmp_path / "movielens"
     result = run_example(

@@ -3,7 +3,8 @@
 Input: a MovieLens directory (``ml-latest-small``, ``ml-25m``, …) with
 ``ratings.csv`` (userId, movieId, rating, timestamp) and ``movies.csv``
 (movieId, title, genres); ``tags.csv`` (userId, movieId, tag, timestamp) is
-optional.
+optional. Each file may be gzip-compressed (``ratings.csv.gz``), as the copy of
+``ml-latest-small`` in the repository's ``datasets/`` is.
 
 Output: ``OUT_DIR/YYYY-MM-DD.parquet``, one file per UTC day that has ratings,
 written atomically (day files of an earlier run that this one did not write are
@@ -65,6 +66,14 @@ _RATINGS = {"userId": pa.int64(), "movieId": pa.int64(), "rating": pa.float32()}
 _RATINGS["timestamp"] = pa.int64()
 _MOVIES = {"movieId": pa.int64(), "title": pa.string(), "genres": pa.string()}
 _TAGS = {"movieId": pa.int64(), "tag": pa.string(), "timestamp": pa.int64()}
+
+
+def find_csv(directory: Path, name: str) -> Path | None:
+    """``directory/name.csv``, else ``name.csv.gz``, else None."""
+    for path in (directory / f"{name}.csv", directory / f"{name}.csv.gz"):
+        if path.is_file():
+            return path
+    return None
 
 
 def _read_csv(path: Path, types: dict[str, pa.DataType]) -> pa.Table:
@@ -184,13 +193,14 @@ def convert_movielens(
     src = Path(in_dir)
     if not src.is_dir():
         raise FileNotFoundError(f"MovieLens directory {src} does not exist")
-    for name in ("ratings.csv", "movies.csv"):
-        if not (src / name).is_file():
-            raise FileNotFoundError(f"MovieLens directory {src} has no {name}")
-    ratings = _read_csv(src / "ratings.csv", _RATINGS)
-    movies = _Movies(_read_csv(src / "movies.csv", _MOVIES), src / "movies.csv")
-    tags_path = src / "tags.csv"
-    tags = _Tags(_read_csv(tags_path, _TAGS) if tags_path.is_file() else None)
+    paths = {name: find_csv(src, name) for name in ("ratings", "movies", "tags")}
+    for name in ("ratings", "movies"):
+        if paths[name] is None:
+            raise FileNotFoundError(f"MovieLens directory {src} has no {name}.csv (or .csv.gz)")
+    ratings = _read_csv(paths["ratings"], _RATINGS)
+    movies = _Movies(_read_csv(paths["movies"], _MOVIES), paths["movies"])
+    tags_path = paths["tags"]
+    tags = _Tags(_read_csv(tags_path, _TAGS) if tags_path is not None else None)
 
     user = ratings.column("userId").to_numpy()
     movie = ratings.column("movieId").to_numpy()
