@@ -38,6 +38,7 @@ so batches of any size (and any number of unique keys) reuse one trace.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,7 @@ import numpy as np
 import tensorflow as tf
 
 from wuliang.embedding.features import DenseFeature, SparseFeature
+from wuliang.embedding.ops import concat
 from wuliang.reader._reader import scatter_add_rows
 from wuliang.reader.batch import CsrBatch
 from wuliang.reader.prepare import PreparedKeys
@@ -257,6 +259,97 @@ def sequence(
     return padded, mask
 
 
+class Tower:
+    """How a step calls the user's tower.
+
+    * A Keras model or layer whose ``call`` takes one input (a
+      ``keras.Sequential``, a functional model with one input, a ``Dense``
+      layer) gets one ``[B, sum of dims]`` tensor: the pooled sparse features
+      and the dense features concatenated in the order the features were
+      declared (``order``).
+    * Anything else (a Keras model whose ``call`` takes two inputs, a
+      ``tf.Module``, a function) is called ``tower(embeddings, dense)`` with
+      two dicts by feature name.
+
+    Either way ``training=`` is passed (True in the training step, False
+    elsewhere) when the tower accepts it, so dropout and batch normalisation
+    behave as in Keras's ``fit`` and ``predict``.
+    """
+
+    def __init__(
+        self,
+        tower: Callable[..., Any],
+        sparse: Sequence[SparseFeature],
+        dense: Sequence[DenseFeature],
+        order: Sequence[str] | None = None,
+    ) -> None:
+        if not callable(tower):
+            raise TypeError(f"the tower must be callable, got {tower!r}")
+        self.fn = tower
+        self.order = list(order) if order is not None else [f.name for f in (*sparse, *dense)]
+        params = _call_parameters(tower)
+        self.takes_training = params is not None and "training" in params
+        positional = [
+            p
+            for name, p in (params or {}).items()
+            if name not in ("training", "mask")
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        self.one_input = _is_keras_layer(tower) and len(positional) == 1
+        if not self.one_input:
+            return
+        inputs = _functional_inputs(tower)
+        if inputs is not None and inputs > 1:
+            raise ValueError(
+                f"the tower is a functional Keras model with {inputs} inputs; wuliang calls a "
+                "one-input model with the concatenated features, and any other tower as "
+                "tower(embeddings, dense) with dicts by feature name"
+            )
+        sequences = [f.name for f in sparse if f.is_sequence]
+        if sequences:
+            raise ValueError(
+                f"a one-input Keras tower gets the pooled features concatenated, but "
+                f"{', '.join(map(repr, sequences))} is a sequence feature (combiner=None): "
+                "write a tower(embeddings, dense) that takes its (values, mask)"
+            )
+
+    def __call__(self, embeddings: dict[str, Any], dense: dict[str, Any], training: bool) -> Any:
+        kwargs = {"training": training} if self.takes_training else {}
+        if self.one_input:
+            inputs = {**embeddings, **dense}
+            return self.fn(concat([inputs[name] for name in self.order]), **kwargs)
+        return self.fn(embeddings, dense, **kwargs)
+
+
+def _variable_name(variable: Any) -> str:
+    """A Keras variable's path (``dense/kernel``), else its TF name without ``:0``."""
+    name = getattr(variable, "path", None) or variable.name
+    return name[:-2] if name.endswith(":0") else name
+
+
+def _is_keras_layer(tower: Any) -> bool:
+    import keras
+
+    return isinstance(tower, keras.layers.Layer)
+
+
+def _functional_inputs(model: Any) -> int | None:
+    """How many inputs a functional Keras model has (None: not functional)."""
+    try:
+        return len(model.inputs)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _call_parameters(tower: Any) -> Mapping[str, inspect.Parameter] | None:
+    """The parameters of what calling the tower runs (a Keras layer's call)."""
+    target = tower.call if _is_keras_layer(tower) else tower
+    try:
+        return inspect.signature(target).parameters
+    except (TypeError, ValueError):  # a builtin or C callable
+        return None
+
+
 class LossFn:
     """A loss by name (``binary_crossentropy``, ``mse``, ``softmax_crossentropy``)
     or a callable ``(labels, logits) -> scalar``; and how logits become
@@ -308,11 +401,13 @@ class StepFunctions:
             tensors to fetch. ``embeddings[name]`` is ``[B, dim]`` for pooled
             features and ``(values [B, L, dim], mask [B, L])`` for sequences;
             ``dense[name]`` is ``[B, dim]``. A Keras model or layer, a
-            ``tf.Module`` or a plain function over variables it owns.
+            ``tf.Module`` or a plain function over variables it owns; a
+            one-input Keras model gets the features concatenated (``Tower``).
         sparse, dense: the features.
         layout: how the tables are packed (``Layout.of(sparse)``).
         loss: one ``LossFn``, or one per task.
         optimizer: a Keras optimizer for the dense variables.
+        order: the features' names as declared (default: sparse, then dense).
 
     One concrete function is traced per set of features that take the
     single-value gather (``StepInputs.single``) and label structure: in
@@ -327,8 +422,10 @@ class StepFunctions:
         layout: Layout,
         loss: LossFn | Mapping[str, LossFn],
         optimizer: Any,
+        order: Sequence[str] | None = None,
     ) -> None:
         self.tower = tower
+        self.call_tower = Tower(tower, sparse, dense, order)
         self.sparse = list(sparse)
         self.dense = list(dense)
         self.layout = layout
@@ -336,6 +433,7 @@ class StepFunctions:
         self.optimizer = optimizer
         self._label_names: list[str] | None = None
         self._functions: dict[tuple, Any] = {}
+        self.tower_variable_names: list[str] = []  # order of the step's "tower_finite"
 
     # -- tracing -----------------------------------------------------------
 
@@ -430,7 +528,7 @@ class StepFunctions:
                 embeddings[f.name] = pool(values, segments, weights, f.combiner, size)
         embeddings = {f.name: embeddings[f.name] for f in self.sparse}  # declared order
         dense_inputs = {f.name: x for f, x in zip(self.dense, dense, strict=True)}
-        result = self.tower(embeddings, dense_inputs)
+        result = self.call_tower(embeddings, dense_inputs, training=tape is not None)
         outputs: dict[str, tf.Tensor] = {}
         if isinstance(result, tuple):
             result, outputs = result
@@ -581,9 +679,19 @@ class StepFunctions:
         pairs = [
             (g, v) for g, v in zip(grads[len(gathered) :], variables, strict=True) if g is not None
         ]
+        # A non-finite gradient is not applied (zeros in its place); the host
+        # reads which variables had one (``tower_finite``) and raises or counts.
+        finite = [tf.reduce_all(tf.math.is_finite(g)) for g, _ in pairs]
         if pairs:
-            self.optimizer.apply_gradients(pairs)
+            self.optimizer.apply_gradients(
+                [
+                    (tf.where(ok, g, tf.zeros_like(g)), v)
+                    for ok, (g, v) in zip(finite, pairs, strict=True)
+                ]
+            )
+        self.tower_variable_names = [_variable_name(v) for _, v in pairs]
         return {
+            "tower_finite": tf.stack(finite) if finite else tf.ones([0], tf.bool),
             "loss": loss,
             "logits": logits,
             "predictions": predictions,

@@ -132,7 +132,14 @@ class ProgressBar(SessionRunHook):
 
 class NanGuard(SessionRunHook):
     """Fails (or stops) training when the loss is NaN or infinite (checked
-    in every run with labels, evaluation runs too)."""
+    in every run with labels, evaluation runs too).
+
+    A training session already fails at a non-finite loss by default
+    (``Context(non_finite="raise")``, see ``wuliang.nonfinite``), before the
+    step is applied; ``NanGuard(fail=False)`` makes it stop training instead,
+    without an error and without applying that step, and checks evaluation
+    runs too.
+    """
 
     def __init__(self, fail: bool = True) -> None:
         self.fail = fail

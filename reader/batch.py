@@ -64,7 +64,7 @@ class Csr:
         if num_rows is not None and self.num_rows != num_rows:
             raise ValueError(f"{who}: has {self.num_rows} rows, the batch has {num_rows}")
         if self.offsets[0] != 0:
-            raise ValueError(f"{who}: offsets must start at 0, got {self.offsets[0]}")
+            raise ValueError(f"{who}: offsets must start at 0 (row 0), got {self.offsets[0]}")
         steps = np.diff(self.offsets)
         bad = np.flatnonzero(steps < 0)
         if len(bad):
@@ -95,6 +95,7 @@ class CsrBatch:
     dense_columns: dict[str, slice] = field(default_factory=dict)  # feature -> columns
     prepared: Any = None  # PreparedKeys, when the reader prepares keys
     position: Any = None  # ReaderPosition after this batch, when read by a ParquetReader
+    validated: bool = False  # validate() passed (a validating reader's batches)
 
     def dense_feature(self, name: str) -> np.ndarray:
         """The columns of one dense feature, float32 [B, d]."""
@@ -115,8 +116,16 @@ class CsrBatch:
         for name, cols in self.dense_columns.items():
             if not 0 <= cols.start <= cols.stop <= width:
                 raise ValueError(f"dense feature {name!r}: columns {cols} outside [0, {width})")
+        bad = np.flatnonzero(~np.isfinite(self.dense).all(axis=1)) if width else []
+        if len(bad):
+            row = int(bad[0])
+            column = int(np.flatnonzero(~np.isfinite(self.dense[row]))[0])
+            names = [n for n, c in self.dense_columns.items() if c.start <= column < c.stop]
+            who = f"dense feature {names[0]!r}" if names else f"dense column {column}"
+            raise ValueError(f"{who}: non-finite value {self.dense[row, column]} at row {row}")
         labels = self.labels
         if labels is None:
+            self.validated = True
             return
         for name, values in labels.items() if isinstance(labels, dict) else [("label", labels)]:
             who = f"label {name!r}"
@@ -126,6 +135,7 @@ class CsrBatch:
             bad = np.flatnonzero(~np.isfinite(values))
             if len(bad):
                 raise ValueError(f"{who}: null or non-finite value at row {bad[0]}")
+        self.validated = True
 
 
 def _check_array(a: Any, dtypes: tuple[np.dtype, ...], ndim: int, who: str) -> None:

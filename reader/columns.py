@@ -11,7 +11,8 @@ Column kinds, from the Arrow type:
 * ``list<int>`` / ``large_list<int>``: multi-valued sparse. Null lists are
   empty; null elements are dropped or raise (``null_values``).
 * ``int*`` / ``uint*``: single-valued sparse; a null makes the row empty.
-* ``float*`` / ``bool``: one dense column (null = 0).
+* ``float*`` / ``bool``: one dense column (null = 0; NaN and infinities are
+  refused, or their rows dropped: ``finite_chunks``).
 * ``fixed_size_list<float>``: d dense columns.
 * weights: a ``list<float>`` column paired with a multi-valued feature.
 """
@@ -245,14 +246,40 @@ def chunk_from_record_batch(
         array = rb.column(c.name)
         if pa.types.is_boolean(array.type):
             array = array.cast(pa.float32())
-        values = array.to_numpy(zero_copy_only=False).astype(np.float32)  # nulls -> nan
-        bad = np.flatnonzero(~np.isfinite(values))
-        if len(bad):
-            raise ValueError(
-                f"{source}: label {c.name!r} is null or not finite at row {first_row + bad[0]}"
-            )
-        labels[c.name] = values
+        labels[c.name] = array.to_numpy(zero_copy_only=False).astype(np.float32)  # nulls -> nan
     return Chunk(sparse, dense, labels, n, source, first_row)
+
+
+def finite_chunks(chunk: Chunk, schema: Schema, non_finite: str) -> tuple[list[Chunk], int]:
+    """The chunk without rows whose dense values or labels are NaN or infinite
+    (a null label is NaN): ``non_finite="raise"`` raises ValueError naming the
+    file, feature and row of the first; ``"drop"`` returns the runs of good
+    rows as chunks (each keeps its place in the file) and how many rows went."""
+    bad = np.zeros(chunk.size, dtype=bool)
+    if chunk.dense.shape[1]:
+        bad |= ~np.isfinite(chunk.dense).all(axis=1)
+    for values in chunk.labels.values():
+        bad |= ~np.isfinite(values)
+    if not bad.any():
+        return [chunk], 0
+    if non_finite == "raise":
+        row = int(np.flatnonzero(bad)[0])
+        where = f"{chunk.source}: row {chunk.first_row + row}"
+        for name, values in chunk.labels.items():
+            if not np.isfinite(values[row]):
+                raise ValueError(f"{where}: label {name!r} is null or not finite")
+        for name, columns in schema.dense_columns.items():
+            values = chunk.dense[row, columns]
+            if not np.isfinite(values).all():
+                value = values[~np.isfinite(values)][0]
+                raise ValueError(
+                    f"{where}: dense feature {name!r} is {value} "
+                    "(non-finite values are refused; ParquetReader(non_finite='drop') "
+                    "drops such rows)"
+                )
+    good = np.flatnonzero(~bad)
+    runs = np.split(good, np.flatnonzero(np.diff(good) != 1) + 1) if len(good) else []
+    return [slice_chunk(chunk, int(r[0]), int(r[-1]) + 1) for r in runs], int(bad.sum())
 
 
 def slice_chunk(chunk: Chunk, start: int, stop: int) -> Chunk:

@@ -29,6 +29,7 @@ thread.
 from __future__ import annotations
 
 import glob as globlib
+import logging
 import os
 import queue
 import threading
@@ -49,11 +50,14 @@ from wuliang.reader.columns import (
     Schema,
     chunk_from_record_batch,
     concat_chunks,
+    finite_chunks,
     gather_rows,
     slice_chunk,
 )
 from wuliang.reader.prepare import KeyPreparer
 from wuliang.threads import check_background, set_background
+
+log = logging.getLogger("wuliang")
 
 _END = object()  # end of a unit (reader queues) or of the iteration (output queue)
 _CHUNK_ROWS = 1 << 16  # Arrow record batch size asked of the Parquet reader
@@ -72,6 +76,7 @@ class ReaderStats:
     skipped_files: int = 0
     rows: int = 0
     batches: int = 0
+    dropped_rows: int = 0  # non-finite dense values or labels, with non_finite="drop"
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,9 @@ class ParquetReader:
         prefetch: batches kept ready ahead of the consumer.
         on_bad_file: ``"raise"`` or ``"skip"`` corrupt or truncated files.
         null_values: null elements in list columns: ``"drop"`` or ``"raise"``.
+        non_finite: a NaN or infinite dense value or label (a null label
+            too): ``"raise"`` ValueError naming the file, feature and row, or
+            ``"drop"`` the row (counted in ``stats.dropped_rows``, logged).
         weights: multi-valued feature -> ``list<float>`` column of its weights.
         prepare: a ``KeyPreparer``; each batch then carries ``prepared`` keys,
             computed in the background.
@@ -180,24 +188,44 @@ class ParquetReader:
         prefetch: int = 4,
         on_bad_file: str = "raise",
         null_values: str = "drop",
+        non_finite: str = "raise",
         weights: Mapping[str, str] | None = None,
         prepare: KeyPreparer | None = None,
         validate: bool = True,
         start: ReaderPosition | Mapping[str, Any] | None = None,
         background: str | None = None,
     ) -> None:
-        _require(isinstance(batch_size, int) and batch_size >= 1, "batch_size must be >= 1")
         _require(
-            isinstance(shuffle_buffer, int) and shuffle_buffer >= 0, "shuffle_buffer must be >= 0"
+            _is_int(batch_size) and batch_size >= 1,
+            f"batch_size must be an int >= 1, got {batch_size!r}",
+        )
+        _require(
+            _is_int(shuffle_buffer) and shuffle_buffer >= 0,
+            f"shuffle_buffer must be an int >= 0, got {shuffle_buffer!r}",
         )
         _require(
             isinstance(num_workers, int) and num_workers >= 1 and 0 <= worker_index < num_workers,
             f"worker_index must be in [0, num_workers), got {worker_index} of {num_workers}",
         )
-        _require(epochs is None or (isinstance(epochs, int) and epochs >= 1), "epochs must be >= 1")
-        _require(isinstance(prefetch, int) and prefetch >= 1, "prefetch must be >= 1")
-        _require(on_bad_file in ("raise", "skip"), "on_bad_file must be 'raise' or 'skip'")
-        _require(null_values in ("drop", "raise"), "null_values must be 'drop' or 'raise'")
+        _require(
+            epochs is None or (_is_int(epochs) and epochs >= 1),
+            f"epochs must be an int >= 1 or None, got {epochs!r}",
+        )
+        _require(
+            _is_int(prefetch) and prefetch >= 1, f"prefetch must be an int >= 1, got {prefetch!r}"
+        )
+        _require(
+            on_bad_file in ("raise", "skip"),
+            f"on_bad_file must be 'raise' or 'skip', got {on_bad_file!r}",
+        )
+        _require(
+            null_values in ("drop", "raise"),
+            f"null_values must be 'drop' or 'raise', got {null_values!r}",
+        )
+        _require(
+            non_finite in ("drop", "raise"),
+            f"non_finite must be 'drop' or 'raise', got {non_finite!r}",
+        )
         if isinstance(features, str):
             features = [features]
         _require(len(features) > 0, "features must name at least one column")
@@ -222,6 +250,7 @@ class ParquetReader:
         self.prefetch = prefetch
         self.on_bad_file = on_bad_file
         self.null_values = null_values
+        self.non_finite = non_finite
         self.prepare = prepare
         self.validate = validate
         self.background = None if background is None else check_background(background)
@@ -281,6 +310,10 @@ def _first_schema(files: list[str], on_bad_file: str) -> tuple[str, pa.Schema]:
             if on_bad_file == "raise":
                 raise ValueError(f"corrupt or truncated Parquet file {path}: {e}") from e
     raise ValueError(f"none of the {len(files)} files is a readable Parquet file")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -426,7 +459,13 @@ class _Run:
                 rb, first_row = rb.slice(cut), first_row + cut
                 if rb.num_rows == 0:
                     continue
-            yield chunk_from_record_batch(rb, cfg.schema, cfg.null_values, path, first_row)
+            chunk = chunk_from_record_batch(rb, cfg.schema, cfg.null_values, path, first_row)
+            kept, dropped = finite_chunks(chunk, cfg.schema, cfg.non_finite)
+            if dropped:
+                with cfg.lock:
+                    self.stats.dropped_rows += dropped
+                log.warning("%s: dropped %d rows with non-finite values", path, dropped)
+            yield from kept
             first_row += rb.num_rows
         with self.cfg.lock:
             self.stats.files_read += 1
@@ -483,7 +522,7 @@ class _Run:
 def _finish(batch: CsrBatch, cfg: _Config) -> CsrBatch:
     """Validation and key preparation, on the pool (C++ work runs without the GIL)."""
     if cfg.validate:
-        batch.validate()
+        batch.validate()  # sets batch.validated
     if cfg.prepare is not None:
         batch.prepared = cfg.prepare(batch)
     return batch
@@ -504,6 +543,7 @@ class _Config:
         self.prefetch = r.prefetch
         self.on_bad_file = r.on_bad_file
         self.null_values = r.null_values
+        self.non_finite = r.non_finite
         self.single_label = r.single_label
         self.prepare = r.prepare
         self.validate = r.validate

@@ -88,6 +88,13 @@ class KeyPreparer:
         for name, table in self.feature_tables.items():
             csr = batch.sparse.get(name)
             if csr is None:
+                if name in batch.dense_columns:
+                    raise ValueError(
+                        f"sparse feature {name!r}: the batch has {name!r} as a dense feature "
+                        "(the reader reads float and bool columns as dense); a sparse "
+                        "feature needs an int or list<int> column of keys "
+                        "(hash other values first, e.g. with `wuliang convert csv`)"
+                    )
                 known = ", ".join(batch.sparse) or "none"
                 raise KeyError(f"batch has no sparse feature {name!r} (features: {known})")
             if name in self.max_lens:

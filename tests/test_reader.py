@@ -864,7 +864,7 @@ def test_second_iter_does_not_hang_the_first(thread_dir: Path, no_thread_leak: N
     assert done, "the first iterator hangs once a second iteration starts"
 
 
-PRODUCER_FRAMES = {"_read_units", "_read_file", "_bad_file", "chunk_from_record_batch", "_list_csr"}
+PRODUCER_FRAMES = {"_read_units", "_read_file", "_bad_file", "finite_chunks", "_list_csr"}
 
 
 def producer_frames(error: BaseException) -> list[str]:
@@ -891,7 +891,7 @@ def test_column_error_traceback_reaches_consumer(thread_dir: Path) -> None:
     pq.write_table(table.set_column(2, "label", pa.array(labels)), thread_dir / "part-001.parquet")
     with pytest.raises(ValueError, match=r"row 123") as info:
         list(ParquetReader(thread_dir, 7, ["rid"], "label", num_threads=2))
-    assert "columns.py:chunk_from_record_batch" in producer_frames(info.value)
+    assert "columns.py:finite_chunks" in producer_frames(info.value)
 
 
 # -- weights, labels, validation ---------------------------------------------------------------

@@ -548,6 +548,14 @@ def test_context_arguments() -> None:
         wl.Context(background="low")
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+def test_background_threads_run_normally_by_default() -> None:
+    context = wl.Context(num_shards=2)
+    assert context.background == "normal"
+    assert shard_policies(context) == {os.SCHED_OTHER}
+    context.close()
+
+
 class RecordPolicies(hooks.SessionRunHook):
     """The scheduling policy of every wuliang thread alive at the first step."""
 
@@ -604,7 +612,7 @@ def test_background_threads_yield_to_tensorflow(tmp_path: Path, background: str)
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
 def test_a_reader_keeps_its_own_background(tmp_path: Path) -> None:
     path = many_files(tmp_path / "data")
-    s = session(context=wl.Context(num_shards=2))  # idle
+    s = session(context=wl.Context(num_shards=2, background="idle"))
     record = RecordPolicies()
     columns = ["user", "hist", "x"]
     with ParquetReader(

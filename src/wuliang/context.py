@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from wuliang.embedding.features import EmbeddingTable
+from wuliang.nonfinite import check_policy
 from wuliang.ps_server import Engine
 from wuliang.threads import check_background, set_background
 
@@ -75,10 +76,15 @@ class Context:
             an explicit ``hooks.Evict`` or ``engine.evict()`` evicts.
         background: scheduling of the threads that feed TensorFlow (the
             embedded engine's shard workers, the pipeline's and the reader's
-            threads): ``"idle"`` (Linux ``SCHED_IDLE``: they never preempt
-            TensorFlow's threads; steps ~11% shorter on 2 cores) or
-            ``"normal"`` (on a machine shared with other busy processes).
-            See ``wuliang.threads``.
+            threads): ``"normal"`` (the default) or ``"idle"`` (Linux
+            ``SCHED_IDLE``: they never preempt TensorFlow's threads, which
+            shortens steps when the trainer has the machine to itself, but
+            they starve on a machine shared with other busy processes, and a
+            process cannot undo the policy). See ``wuliang.threads``.
+        non_finite: a NaN or infinite loss or gradient while training:
+            ``"raise"`` stops training with ``NonFiniteError`` naming the
+            loss, tower variable or table and the step; ``"drop"`` skips
+            such updates, counts and logs them. See ``wuliang.nonfinite``.
     """
 
     def __init__(
@@ -88,7 +94,8 @@ class Context:
         staleness: int = 0,
         prefetch: int = 2,
         evict_every_steps: int | None = 1000,
-        background: str = "idle",
+        background: str = "normal",
+        non_finite: str = "raise",
     ) -> None:
         if ps != "embedded":
             raise ValueError(
@@ -105,6 +112,7 @@ class Context:
                 f"evict_every_steps must be an int >= 1 or None, got {evict_every_steps!r}"
             )
         self.background = check_background(background)
+        self.non_finite = check_policy(non_finite)
         self.engine = Engine(num_shards or max(1, min(os.cpu_count() or 1, 16)))
         for thread_id in self.engine.worker_thread_ids():
             set_background(self.background, thread_id)

@@ -12,11 +12,25 @@ import math
 import numpy as np
 
 
+def _check_scores(labels: np.ndarray, scores: np.ndarray) -> None:
+    """Same length, every score and label finite; else ValueError naming the first."""
+    if labels.shape != scores.shape:
+        raise ValueError(f"{len(labels)} labels for {len(scores)} scores")
+    for what, values in (("score", scores), ("label", labels)):
+        bad = np.flatnonzero(~np.isfinite(values))
+        if len(bad):
+            raise ValueError(
+                f"{what} {int(bad[0])} is {values[bad[0]]} ({len(bad)} non-finite {what}s)"
+            )
+
+
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     """Exact ROC AUC (Mann-Whitney U with average ranks for ties); nan if one
-    class is missing."""
-    labels = np.asarray(labels, dtype=np.float64) > 0.5
-    scores = np.asarray(scores, dtype=np.float64)
+    class is missing. A NaN or infinite score or label raises ValueError."""
+    scores = np.asarray(scores, dtype=np.float64).ravel()
+    raw = np.asarray(labels, dtype=np.float64).ravel()
+    _check_scores(raw, scores)
+    labels = raw > 0.5
     positives = int(labels.sum())
     negatives = len(labels) - positives
     if positives == 0 or negatives == 0:
@@ -34,8 +48,12 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
 
 
 def logloss(labels: np.ndarray, scores: np.ndarray, eps: float = 1e-7) -> float:
-    p = np.clip(np.asarray(scores, dtype=np.float64), eps, 1.0 - eps)
-    y = np.asarray(labels, dtype=np.float64)
+    """Mean binary cross-entropy of probabilities (clipped to [eps, 1 - eps]);
+    a NaN or infinite score or label raises ValueError."""
+    scores = np.asarray(scores, dtype=np.float64).ravel()
+    y = np.asarray(labels, dtype=np.float64).ravel()
+    _check_scores(y, scores)
+    p = np.clip(scores, eps, 1.0 - eps)
     return float(-np.mean(y * np.log(p) + (1.0 - y) * np.log(1.0 - p)))
 
 

@@ -95,7 +95,8 @@ def serving_module(session: Session) -> Any:
             f.name: (inputs[f.name], inputs[f"{f.name}_mask"]) if f.is_sequence else inputs[f.name]
             for f in sparse
         }
-        result = functions.tower(embeddings, {d.name: inputs[d.name] for d in dense})
+        dense_inputs = {d.name: inputs[d.name] for d in dense}
+        result = functions.call_tower(embeddings, dense_inputs, training=False)
         logits = result[0] if isinstance(result, tuple) else result
         predictions = functions.predictions(logits)
         if isinstance(predictions, dict):

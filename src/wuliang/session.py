@@ -18,6 +18,7 @@ step (``wuliang.hooks``).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -39,7 +40,9 @@ from wuliang.embedding.bridge import (
 from wuliang.embedding.features import Feature, split_features
 from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
 from wuliang.hooks.evict import Evict
+from wuliang.hooks.standard import NanGuard
 from wuliang.metrics import Metrics
+from wuliang.nonfinite import NonFiniteGuard
 from wuliang.pipeline import Pipeline
 from wuliang.ps_server import PullPart, PushPart
 from wuliang.reader._reader import index_in
@@ -47,6 +50,7 @@ from wuliang.reader.batch import CsrBatch
 from wuliang.reader.prepare import KeyPreparer, PreparedKeys
 
 STANDARD_FETCHES = ("loss", "predictions", "logits")
+log = logging.getLogger("wuliang")
 
 
 class Session:
@@ -54,8 +58,13 @@ class Session:
 
     Args:
         tower: ``tower(embeddings, dense) -> logits`` (a Keras model or layer,
-            a ``tf.Module`` or a function); a dict of logits per task for
-            multi-task models; or ``(logits, outputs)`` with named outputs.
+            a ``tf.Module`` or a function) with dicts of the pooled sparse
+            features and the dense features by name; a Keras model or layer
+            whose ``call`` takes one input (``keras.Sequential``, a functional
+            model with one input) gets them concatenated, in the order of
+            ``features``. Returns logits, a dict of logits per task for
+            multi-task models, or ``(logits, outputs)`` with named outputs.
+            ``training=`` is passed when the tower takes it.
         features: ``SparseFeature`` s and ``DenseFeature`` s.
         context: where the tables and the step live (default: a new one).
         hooks: hooks that see every step of this session.
@@ -76,7 +85,8 @@ class Session:
         import keras
 
         self.context = context or Context()
-        self.sparse, self.dense, tables = split_features(list(features))
+        features = list(features)
+        self.sparse, self.dense, tables = split_features(features)
         for table in tables.values():
             self.context.create_table(table)
         self.tables = list(tables)
@@ -101,6 +111,7 @@ class Session:
             self.layout,
             losses,
             self.optimizer,
+            order=[f.name for f in features],
         )
         self.hooks = list(hooks)
         evicting = [name for name, t in tables.items() if t.eviction.enabled]
@@ -110,6 +121,7 @@ class Session:
             self._own_evict = Evict(every_steps=every, tables=evicting)
             self.hooks.insert(0, self._own_evict)  # before checkpoints
         self.trace = Trace()
+        self.guard = NonFiniteGuard(self.context.non_finite)
         self._output_names: set[str] | None = None
         self._hooks_begun = False
         self._failed = False  # a step raised: close() does not end the session hooks
@@ -121,6 +133,12 @@ class Session:
     @property
     def global_step(self) -> int:
         return self.context.global_step
+
+    @property
+    def non_finite(self) -> dict[str, int]:
+        """Non-finite values skipped with ``Context(non_finite="drop")``: losses
+        (``"loss"``), tower updates (``"tower"``) and row gradients per table."""
+        return dict(self.guard.counts)
 
     def fetchable(self) -> list[str]:
         """Every name ``run`` can fetch (tower outputs once a step has run)."""
@@ -267,6 +285,15 @@ class Session:
             pipeline.close()  # raises a pending push error
         # As TensorFlow's MonitoredSession: no end() after a failed step, so
         # a Checkpoint hook does not save what the failure left (a NaN tower).
+        if finished and done == 0:  # never silently: a run that trained nothing says why
+            if resume:
+                log.warning(
+                    "resumed at step %d; the reader is at its end: nothing to train "
+                    "(a new run needs new data, or a new model_dir to start over)",
+                    self.global_step,
+                )
+            else:
+                log.warning("the reader yielded no batches: nothing trained")
         if finished:
             for hook in extra:
                 hook.end(self)
@@ -351,6 +378,8 @@ class Session:
             reader.background = self.context.background
 
     def _prepare(self, batch: CsrBatch) -> tuple[PreparedKeys, StepInputs]:
+        if not batch.validated:  # hand-built, or from a reader that does not validate
+            batch.validate()
         prepared = batch.prepared
         if not isinstance(prepared, PreparedKeys) or (
             self.preparer is not None
@@ -426,7 +455,12 @@ class Session:
     ) -> None:
         """Sums the lookups' gradients per row, then pushes each table's slice;
         with a link, first the keys the next step shares (their updated rows
-        go into its rows; then ``linked_done()``), then the others."""
+        go into its rows; then ``linked_done()``), then the others.
+        ``gather_grads`` None: a step not applied, nothing pushed."""
+        if gather_grads is None:
+            if linked_done is not None:
+                linked_done()
+            return
         row_grads = self.functions.row_gradients(inputs, gather_grads)
         parts = []
         for g, ((_, tables), packed) in enumerate(zip(self.layout.groups, row_grads, strict=True)):
@@ -434,6 +468,7 @@ class Session:
                 keys = prepared.tables[table]
                 base = inputs.table_base[table]
                 grads = packed[base : base + len(keys.uniques)]
+                self.guard.check_rows(table, keys.uniques, grads, step)  # before any push
                 updated = None if link is None else link[0][g]
                 rows = None if link is None else link[1][table]
                 parts.append(
@@ -484,13 +519,21 @@ class Session:
         computed = time.perf_counter()
         self.trace.record("compute", step, start, computed)
         if train:
-            grads = out["gather_grads"]
+            skip = self.guard.check_step(
+                out["loss"],
+                out["tower_finite"],
+                self.functions.tower_variable_names,
+                step,
+                stop_on_loss=any(isinstance(h, NanGuard) and not h.fail for h in hooks),
+            )
+            grads = None if skip else out["gather_grads"]  # None: nothing pushed
             if push is None:
                 with self.trace.span("push", step):
                     self._push(prepared, inputs, grads, step)
             else:
                 push((inputs, grads))
-            self.context.advance()
+            if not skip:
+                self.context.advance()
         timings = {**timings, "compute": computed - start}
         if callable(synced):
             synced()

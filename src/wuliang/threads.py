@@ -4,25 +4,23 @@ A training step keeps every core busy with TensorFlow's intra-op threads,
 which split each matmul into one chunk per thread. A background thread that
 wakes up meanwhile (an engine shard creating rows, the pusher summing
 gradients, a reader thread decoding the next file) preempts one of them, and
-the other core then waits for the delayed chunk: on the 2-core benchmark
-machine each millisecond of background work cost about 0.7 ms of step time
-on top of itself.
+the other cores then wait for the delayed chunk, so on a small machine each
+millisecond of background work costs more than a millisecond of step time.
 
-``background="idle"`` (a ``Context`` setting, the default) runs those
-threads under Linux's ``SCHED_IDLE`` policy: they never preempt a thread of
-normal priority and run on cores that would otherwise idle, which TensorFlow
-leaves often enough (between ops, while the step's Python runs, and whenever
-the step waits for the pipeline). Measured in blocks of steps alternated in
-one run (``benchmarks/train_bench.py``'s model): steps 11.5% shorter than
-with normal priority; nice 19 gave 7.5%. The cost: on a machine shared with
-other busy processes of normal priority, these threads get very little CPU
-(``SCHED_IDLE`` is a weight of 3 against 1024), so training slows down more
-than it would; use ``background="normal"`` there. The policy is one-way for
-an unprivileged process (leaving ``SCHED_IDLE`` needs ``CAP_SYS_NICE``), so
-it is set only on threads started for the purpose and on the workers of an
-engine the context owns. Threads that a library starts lazily from one of
-them inherit it: the worker of Arrow's I/O pool that Parquet reading starts
-on first use is such a thread (it does the reader's background work).
+``Context(background="idle")`` (opt-in) runs those threads under Linux's
+``SCHED_IDLE`` policy: they never preempt a thread of normal priority and run
+on cores that would otherwise idle, which TensorFlow leaves often enough
+(between ops, while the step's Python runs, whenever the step waits for the
+pipeline). It pays off on a trainer that has the machine to itself (measured
+figures in ``docs/performance.md``). It is not the default because on a
+machine shared with other busy processes those threads get almost no CPU
+(``SCHED_IDLE`` weighs 3 against 1024), so training stalls, and because an
+unprivileged process cannot undo it (leaving ``SCHED_IDLE`` needs
+``CAP_SYS_NICE``). It is set only on threads started for the purpose and on
+the workers of an engine the context owns; threads a library starts lazily
+from one of them inherit it (the worker of Arrow's I/O pool that Parquet
+reading starts on first use is such a thread). ``"normal"`` (the default)
+leaves every thread as the OS schedules it.
 """
 
 from __future__ import annotations
