@@ -13,7 +13,10 @@ Each row has
   so a model can learn it (AUC clearly above 0.5; frequent keys carry it).
 
 The output is a pure function of ``seed`` and the arguments: files
-``part-00000.parquet`` … of ``rows_per_file`` rows, written atomically.
+``part-00000.parquet`` … of ``rows_per_file`` rows, written atomically. A
+re-run into the same folder overwrites them and removes the parts of an
+earlier run beyond the new ones (other files are left alone), as the
+converters do.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from wuliang.reader.convert._common import PART_NAME, make_out_dir, part_name, remove_stale
 from wuliang.reader.hashing import hash_ints
 from wuliang.reader.io import write_parquet
 
@@ -47,10 +51,15 @@ class DatagenConfig:
     row_group_rows: int = 65_536
 
     def __post_init__(self) -> None:
-        if self.rows < 1 or self.rows_per_file < 1:
-            raise ValueError("rows and rows_per_file must be >= 1")
-        if self.alpha <= 1.0:
+        for name in ("rows", "rows_per_file", "ids_per_field", "row_group_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.alpha > 1.0:
             raise ValueError(f"alpha must be > 1, got {self.alpha}")
+        if self.mean_length < 0 or self.seed < 0:
+            raise ValueError(
+                f"mean_length and seed must be >= 0, got {self.mean_length} and {self.seed}"
+            )
 
 
 def zipf_ids(rng: np.random.Generator, n: int, alpha: float, ids: int) -> np.ndarray:
@@ -98,9 +107,14 @@ def generate_table(cfg: DatagenConfig, rows: int, rng: np.random.Generator) -> p
 
 
 def generate(out_dir: str | os.PathLike, cfg: DatagenConfig, progress: bool = False) -> list[Path]:
-    """Writes cfg.rows rows into out_dir; returns the files written."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    """Writes cfg.rows rows into out_dir (created if missing); returns the
+    files written. Parts of an earlier run beyond these are removed once
+    every new part is in place.
+
+    Raises:
+        NotADirectoryError: out_dir exists and is not a folder.
+    """
+    out = make_out_dir(out_dir)
     files = []
     n_files = (cfg.rows + cfg.rows_per_file - 1) // cfg.rows_per_file
     bar = None
@@ -111,11 +125,12 @@ def generate(out_dir: str | os.PathLike, cfg: DatagenConfig, progress: bool = Fa
     for i in range(n_files):
         rows = min(cfg.rows_per_file, cfg.rows - i * cfg.rows_per_file)
         rng = np.random.default_rng([cfg.seed, i])  # each file on its own stream
-        path = out / f"part-{i:05d}.parquet"
+        path = out / part_name(i)
         write_parquet(generate_table(cfg, rows, rng), path, cfg.row_group_rows)
         files.append(path)
         if bar is not None:
             bar.update(rows)
     if bar is not None:
         bar.close()
+    remove_stale(out, files, PART_NAME)
     return files

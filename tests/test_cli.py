@@ -62,3 +62,161 @@ def test_components_import_only_under_the_wuliang_namespace() -> None:
     done = run([sys.executable, "-c", code], cwd="/tmp")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "missing ps_server"
+
+
+# -- user errors: a message naming the bad value, never a traceback -------------------
+
+BAD_ARGUMENTS = [
+    (["demo", "--steps", "0"], "demo", "--steps", "'0'"),
+    (["demo", "--steps", "-3"], "demo", "--steps", "'-3'"),
+    (["demo", "--batch", "-1"], "demo", "--batch", "'-1'"),
+    (["demo", "--batch", "0"], "demo", "--batch", "'0'"),
+    (["demo", "--shards", "0"], "demo", "--shards", "'0'"),
+    (["demo", "--shards", "5000"], "demo", "--shards", "'5000'"),
+    (["datagen", "out", "--rows", "0"], "datagen", "--rows", "'0'"),
+    (["datagen", "out", "--rows", "-5"], "datagen", "--rows", "'-5'"),
+    (
+        ["datagen", "out", "--rows", "9", "--rows-per-file", "0"],
+        "datagen",
+        "--rows-per-file",
+        "'0'",
+    ),
+    (["datagen", "out", "--rows", "9", "--alpha", "1"], "datagen", "--alpha", "'1'"),
+    (["datagen", "out", "--rows", "9", "--alpha", "nan"], "datagen", "--alpha", "'nan'"),
+    (["datagen", "out", "--rows", "9", "--alpha", "x"], "datagen", "--alpha", "'x'"),
+    (
+        ["datagen", "out", "--rows", "9", "--ids-per-field", "0"],
+        "datagen",
+        "--ids-per-field",
+        "'0'",
+    ),
+    (["datagen", "out", "--rows", "9", "--seed", "-1"], "datagen", "--seed", "'-1'"),
+    (
+        ["convert", "criteo", "in.tsv", "out", "--rows-per-file", "0"],
+        "convert criteo",
+        "--rows-per-file",
+        "'0'",
+    ),
+    (
+        ["convert", "csv", "in.csv", "out", "--schema", "s.yaml", "--rows-per-file", "-2"],
+        "convert csv",
+        "--rows-per-file",
+        "'-2'",
+    ),
+    (
+        ["convert", "csv", "in.csv", "out", "--schema", "s.yaml", "--delimiter", ";;"],
+        "convert csv",
+        "--delimiter",
+        "';;'",
+    ),
+]
+
+
+def assert_user_error(done: subprocess.CompletedProcess[str], command: str, *named: str) -> None:
+    """A clean error: non-zero exit, one ``wuliang <command>: error:`` line
+    naming what is wrong, no traceback."""
+    assert done.returncode != 0, done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"wuliang {command}: error: "), done.stderr
+    for text in named:
+        assert text in last, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "command", "option", "value"),
+    BAD_ARGUMENTS,
+    ids=[" ".join(a[0]) for a in BAD_ARGUMENTS],
+)
+def test_bad_option_values_are_usage_errors(
+    tmp_path: Path, args: list[str], command: str, option: str, value: str
+) -> None:
+    done = run([str(SCRIPT), *args], cwd=str(tmp_path))
+    assert done.returncode == 2, done.stderr  # as argparse exits on usage errors
+    assert_user_error(done, command, f"argument {option}:", value)
+    assert list(tmp_path.iterdir()) == []  # nothing was written
+
+
+def test_datagen_into_an_existing_file_is_an_error(tmp_path: Path) -> None:
+    target = tmp_path / "data"
+    target.write_text("not a folder")
+    done = run([str(SCRIPT), "datagen", str(target), "--rows", "10", "--quiet"])
+    assert done.returncode == 1
+    assert_user_error(done, "datagen", str(target), "not a directory")
+    assert target.read_text() == "not a folder"
+
+
+def test_datagen_rerun_leaves_no_stale_parts(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "data"
+    first = run(
+        [str(SCRIPT), "datagen", str(out), "--rows", "50", "--rows-per-file", "10", "--quiet"]
+    )
+    assert first.returncode == 0, first.stderr
+    assert len(list(out.glob("part-*.parquet"))) == 5
+    (out / "README.txt").write_text("mine")  # not a name the generator writes
+    (out / "part-7.parquet").write_text("not the generator's pattern")
+    again = run(
+        [str(SCRIPT), "datagen", str(out), "--rows", "30", "--rows-per-file", "15", "--quiet"]
+    )
+    assert again.returncode == 0, again.stderr
+    assert "wrote 30 rows in 2 files" in again.stdout
+    parts = sorted(p.name for p in out.glob("part-?????.parquet"))
+    assert parts == ["part-00000.parquet", "part-00001.parquet"]  # 00002 ... 00004 removed
+    assert sum(pq.read_metadata(out / p).num_rows for p in parts) == 30
+    assert (out / "README.txt").read_text() == "mine"
+    assert (out / "part-7.parquet").exists()
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporaries
+
+
+def test_export_compact_of_a_missing_folder_creates_nothing(tmp_path: Path) -> None:
+    missing = tmp_path / "exports"
+    done = run([str(SCRIPT), "export", "--compact", "--export-dir", str(missing)])
+    assert done.returncode == 1
+    assert_user_error(done, "export", str(missing), "has no export", "no such folder")
+    assert not missing.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = run([str(SCRIPT), "export", "--compact", "--export-dir", str(empty)])
+    assert_user_error(done, "export", str(empty), "has no export")
+    assert list(empty.iterdir()) == []  # not even a lock file
+
+
+def test_export_without_a_checkpoint_is_a_clean_error(tmp_path: Path) -> None:
+    model_dir, exports = tmp_path / "model", tmp_path / "exports"
+    done = run([str(SCRIPT), "export", "--model-dir", str(model_dir), "--export-dir", str(exports)])
+    assert_user_error(done, "export", "no checkpoint", str(model_dir))
+    assert not exports.exists()
+
+
+HELP_COMMANDS = [
+    [],
+    ["demo"],
+    ["datagen"],
+    ["convert"],
+    ["convert", "criteo"],
+    ["convert", "movielens"],
+    ["convert", "csv"],
+    ["export"],
+]
+
+
+@pytest.mark.parametrize(
+    "command", HELP_COMMANDS, ids=[" ".join(c) or "wuliang" for c in HELP_COMMANDS]
+)
+def test_help_shows_defaults_and_no_rest_markup(command: list[str]) -> None:
+    done = run([str(SCRIPT), *command, "--help"])
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    for markup in ("``", ":func:", ":class:", ":meth:", ":mod:", "::"):
+        assert markup not in text, f"{markup!r} in the help of {command}:\n{text}"
+    defaults = {
+        "demo": ["(default: 40)", "(default: 100000)", "(default: 2)"],
+        "datagen": ["(default: 100000)", "(default: 1.1)", "(default: 0)"],
+        "criteo": ["(default: 1000000)"],
+        "csv": ["(default: 1000000)", "(default: ',')"],
+    }.get(command[-1] if command else "", [])
+    for default in defaults:
+        assert default in " ".join(text.split()), f"{default} missing:\n{text}"
+    assert "(default: None)" not in text and "(default: False)" not in text

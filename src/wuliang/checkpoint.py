@@ -19,9 +19,13 @@
   after the last trained batch (``ReaderPosition``), the tables' specs and
   the model's features (``model``).
 
-Saving advances the engine version: the rows of ``ckpt-<step>`` all carry
-versions <= its ``engine_version``, and rows changed later carry higher ones,
-which is what an incremental export of a later checkpoint selects.
+Saving cuts the engine version (``cut_version``): the rows of ``ckpt-<step>``
+all carry versions <= its ``engine_version``, and rows changed later carry
+higher ones, which is what an incremental export of a later checkpoint
+selects. A checkpoint and an export of the same rows (the ``Checkpoint`` and
+``IncrementalExport`` hooks at one step, in either order) record the same
+``engine_version``, so ``wuliang export`` of that checkpoint finds the hook's
+version up to date.
 
 Restoring verifies every file first (a corrupt checkpoint changes nothing),
 replaces each table's rows (the engine's shard count may differ from the
@@ -42,6 +46,7 @@ from wuliang.saved_model import SERVING, model_description, write_saved_model
 from wuliang.storage import Version, VersionWriter, load_args
 
 if TYPE_CHECKING:
+    from wuliang.ps_server import Engine
     from wuliang.session import Session
 
 PREFIX = "ckpt-"
@@ -65,6 +70,37 @@ def checkpoints(model_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 def latest_checkpoint(model_dir: str | os.PathLike) -> Path | None:
     found = checkpoints(model_dir)
     return found[-1][1] if found else None
+
+
+def cut_version(engine: Engine) -> int:
+    """The engine version that a snapshot of the rows taken now stands for
+    (checkpoints and exports record it as ``engine_version``); rows changed
+    later carry higher versions.
+
+    Normally the current version, and a new one is started. When no row and
+    no removal carries the current version (nothing changed since the last
+    cut, e.g. a checkpoint and an export at the same step, or right after a
+    restore), the previous version already stands for these rows: it is
+    returned and no version is started, so snapshots of the same rows record
+    the same version whoever takes them. Call with the engine in sync.
+    """
+    current = engine.version
+    previous = current - 1
+    if previous >= 1 and all(_unchanged_since(engine, t, previous) for t in engine.tables()):
+        return previous
+    engine.advance_version()
+    return current
+
+
+def _unchanged_since(engine: Engine, table: str, version: int) -> bool:
+    """Whether no row of table was changed or removed after version (False
+    when the engine's logs no longer reach back that far)."""
+    stats = engine.stats(table)
+    if stats["change_floor"] > version or stats["removed_floor"] > version:
+        return False
+    if len(engine.removed_keys(table, since=version)):
+        return False
+    return next(iter(engine.export(table, since=version, chunk_rows=1)), None) is None
 
 
 def restored_dense(session: Session) -> Version | None:
@@ -155,8 +191,7 @@ def save(
     final = Path(model_dir) / f"{PREFIX}{step}"
     if (final / "manifest.json").is_file():
         return final
-    version = engine.version
-    engine.advance_version()  # later changes: versions above every row saved here
+    version = cut_version(engine)  # later changes: versions above every row saved here
     with VersionWriter(model_dir, final.name, "checkpoint") as writer:
         for name in ctx.tables:
             spec = engine.spec(name)

@@ -1,11 +1,94 @@
-"""The ``wuliang`` command line."""
+"""The ``wuliang`` command line.
+
+Errors a user can cause never show a traceback: bad option values are
+rejected by the parser (``type=`` functions below; exit status 2, as for
+any usage error), and the errors a command expects (``ValueError``,
+``OSError``, ``KeyError``: a missing file, a corrupt checkpoint) are printed
+by ``main`` as ``wuliang <command>: error: <message>`` (exit status 1).
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Callable
 
 from wuliang import __version__
+
+# What ``main`` reports as ``wuliang <command>: error: ...`` instead of a
+# traceback (``CorruptVersionError`` is a ValueError).
+EXPECTED_ERRORS = (ValueError, OSError, KeyError)
+
+DESCRIPTION = """Training and serving for large-scale recommendation models: \
+the engine demo, synthetic data, data set converters and exports for serving."""
+
+# -- option types: argparse reports their errors as usage errors -------------------
+
+
+def bounded_int(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high] (no upper bound if None)."""
+    want = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"invalid int value: {text!r} (must be {want})"
+            ) from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = bounded_int(1)
+non_negative_int = bounded_int(0)
+
+
+def float_above(low: float) -> Callable[[str], float]:
+    """An argparse type: a finite number greater than low."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+        if not math.isfinite(value) or value <= low:
+            raise argparse.ArgumentTypeError(f"must be a finite number > {low:g}, got {text!r}")
+        return value
+
+    return parse
+
+
+def delimiter(text: str) -> str:
+    """An argparse type: one character; ``\\t`` or ``tab`` for a tab."""
+    value = {"\\t": "\t", "tab": "\t"}.get(text, text)
+    if len(value) != 1:
+        raise argparse.ArgumentTypeError(
+            f"must be one character ('\\t' or 'tab': a tab), got {text!r}"
+        )
+    return value
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show
+    (flags, options without a default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_ = action.help or ""
+        nothing = action.default is None or action.default is False
+        if nothing or action.default is argparse.SUPPRESS or "%(default)" in help_:
+            return help_
+        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, "*"):
+            return help_  # a positional argument: no default
+        shown = "%(default)r" if isinstance(action.default, str) else "%(default)s"
+        return f"{help_} (default: {shown})".lstrip()
+
+
+# -- commands ------------------------------------------------------------------------
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -36,21 +119,16 @@ def _convert(args: argparse.Namespace) -> int:
     from wuliang.reader import convert
 
     progress = not args.quiet
-    try:
-        if args.format == "criteo":
-            files = convert.convert_criteo(
-                args.input, args.out_dir, args.rows_per_file, args.bucketize, progress
-            )
-        elif args.format == "movielens":
-            files = convert.convert_movielens(args.input, args.out_dir, progress)
-        else:
-            delimiter = {"\\t": "\t", "tab": "\t"}.get(args.delimiter, args.delimiter)
-            files = convert.convert_csv(
-                args.input, args.out_dir, args.schema, args.rows_per_file, delimiter, progress
-            )
-    except (ValueError, OSError) as error:
-        print(f"wuliang convert {args.format}: error: {error}", file=sys.stderr)
-        return 1
+    if args.format == "criteo":
+        files = convert.convert_criteo(
+            args.input, args.out_dir, args.rows_per_file, args.bucketize, progress
+        )
+    elif args.format == "movielens":
+        files = convert.convert_movielens(args.input, args.out_dir, progress)
+    else:
+        files = convert.convert_csv(
+            args.input, args.out_dir, args.schema, args.rows_per_file, args.delimiter, progress
+        )
     rows = sum(pq.read_metadata(f).num_rows for f in files)
     print(f"wrote {rows:,} rows in {len(files)} files to {args.out_dir}")
     return 0
@@ -59,71 +137,86 @@ def _convert(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from wuliang.checkpoint import latest_checkpoint
     from wuliang.export import CheckpointSource, compact, export
-    from wuliang.storage import CorruptVersionError
 
-    try:
-        if args.compact:
-            result = compact(args.export_dir)
-        else:
-            if args.model_dir is None:
-                raise ValueError("--model-dir is required (or --compact)")
-            path = latest_checkpoint(args.model_dir)
-            if path is None:
-                raise FileNotFoundError(f"no checkpoint (ckpt-<step>) in {args.model_dir}")
-            kind = "full" if args.full else "auto"
-            result = export(CheckpointSource(path), args.export_dir, kind)
-    except (CorruptVersionError, ValueError, OSError, KeyError) as error:
-        print(f"wuliang export: error: {error}", file=sys.stderr)
-        return 1
+    if args.compact:
+        result = compact(args.export_dir)
+    else:
+        if args.model_dir is None:
+            raise ValueError("--model-dir is required (or --compact)")
+        path = latest_checkpoint(args.model_dir)
+        if path is None:
+            raise FileNotFoundError(f"no checkpoint (ckpt-<step>) in {args.model_dir}")
+        kind = "full" if args.full else "auto"
+        result = export(CheckpointSource(path), args.export_dir, kind)
     print(result.status())
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wuliang", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="wuliang", description=DESCRIPTION, formatter_class=HelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"wuliang {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="run the engine demo and print what it did")
-    demo.add_argument("--steps", type=int, default=40, help="training steps to simulate")
-    demo.add_argument("--batch", type=int, default=100_000, help="keys per step")
-    demo.add_argument("--shards", type=int, default=2, help="engine shard threads")
-    demo.set_defaults(func=_demo)
+    def command(
+        parent: argparse._SubParsersAction, name: str, func: Callable[..., int], **kw: str
+    ) -> argparse.ArgumentParser:
+        kw.setdefault("description", kw.get("help", ""))
+        p = parent.add_parser(name, formatter_class=HelpFormatter, **kw)
+        p.set_defaults(func=func, prog=p.prog)
+        return p
 
-    gen = sub.add_parser("datagen", help="write synthetic Criteo-shaped Parquet data")
-    gen.add_argument("out_dir")
-    gen.add_argument("--rows", type=int, required=True)
-    gen.add_argument("--rows-per-file", type=int, default=100_000)
-    gen.add_argument("--alpha", type=float, default=1.1, help="Zipf exponent of the ids")
-    gen.add_argument("--ids-per-field", type=int, default=1_000_000_000)
-    gen.add_argument("--seed", type=int, default=0)
+    demo = command(sub, "demo", _demo, help="run the engine demo and print what it did")
+    demo.add_argument("--steps", type=positive_int, default=40, help="training steps to simulate")
+    demo.add_argument("--batch", type=positive_int, default=100_000, help="keys per step")
+    demo.add_argument("--shards", type=bounded_int(1, 1024), default=2, help="engine shard threads")
+
+    gen = command(sub, "datagen", _datagen, help="write synthetic Criteo-shaped Parquet data")
+    gen.add_argument(
+        "out_dir",
+        help="written: part-00000.parquet ...; parts of an earlier run beyond the new ones "
+        "are removed, other files are left alone",
+    )
+    gen.add_argument("--rows", type=positive_int, required=True, help="rows in all")
+    gen.add_argument("--rows-per-file", type=positive_int, default=100_000, help="rows per file")
+    gen.add_argument("--alpha", type=float_above(1), default=1.1, help="Zipf exponent of the ids")
+    gen.add_argument(
+        "--ids-per-field", type=positive_int, default=1_000_000_000, help="distinct ids per field"
+    )
+    gen.add_argument("--seed", type=non_negative_int, default=0, help="random seed")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
-    gen.set_defaults(func=_datagen)
 
-    conv = sub.add_parser("convert", help="convert a data set to Parquet for the reader")
+    what = "convert a data set to Parquet for the reader"
+    conv = sub.add_parser("convert", help=what, description=what, formatter_class=HelpFormatter)
     formats = conv.add_subparsers(dest="format", required=True, metavar="FORMAT")
-    criteo = formats.add_parser("criteo", help="Criteo Display Advertising TSV")
+    criteo = command(formats, "criteo", _convert, help="Criteo Display Advertising TSV")
     criteo.add_argument("input", help="the TSV file (.gz, .bz2, .zst: decompressed)")
     criteo.add_argument("out_dir", help="written: part-00000.parquet ...")
-    criteo.add_argument("--rows-per-file", type=int, default=1_000_000)
+    criteo.add_argument(
+        "--rows-per-file", type=positive_int, default=1_000_000, help="rows per file"
+    )
     criteo.add_argument(
         "--bucketize", action="store_true", help="also I1_bucket ...: keys of log2 buckets"
     )
-    movielens = formats.add_parser("movielens", help="MovieLens CSVs, one file per day")
+    movielens = command(formats, "movielens", _convert, help="MovieLens CSVs, one file per day")
     movielens.add_argument("input", help="directory with ratings.csv, movies.csv [, tags.csv]")
     movielens.add_argument("out_dir", help="written: YYYY-MM-DD.parquet, one per day")
-    csv = formats.add_parser("csv", help="delimited text described by a YAML schema")
+    csv = command(formats, "csv", _convert, help="delimited text described by a YAML schema")
     csv.add_argument("input", help="the text file (.gz, .bz2, .zst: decompressed)")
     csv.add_argument("out_dir", help="written: part-00000.parquet ...")
     csv.add_argument("--schema", required=True, help="YAML schema of the columns")
-    csv.add_argument("--rows-per-file", type=int, default=1_000_000)
-    csv.add_argument("--delimiter", default=",", help="one character; '\\t' or 'tab' for tabs")
+    csv.add_argument("--rows-per-file", type=positive_int, default=1_000_000, help="rows per file")
+    csv.add_argument(
+        "--delimiter", type=delimiter, default=",", help="one character; '\\t' or 'tab' for tabs"
+    )
     for p in (criteo, movielens, csv):
         p.add_argument("--quiet", action="store_true", help="no progress bar")
-        p.set_defaults(func=_convert)
 
-    exp = sub.add_parser(
+    exp = command(
+        sub,
         "export",
+        _export,
         help="export the newest checkpoint for serving (a delta of the last export)",
         description="Writes the next version of EXPORT_DIR from the newest checkpoint in "
         "MODEL_DIR: a delta of the last version (rows changed and keys removed since), or a "
@@ -142,13 +235,20 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument(
         "--compact", action="store_true", help="merge LATEST and its base into a full version"
     )
-    exp.set_defaults(func=_export)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the command line; returns the exit status (argparse exits with 2
+    on a usage error)."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return int(args.func(args))
+    except EXPECTED_ERRORS as error:
+        # a KeyError's str() is the repr of its argument
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"{args.prog}: error: {message}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

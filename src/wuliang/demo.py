@@ -22,6 +22,19 @@ def zipf_ids(rng: np.random.Generator, n: int, alpha: float = 1.1) -> np.ndarray
 
 
 def run_engine_demo(steps: int = 40, batch: int = 100_000, num_shards: int = 2) -> dict:
+    """Runs the demo; returns the summary it prints last (a JSON line).
+
+    Args:
+        steps: training steps to simulate (>= 1).
+        batch: ids drawn per step (>= 1).
+        num_shards: the engine's shard threads.
+
+    Raises:
+        ValueError: steps or batch below 1, or a bad num_shards (the engine's check).
+    """
+    for name, value in (("steps", steps), ("batch", batch)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     rng = np.random.default_rng(0)
     engine = Engine(num_shards=num_shards)
     spec = TableSpec(

@@ -32,9 +32,13 @@ trainer restarted from an earlier checkpoint), when the tables differ from
 the parent's, or when the removal log no longer reaches the parent's version
 (``ExportResult.reason`` says which).
 
-Exporting is idempotent: a source at the engine version of the newest
-export writes nothing. Writers of one export_dir take turns (a lock file,
-``.lock``), so the trainer's hook and a cron job may share it. It is safe
+Exporting is idempotent: a source at the engine version and step of the
+newest export writes nothing. Sources record the version that
+``wuliang.checkpoint.cut_version`` gives, the same for a checkpoint and a
+live session holding the same rows, so the ``wuliang export`` job and the
+trainer's hook continue each other's chains in one export_dir. Writers of
+one export_dir take turns (a lock file, ``.lock``), so the trainer's hook
+and a cron job may share it. It is safe
 to crash anywhere: a version is renamed into place complete or not at all,
 and ``LATEST`` (which may lag after a crash) is set from the newest
 committed version by the next run.
@@ -57,6 +61,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from wuliang.checkpoint import cut_version
 from wuliang.ps_server import SGD, Engine, RowChunk, TableSpec, Zeros
 from wuliang.saved_model import SERVING, model_description, write_saved_model
 from wuliang.storage import (
@@ -95,15 +100,15 @@ class ExportSource(Protocol):
 
 
 class SessionSource:
-    """A live session. Call in sync (no step in flight); starts a new engine
-    version so that changes made later go to the next delta."""
+    """A live session. Call in sync (no step in flight); cuts the engine
+    version (``cut_version``) so that changes made later go to the next
+    delta."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
         engine = session.context.engine
         self.engine = engine
-        self.engine_version = engine.version
-        engine.advance_version()
+        self.engine_version = cut_version(engine)
         self.step = session.global_step
         self.tables = {
             name: {"dim": engine.spec(name).dim, "optimizer": repr(engine.spec(name).optimizer)}
@@ -233,7 +238,8 @@ def _export(source: ExportSource, root: Path, kind: str) -> ExportResult:
     newest = latest(root)
     if newest is not None:
         _point_latest(root, newest)
-        same = int(newest["engine_version"]) == source.engine_version
+        at = (int(newest["engine_version"]), int(newest["step"]))
+        same = at == (source.engine_version, source.step)
         if same and (kind == "auto" or newest.kind == "full"):
             return ExportResult(
                 newest.path,
@@ -417,9 +423,21 @@ def apply_chain(
 
 def compact(export_dir: str | os.PathLike) -> ExportResult:
     """Merges LATEST's chain (a full version and its deltas) into a new full
-    version. Nothing is written when LATEST is already a full version."""
-    with _exclusive(export_dir) as root:
-        return _compact(root)
+    version. Nothing is written when LATEST is already a full version.
+
+    Raises:
+        FileNotFoundError: export_dir is missing or holds no version (nothing
+            is created then).
+    """
+    root = Path(export_dir)
+    if not versions(root):  # before _exclusive, which would create the folder and its lock
+        if root.is_dir():
+            raise FileNotFoundError(f"{root} has no export")
+        if root.exists():
+            raise NotADirectoryError(f"{root} has no export (it is not a folder)")
+        raise FileNotFoundError(f"{root} has no export (no such folder)")
+    with _exclusive(root) as locked:
+        return _compact(locked)
 
 
 def _compact(root: Path) -> ExportResult:
