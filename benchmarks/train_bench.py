@@ -29,11 +29,13 @@ Adam run; its initial weights are the same (``keras.utils.set_random_seed``).
              epsilon=1e-7)`` applied to the table's ``IndexedSlices``
              gradient inside the same ``tf.function`` as the tower's update
              (TF2 eager, no graph session).
-* wuliang:   ``Session.train(ParquetReader(...))`` with a ``Context()``
-             (embedded engine, default pipeline; ``--staleness`` to choose),
+* wuliang:   ``Session.train(ParquetReader(...))`` with a
+             ``Context(background="idle")`` (embedded engine, default
+             pipeline; ``--staleness`` to choose; the background threads
+             under ``SCHED_IDLE``, an opt-in that suits a trainer alone on
+             its machine, as here: ``--background normal`` for the default),
              one ``EmbeddingTable`` per field (dim 16, ``Adagrad(0.05)`` or
-             ``Adam(1e-3)``, the default initializer: truncated normal, stddev
-             1/4), a ``SparseFeature`` per C field and a ``DenseFeature`` per
+             ``Adam(1e-3)``, the default initializer), a ``SparseFeature`` per C field and a ``DenseFeature`` per
              I field; the tower is a function that concatenates them in the
              same order (``wuliang.embedding.concat``: the 26 lookups as one
              reshape) and calls the Keras MLP.
@@ -391,7 +393,10 @@ class WuliangLoop:
         if any(untimed < 1 for untimed, _ in plan):
             raise ValueError("wuliang's rounds start with an untimed step (the pipeline fills)")
         model = make_tower(args.seed)
-        self.context = Context() if args.staleness is None else Context(staleness=args.staleness)
+        settings: dict[str, Any] = {"background": args.background}
+        if args.staleness is not None:
+            settings["staleness"] = args.staleness
+        self.context = Context(**settings)
         emb_opt = Adagrad(0.05) if kind == "adagrad" else Adam(1e-3)
         tables = {
             name: EmbeddingTable(name, DIM, optimizer=emb_opt, reserve_rows=reserve.get(name, 0))
@@ -678,6 +683,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--staleness", type=int, choices=[0, 1], help="wuliang's (default: the Context default)"
+    )
+    parser.add_argument(
+        "--background",
+        choices=["idle", "normal"],
+        default="idle",
+        help="wuliang's Context(background=...): idle (SCHED_IDLE, opt-in, what this "
+        "benchmark measures) or normal (the library default)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -28,8 +28,8 @@ were read from (``StepFunctions.row_gradients``, C++ ``scatter_add_rows``)
 off the step's critical path, ready to push for the same unique keys.
 Differentiating with respect to ``U`` itself would make TensorFlow densify
 an ``IndexedSlices`` by ``unsorted_segment_sum``, which costs more CPU than
-the rest of the embedding work together (measured: +25 ms per step of 4096
-x 26 lookups on 2 cores). The dense variables (whatever the tower reads) are updated
+the rest of the embedding work together (figures in docs/performance.md).
+The dense variables (whatever the tower reads) are updated
 inside the same function by a Keras optimizer. No custom op: stock
 TensorFlow 2.x, public API only. Every input has a dynamic first dimension,
 so batches of any size (and any number of unique keys) reuse one trace.
@@ -69,9 +69,8 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 
 def as_tensor(value: Any) -> Any:
     """A step input as a tensor. A C-contiguous, 64-byte aligned, writeable
-    numpy array is shared through DLPack (public API; no copy: feeding a
-    step's 3.5 MB of pulled rows by conversion cost ~1 ms of the main
-    thread); anything else is left to TensorFlow, which copies it. The
+    numpy array is shared through DLPack (public API; no copy, where a
+    conversion would copy every pulled row on the main thread); anything else is left to TensorFlow, which copies it. The
     caller must not write the array while the step runs."""
     if (
         isinstance(value, np.ndarray)

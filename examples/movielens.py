@@ -20,13 +20,15 @@ What this example shows:
    with ``combiner="mean"``), a Keras MLP tower over their concatenation, the
    ``label`` column (rating >= 4) as the target, trained with ``Estimator.train``
    on shuffled batches and evaluated with ``Estimator.evaluate`` (exact AUC).
-   The tables use lazy Adam (``--optimizer adagrad`` for Adagrad) and small
-   initial vectors, see ``train_wuliang``.
+   Every table uses the library's defaults (``EmbeddingTable(name, dim)``:
+   lazy Adam 1e-3, small truncated-normal initial vectors), the tower Keras
+   Adam 1e-3: nothing is tuned.
 4. With ``--baseline``: the same tower (same class, sizes, seed and epochs) in
-   plain Keras, with ``keras.layers.Hashing`` + ``keras.layers.Embedding`` per
-   feature (list features padded to a fixed length, masked mean), trained with
-   ``model.fit`` on the same train split and scored with the same exact AUC
-   function (``wuliang.metrics.auc``) on the same test split.
+   plain Keras at Keras's defaults, with ``keras.layers.Hashing`` +
+   ``keras.layers.Embedding`` per feature (its default uniform initializer;
+   list features padded to a fixed length, masked mean), trained with
+   ``model.fit`` and Adam 1e-3 on the same train split and scored with the
+   same exact AUC function (``wuliang.metrics.auc``) on the same test split.
 
 5. Export for serving, as the hourly job would (skip with ``--no-export``):
    a checkpoint of the trained model, ``wuliang export`` (a full version,
@@ -75,7 +77,6 @@ FEATURES: dict[str, tuple[str, str]] = {
 LIST_FEATURES = ("genres", "tags")
 LABEL = "label"
 TRAIN_FRACTION = 0.8
-OPTIMIZERS = {"adam": 3e-3, "adagrad": 0.05}  # table optimizer -> default learning rate
 ROW_GROUP_ROWS = 1 << 16
 
 
@@ -98,18 +99,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--dim", type=int, default=16, help="embedding dimension of every table")
     p.add_argument("--hidden", type=int, nargs="+", default=[64, 32], help="MLP layer sizes")
-    p.add_argument(
-        "--optimizer",
-        choices=sorted(OPTIMIZERS),
-        default="adam",
-        help="optimizer of the embedding tables (the tower always uses Keras Adam 1e-3)",
-    )
-    p.add_argument(
-        "--lr",
-        type=float,
-        default=None,
-        help="learning rate of the tables (default: 3e-3 for adam, 0.05 for adagrad)",
-    )
     p.add_argument("--seed", type=int, default=42)
     p.add_argument(
         "--baseline", action="store_true", help="also train the same tower in plain Keras"
@@ -240,24 +229,8 @@ def train_wuliang(
     from wuliang.reader import ParquetReader
 
     keras.utils.set_random_seed(args.seed)
-    # Small initial vectors matter on this split: 90% of the test ratings are
-    # by users with no rating in the train split, and a key never trained reads
-    # as its initial vector, so its noise goes straight into the MLP. Mean AUC
-    # over seeds 1-5 (2-3 epochs): Uniform(+-0.01) 0.674-0.676 (sd 0.001),
-    # Uniform(+-0.05) (keras.layers.Embedding's default) 0.670 with Adam 3e-3,
-    # 0.644-0.658 with Adagrad 0.05 or Adam 1e-3; wuliang's default
-    # TruncatedNormal(1/sqrt(dim)) about 0.62 (one seed).
-    optimizer = (
-        wl.optimizers.Adam(args.lr) if args.optimizer == "adam" else wl.optimizers.Adagrad(args.lr)
-    )
     tables = {
-        table: wl.EmbeddingTable(
-            table,
-            dim=args.dim,
-            optimizer=optimizer,
-            initializer=wl.initializers.Uniform(-0.01, 0.01),
-            seed=args.seed,
-        )
+        table: wl.EmbeddingTable(table, dim=args.dim, seed=args.seed)  # library defaults
         for table, _ in FEATURES.values()
     }
     features = [
@@ -428,8 +401,6 @@ def train_baseline(args: argparse.Namespace, train: Path, test: Path) -> dict[st
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.num_bins = 1 << 16
-    if args.lr is None:
-        args.lr = OPTIMIZERS[args.optimizer]
     started = time.perf_counter()
     work_dir: Path = args.work_dir
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -445,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"dim {args.dim}, MLP {args.hidden}, batch {args.batch_size}, "
         f"{args.epochs} epochs, seed {args.seed}"
     )
-    print(f"wuliang: 5 tables ({args.optimizer} lr {args.lr}), {settings}")
+    print(f"wuliang: 5 tables (library defaults), {settings}")
     result, estimator = train_wuliang(args, train, test, train_rows)
     print(
         f"wuliang: AUC {result['auc']:.4f}, logloss {result['logloss']:.4f}, "

@@ -323,8 +323,9 @@ class TableSpec:
             over the shards), as one sizes a table for its vocabulary. The
             table still grows past it, and its memory never shrinks below
             it. Growing costs page faults on fresh memory while training
-            (on this project's VMs ~7 ms per 2 MiB, ~25 ms per step of the
-            benchmark); a reserve pays them before. 0: grow from empty.
+            (on some virtual machines a large part of a step, see
+            docs/performance.md); a reserve pays them before. 0: grow from
+            empty.
     """
 
     name: str

@@ -1,9 +1,9 @@
 """The end-to-end examples (examples/criteo.py, examples/movielens.py) run and report.
 
-Each example runs as a subprocess with this interpreter (the venv's python) on
-a small input, one epoch: it must exit 0 and end with one JSON line whose auc
-is in (0, 1). The splits it writes are checked too: every row lands on one
-side, train before test.
+Each example runs as a subprocess with this interpreter (the venv's python):
+it must exit 0 and end with one JSON line, whose AUC shows the model learned
+what the data holds. The splits it writes are checked too: every row lands on
+one side, train before test.
 """
 
 from __future__ import annotations
@@ -44,39 +44,55 @@ def test_criteo_example(tmp_path: Path) -> None:
     result = run_example(
         "criteo.py",
         [
-            *("--rows", "3000", "--rows-per-file", "1000", "--bucketize"),
-            *("--epochs", "1", "--batch-size", "256", "--work-dir", str(work)),
+            *("--rows", "20000", "--rows-per-file", "5000", "--bucketize"),
+            *("--epochs", "2", "--batch-size", "256", "--work-dir", str(work)),
         ],
         tmp_path,
     )
-    assert 0.0 < result["auc"] < 1.0
-    assert result["logloss"] > 0 and result["samples_per_s"] > 0
-    assert (result["train_examples"], result["test_examples"]) == (2700, 300)
-    # The last of the 3 parts holds the boundary: written as two files, one per side.
+    # The synthetic label is learnable (C1-C3 and I1 move it): a model that
+    # learned nothing scores 0.5 (0.80-0.86 measured over seeds).
+    assert result["auc"] > 0.75, result
+    assert 0.2 < result["logloss"] < 0.65 and result["samples_per_s"] > 0
+    assert (result["train_examples"], result["test_examples"]) == (18000, 2000)
+    # The last of the 4 parts holds the boundary: written as two files, one per side.
     split = work / "split"
-    assert pq.read_metadata(split / "boundary-train.parquet").num_rows == 700
-    assert pq.read_metadata(split / "boundary-test.parquet").num_rows == 300
+    assert pq.read_metadata(split / "boundary-train.parquet").num_rows == 3000
+    assert pq.read_metadata(split / "boundary-test.parquet").num_rows == 2000
 
 
-def test_movielens_example(tmp_path: Path) -> None:
+def test_movielens_example_at_defaults_reaches_keras(tmp_path: Path) -> None:
+    """The demo as ``make demo`` runs it, with the Keras baseline: wuliang's
+    library defaults reach plain Keras at its defaults (within 0.003 AUC)."""
     work = tmp_path / "movielens"
     result = run_example(
-        "movielens.py",
-        [
-            *("--data", str(MOVIELENS), "--work-dir", str(work)),
-            *("--max-ratings", "6000", "--epochs", "1", "--baseline"),
-        ],
-        tmp_path,
+        "movielens.py", ["--data", str(MOVIELENS), "--work-dir", str(work), "--baseline"], tmp_path
     )
-    assert 0.0 < result["auc"] < 1.0 and 0.0 < result["baseline_auc"] < 1.0
-    assert result["samples_per_s"] > 0
-    assert result["train_examples"] + result["test_examples"] == 6000
+    assert result["auc"] >= result["baseline_auc"] - 0.003, result
+    assert result["baseline_auc"] > 0.62, result  # both learn (0.5: nothing learned)
+    assert result["train_examples"] + result["test_examples"] == 100_836
     full, delta = result["export_rows"]["1"], result["export_rows"]["2"]
     assert 0 < delta < full  # the next day's changed rows only
     assert (work / "exports" / "LATEST").read_text().strip() == "2"
-    assert 0.75 <= result["train_examples"] / 6000 <= 0.85
+    assert 0.79 <= result["train_examples"] / 100_836 <= 0.81
     train = pq.read_table(work / "split" / "train.parquet", columns=["timestamp"])
     test = pq.read_table(work / "split" / "test.parquet", columns=["timestamp"])
     assert (train.num_rows, test.num_rows) == (result["train_examples"], result["test_examples"])
     train_ts, test_ts = train.column(0).to_numpy(), test.column(0).to_numpy()
     assert train_ts.max() < test_ts.min()  # a time split: every train rating comes first
+
+
+def test_movielens_example_on_a_prefix(tmp_path: Path) -> None:
+    """--max-ratings: the first N ratings in time order, split 80/20."""
+    work = tmp_path / "movielens"
+    result = run_example(
+        "movielens.py",
+        [
+            *("--data", str(MOVIELENS), "--work-dir", str(work)),
+            *("--max-ratings", "6000", "--epochs", "1", "--no-export"),
+        ],
+        tmp_path,
+    )
+    assert result["train_examples"] + result["test_examples"] == 6000
+    assert 0.75 <= result["train_examples"] / 6000 <= 0.85
+    assert result["auc"] > 0.55, result  # learns something even from 6,000 ratings
+    assert "export_rows" not in result

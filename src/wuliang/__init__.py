@@ -1,7 +1,7 @@
 """wuliang: training and serving for large-scale recommendation models.
 
 TensorFlow runs the dense towers; a C++ parameter server holds the embeddings.
-See DESIGN.md and README.md. Names are imported on first use, so
+See README.md and docs/architecture.md. Names are imported on first use, so
 ``import wuliang`` stays cheap (and TensorFlow-free) for processes that need
 only the engine or the reader::
 

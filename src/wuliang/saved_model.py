@@ -20,11 +20,12 @@ does: a Keras model/layer or ``tf.Module`` tower as is, a plain function
 through the trackable objects it reaches by name, else the variables the
 traced step captures.
 
-Writing a SavedModel (``tf.saved_model.save``) costs ~0.2 s even for a tiny
-tower, which would dominate a small delta export. A session's first write
+Writing a SavedModel (``tf.saved_model.save``) traces and serialises the
+whole object graph, which would dominate a small delta export. A session's first write
 does it and keeps the graph files; later writes of the same session (same
 variables) copy those and write only ``variables/`` (a checkpoint of the
-same object graph, which is what the loader restores from), in ~0.02 s.
+same object graph, which is what the loader restores from), a fraction of
+the cost.
 Those leave out ``fingerprint.pb``, whose checkpoint hash would be stale.
 """
 
