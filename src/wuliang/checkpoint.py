@@ -22,6 +22,9 @@
 Saving advances the engine version: the rows of ``ckpt-<step>`` all carry
 versions <= its ``engine_version``, and rows changed later carry higher ones,
 which is what an incremental export of a later checkpoint selects.
+Rotation (``keep``) renames an old checkpoint to a ``.tmp-`` name before
+deleting its files, so a crash meanwhile never leaves a listed checkpoint
+with files missing.
 
 Restoring verifies every file first (a corrupt checkpoint changes nothing),
 replaces each table's rows (the engine's shard count may differ from the
@@ -39,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from wuliang.saved_model import SERVING, model_description, write_saved_model
-from wuliang.storage import Version, VersionWriter, load_args
+from wuliang.storage import TMP_PREFIX, Version, VersionWriter, crash_point, load_args
 
 if TYPE_CHECKING:
     from wuliang.session import Session
@@ -186,8 +189,21 @@ def save(
         session.schedule_dense_restore(str(path / DENSE_PREFIX))
     if keep is not None:
         for _, old in checkpoints(model_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
     return path
+
+
+def _remove(path: Path) -> None:
+    """Removes a checkpoint: renamed out of sight first (atomic), so a crash
+    while its files go leaves a ``.tmp-`` folder for the next writer to
+    remove, never a listed checkpoint with files missing."""
+    doomed = path.with_name(f"{TMP_PREFIX}{path.name}-removed-{os.getpid()}")
+    try:
+        os.rename(path, doomed)
+    except OSError:
+        doomed = path
+    crash_point("checkpoint-rotate")
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def restore(session: Session, path: str | os.PathLike) -> dict[str, Any] | None:
