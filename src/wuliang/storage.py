@@ -40,8 +40,9 @@ to check the claim above. ``WULIANG_TEST_CRASH_AT=<point>[:<n>]``, read once
 at import, makes the process print ``WULIANG_TEST_CRASH_AT reached
 <point>:<n>`` on stdout the n-th time (default 1) a writer reaches that point,
 and block there (the test kills it; it exits by itself after
-``_CRASH_BLOCK_S``). Unset, ``crash_point`` returns at once. The points
-(``CRASH_POINTS``), in the order a write reaches them:
+``_CRASH_BLOCK_S``); a value naming no point is a ValueError at import.
+Unset, ``crash_point`` returns at once. The points (``CRASH_POINTS``), in the
+order a write reaches them:
 
 * ``writer-open``: the ``.tmp-`` directory exists, nothing is in it;
 * ``rows-file``: a rows part file is written and recorded (n: the n-th);
