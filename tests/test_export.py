@@ -1,7 +1,7 @@
 """Exports: full and delta versions from checkpoints (``wuliang export``) and
 from the live trainer (``IncrementalExport``); base + deltas == full, bit for
 bit; removals; the SavedModel; idempotence, compaction, corruption and a
-SIGKILL mid-export."""
+SIGKILL at each point of an export's write."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tensorflow as tf
-from crash import SESSION_WITH_ROWS, kill_mid_write
+from crash import DIMS, crash_at, expected_rows, set_rows, sorted_rows, two_table_session
 from small_model import make_session, reader, write_data
 
 import wuliang as wl
@@ -257,40 +257,94 @@ def test_errors_are_clear_and_corruption_is_refused_by_name(tmp_path: Path) -> N
     session.context.close()
 
 
-KILL_CHILD = (
-    SESSION_WITH_ROWS
-    + """
-from wuliang.export import SessionSource, export
-rng = np.random.default_rng(0)
-while True:
-    touched = rng.choice(keys, 100_000)
-    engine.push("t", touched, np.ones((len(touched), 16), np.float32))
-    engine.erase("t", rng.choice(keys, 10))
-    session.context.global_step += 1
-    kind = "full" if rng.random() < 0.3 else "auto"
-    print(export(SessionSource(session), sys.argv[1], kind).status(), flush=True)
+CRASH_CHILD = """
+from wuliang.export import CheckpointSource, export
+print(export(CheckpointSource(sys.argv[1]), sys.argv[2]).status(), flush=True)
 """
-)
+
+# The versions a crash at each point leaves (a child exporting ckpt-3 over
+# versions 1 and 2), and whether it leaves a .tmp- version directory aside.
+EXPORT_CRASHES = {
+    "writer-open": ([1, 2], True),
+    "rows-file": ([1, 2], True),
+    "before-manifest": ([1, 2], True),
+    "before-rename": ([1, 2], True),
+    "after-rename": ([1, 2, 3], False),  # in place; LATEST not updated yet
+    "latest-temp": ([1, 2, 3], False),  # LATEST's replacement written, not renamed
+}
 
 
-def test_sigkill_mid_export_keeps_every_committed_version(tmp_path: Path) -> None:
-    exports = tmp_path / "exports"
-    rng = np.random.default_rng(3)
-    for attempt in range(3):
-        delay = float(rng.uniform(0.1, 1.0))  # somewhere inside a later one
-        log = tmp_path / f"child-{attempt}.log"
-        line = kill_mid_write(KILL_CHILD, str(exports), tmp_path, log, delay)
-        assert line.startswith("export"), line
-        found = versions(exports)
-        assert found, attempt
-        for _, path in found:
-            Version(path).verify()  # every committed version is whole
-        assert chain(exports)[0].kind == "full"  # LATEST names a whole chain
-    newest = latest(exports)
-    assert newest is not None
+def assert_chain_is(export_dir: Path, step: int, version: int | None = None) -> None:
+    """The chain of ``version`` (default LATEST) verifies and applies to the
+    rows of ``set_rows(step)`` exactly."""
     engine = Engine(2)
-    apply_chain(engine, exports)  # the next reader succeeds
-    assert engine.stats("t")["rows"] > 399_000
+    applied = apply_chain(engine, export_dir, version)
+    assert int(applied[-1]["step"]) == step
+    for table in DIMS:
+        rows = sorted_rows(engine.export(table))
+        keys, weights = expected_rows(step, table)
+        np.testing.assert_array_equal(rows["keys"], keys)
+        np.testing.assert_array_equal(rows["weights"], weights)
+    engine.close()
+
+
+@pytest.mark.parametrize("point", list(EXPORT_CRASHES))
+def test_sigkill_at_each_point_of_an_export(tmp_path: Path, point: str) -> None:
+    """An export killed at any point of its write leaves every committed
+    version whole, shows readers no partial one (LATEST at most lags), and
+    the next export removes its leftovers, repairs LATEST and succeeds."""
+    model_dir, exports = tmp_path / "model", tmp_path / "exports"
+    session = two_table_session()
+    ckpts = {}
+    for step in (1, 2, 3, 4):
+        set_rows(session, step)
+        ckpts[step] = session.save_checkpoint(model_dir, keep=None)
+    session.context.close()
+    assert export(CheckpointSource(ckpts[1]), exports).kind == "full"
+    assert export(CheckpointSource(ckpts[2]), exports).kind == "delta"
+    log = tmp_path / "child.log"
+    assert crash_at(CRASH_CHILD, [str(ckpts[3]), str(exports)], point, tmp_path, log) == []
+
+    left, aside = EXPORT_CRASHES[point]
+    assert [v for v, _ in versions(exports)] == left
+    for _, path in versions(exports):
+        Version(path).verify()
+    newest = latest(exports)
+    assert newest is not None and newest.path.name == str(left[-1])
+    assert (exports / "LATEST").read_text() == "2\n"  # only ever names a whole chain
+    assert [v.path.name for v in chain(exports)] == ["1", "2"]
+    assert_chain_is(exports, 2)
+    stale = sorted(p for p in exports.iterdir() if p.name.startswith(".tmp-"))
+    visible = {p.name for p in exports.iterdir()} - {p.name for p in stale}
+    assert visible == {"LATEST", ".lock", *map(str, left)}
+    if aside:  # the crash landed where asked: the version being written lies aside
+        (folder,) = stale
+        assert folder.name.startswith(".tmp-3-")
+        files = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+        if point == "writer-open":
+            assert files == set()
+        elif point == "rows-file":
+            assert files == {"tables/a/part-00000.arrow"}
+        elif point == "before-manifest":
+            assert "tables/b/part-00000.arrow" in files and "manifest.json" not in files
+            assert any(f.startswith("serving/") for f in files)
+        else:
+            assert "manifest.json" in files
+    elif point == "latest-temp":
+        (temporary,) = stale
+        assert temporary.name.startswith(".tmp-LATEST-") and temporary.read_text() == "3\n"
+    else:
+        assert stale == []
+
+    again = export(CheckpointSource(ckpts[3]), exports)  # what the cron job does next
+    assert (again.version, again.kind, again.parent) == (3, "delta", 2)
+    assert again.written == (left[-1] == 2)  # unless the crash came after the rename
+    assert (exports / "LATEST").read_text() == "3\n"
+    assert not [p for p in exports.iterdir() if p.name.startswith(".tmp-")]
+    assert export(CheckpointSource(ckpts[4]), exports).version == 4
+    assert [v.path.name for v in chain(exports)] == ["1", "2", "3", "4"]
+    assert_chain_is(exports, 3, 3)
+    assert_chain_is(exports, 4)
 
 
 def test_tables_without_optimizer_state_export_from_checkpoints(tmp_path: Path) -> None:

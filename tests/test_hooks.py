@@ -6,6 +6,7 @@ import json
 import logging
 import threading
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +64,27 @@ def new_session(tower: Any = None, session_hooks: tuple[hooks.SessionRunHook, ..
     )
 
 
-@pytest.fixture(scope="module")
-def session() -> Any:
-    """One traced session shared by the tests that only add hooks to train()."""
-    return new_session()
+@pytest.fixture
+def make_session() -> Iterator[Callable[..., Any]]:
+    """Builds sessions for one test (``new_session``'s arguments) and closes
+    them, and their engines, after it. A fresh session traces its step again
+    (~0.2 s), which buys every test its own state."""
+    made: list[Any] = []
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        made.append(new_session(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+        s.context.close()
+
+
+@pytest.fixture
+def session(make_session: Callable[..., Any]) -> Any:
+    """A fresh session, for the tests that only add hooks to train()."""
+    return make_session()
 
 
 def due_steps(start: int, steps: int, every: int) -> list[int]:
@@ -138,10 +156,10 @@ def test_two_hooks_are_called_in_order(session: Any) -> None:
     assert wuliang_threads() == []
 
 
-def test_session_hooks_see_run_and_train_and_end_at_close() -> None:
+def test_session_hooks_see_run_and_train_and_end_at_close(make_session: Callable[..., Any]) -> None:
     log: list[tuple[str, str, Any]] = []
     hook = Recorder("s", log)
-    s = new_session(session_hooks=(hook,))
+    s = make_session(session_hooks=(hook,))
     data = batches(3)
     s.run(data[0], "loss")
     s.run(data[1], "loss", train=False)
@@ -181,12 +199,12 @@ def test_before_run_fetches_arrive_in_after_run(session: Any) -> None:
     assert wuliang_threads() == []
 
 
-def test_a_bad_fetch_fails_before_anything_trains() -> None:
+def test_a_bad_fetch_fails_before_anything_trains(make_session: Callable[..., Any]) -> None:
     """Logging asks its fetches at the first step too (not only when due), and a
     hook's names are checked before the step: the typo fails with no step taken
     (the pipeline's early pulls may have created rows; none was pushed);
     tower outputs are known before the first step."""
-    s = new_session()
+    s = make_session()
     with pytest.raises(KeyError, match=r"hook Logging: cannot fetch 'los'.*valid names"):
         s.train(batches(3), hooks=[hooks.Logging(every_steps=100, fetches=["los"])])
     assert s.global_step == 0
@@ -196,12 +214,14 @@ def test_a_bad_fetch_fails_before_anything_trains() -> None:
     assert outputs.results[0]["user_vec"].shape == (B, 4)
 
 
-def test_session_hooks_in_an_unlabeled_evaluation_run(tmp_path: Path) -> None:
+def test_session_hooks_in_an_unlabeled_evaluation_run(
+    tmp_path: Path, make_session: Callable[..., Any]
+) -> None:
     """The standard hooks that fetch the loss skip runs without labels (and
     the training-only ones skip evaluation runs); a hook of the user's that
     asks for the loss of such a batch is named in the error."""
     logged = hooks.Logging(every_steps=1)
-    s = new_session(
+    s = make_session(
         session_hooks=(hooks.NanGuard(), hooks.ProgressBar(), hooks.Summary(tmp_path), logged)
     )
     s.run(batches(1)[0], "loss")
@@ -210,7 +230,7 @@ def test_session_hooks_in_an_unlabeled_evaluation_run(tmp_path: Path) -> None:
     predictions = s.run(unlabeled, "predictions", train=False)
     assert predictions.shape == (B,) and s.global_step == 1
     asking = Recorder("user", [], fetches=("loss",))
-    t = new_session(session_hooks=(asking,))
+    t = make_session(session_hooks=(asking,))
     with pytest.raises(KeyError, match=r"hook Recorder asked to fetch 'loss'.*no labels"):
         t.run(unlabeled, "predictions", train=False)
     s.close()
@@ -237,12 +257,12 @@ def test_request_stop_ends_training_after_that_step(session: Any) -> None:
     assert wuliang_threads() == []
 
 
-def test_hooks_see_the_restored_step(tmp_path: Path) -> None:
+def test_hooks_see_the_restored_step(tmp_path: Path, make_session: Callable[..., Any]) -> None:
     """A checkpoint is restored before any hook's after_create_session, so
     StopAtStep(num_steps) listed before Checkpoint counts from the restored step."""
-    first = new_session()
+    first = make_session()
     first.train(batches(3), hooks=[hooks.Checkpoint(tmp_path)])
-    resumed = new_session()
+    resumed = make_session()
     result = resumed.train(
         batches(10), hooks=[hooks.StopAtStep(num_steps=2), hooks.Checkpoint(tmp_path)]
     )
@@ -274,8 +294,8 @@ def test_stop_at_step(session: Any) -> None:
 # --- the standard hooks ---------------------------------------------------------------
 
 
-def test_nan_guard() -> None:
-    s = new_session(Tower(nan=True))
+def test_nan_guard(make_session: Callable[..., Any]) -> None:
+    s = make_session(Tower(nan=True))
     with pytest.raises(FloatingPointError, match="nan"):
         s.train(batches(4), hooks=[hooks.NanGuard()])
     assert s.global_step == 0  # the failing step was not applied
@@ -312,8 +332,8 @@ def stages_by_step(path: Path) -> dict[int, set[str]]:
     return stages
 
 
-def test_timeline_writes_a_chrome_trace(tmp_path: Path) -> None:
-    s = new_session()
+def test_timeline_writes_a_chrome_trace(tmp_path: Path, make_session: Callable[..., Any]) -> None:
+    s = make_session()
     path = tmp_path / "trace" / "timeline.json"
     s.train(batches(5), hooks=[hooks.Timeline(path, first_step=1, num_steps=3)])
     stages = stages_by_step(path)
@@ -370,13 +390,13 @@ def test_eval_runs_every_n_steps_and_at_the_end(session: Any) -> None:
     assert wuliang_threads() == []
 
 
-def test_eval_sees_the_engine_in_sync() -> None:
+def test_eval_sees_the_engine_in_sync(make_session: Callable[..., Any]) -> None:
     """Pipelined training with Eval gives the metrics of evaluating after
     the same steps taken one at a time (every push applied)."""
     evaluation = batches(3, seed=9)
     hook = hooks.Eval(lambda: list(evaluation), every_steps=2)
-    new_session().train(batches(5, seed=2), hooks=[hook])
-    one_by_one = new_session()
+    make_session().train(batches(5, seed=2), hooks=[hook])
+    one_by_one = make_session()
     expected = []
     for n, batch in enumerate(batches(5, seed=2), 1):
         one_by_one.run(batch, "loss")
@@ -393,15 +413,15 @@ def test_progress_bar(session: Any, capsys: pytest.CaptureFixture[str]) -> None:
     assert "3/3" in err and "loss=" in err
 
 
-def test_no_end_after_a_failed_step(tmp_path: Path) -> None:
+def test_no_end_after_a_failed_step(tmp_path: Path, make_session: Callable[..., Any]) -> None:
     """As TF's MonitoredSession: after a step raised, no hook's end() runs, so
     a Checkpoint hook does not save what the failure left (a NaN tower)."""
     extra = hooks.Checkpoint(tmp_path / "extra", every_steps=1000)
-    s = new_session(Tower(nan=True))
+    s = make_session(Tower(nan=True))
     with pytest.raises(FloatingPointError, match="nan"):
         s.train(batches(4), hooks=[hooks.NanGuard(), extra])
     own = hooks.Checkpoint(tmp_path / "own", every_steps=1000)
-    t = new_session(Tower(nan=True), session_hooks=(own, hooks.NanGuard()))
+    t = make_session(Tower(nan=True), session_hooks=(own, hooks.NanGuard()))
     with pytest.raises(FloatingPointError, match="nan"):
         t.run(batches(1)[0], "loss")
     t.close()

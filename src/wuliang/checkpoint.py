@@ -26,6 +26,9 @@ selects. A checkpoint and an export of the same rows (the ``Checkpoint`` and
 ``IncrementalExport`` hooks at one step, in either order) record the same
 ``engine_version``, so ``wuliang export`` of that checkpoint finds the hook's
 version up to date.
+Rotation (``keep``) renames an old checkpoint to a ``.tmp-`` name before
+deleting its files, so a crash meanwhile never leaves a listed checkpoint
+with files missing.
 
 Restoring verifies every file first (a corrupt checkpoint changes nothing),
 replaces each table's rows (the engine's shard count may differ from the
@@ -43,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from wuliang.saved_model import SERVING, model_description, write_saved_model
-from wuliang.storage import Version, VersionWriter, load_args
+from wuliang.storage import TMP_PREFIX, Version, VersionWriter, crash_point, load_args
 
 if TYPE_CHECKING:
     from wuliang.ps_server import Engine
@@ -221,8 +224,21 @@ def save(
         session.schedule_dense_restore(str(path / DENSE_PREFIX))
     if keep is not None:
         for _, old in checkpoints(model_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
     return path
+
+
+def _remove(path: Path) -> None:
+    """Removes a checkpoint: renamed out of sight first (atomic), so a crash
+    while its files go leaves a ``.tmp-`` folder for the next writer to
+    remove, never a listed checkpoint with files missing."""
+    doomed = path.with_name(f"{TMP_PREFIX}{path.name}-removed-{os.getpid()}")
+    try:
+        os.rename(path, doomed)
+    except OSError:
+        doomed = path
+    crash_point("checkpoint-rotate")
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def restore(session: Session, path: str | os.PathLike) -> dict[str, Any] | None:

@@ -68,6 +68,7 @@ from wuliang.storage import (
     CorruptVersionError,
     Version,
     VersionWriter,
+    crash_point,
     load_args,
     remove_stale_temporaries,
     select_rows,
@@ -349,6 +350,7 @@ def _point_latest(root: Path, version: Version) -> None:
         f.write(name + "\n")
         f.flush()
         os.fsync(f.fileno())
+    crash_point("latest-temp")
     os.replace(tmp, path)
 
 

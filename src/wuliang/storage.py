@@ -34,6 +34,27 @@ place; a crash at any point leaves the versions already there intact (and a
 ``.tmp-`` directory that the next writer in the same root removes). Reads
 check each file's size and sha256 before using it: a missing, truncated or
 altered file raises ``CorruptVersionError`` naming it, never loads silently.
+
+Test-only crash points: the tests SIGKILL writers at named points of a write
+to check the claim above. ``WULIANG_TEST_CRASH_AT=<point>[:<n>]``, read once
+at import, makes the process print ``WULIANG_TEST_CRASH_AT reached
+<point>:<n>`` on stdout the n-th time (default 1) a writer reaches that point,
+and block there (the test kills it; it exits by itself after
+``_CRASH_BLOCK_S``); a value naming no point is a ValueError at import.
+Unset, ``crash_point`` returns at once. The points (``CRASH_POINTS``), in the
+order a write reaches them:
+
+* ``writer-open``: the ``.tmp-`` directory exists, nothing is in it;
+* ``rows-file``: a rows part file is written and recorded (n: the n-th);
+* ``before-manifest``: every file is written, the manifest is not;
+* ``before-rename``: the manifest is written and synced, the directory is
+  still ``.tmp-``;
+* ``after-rename``: the version is in place; the caller's follow-up (a
+  checkpoint's rotation, an export's ``LATEST``) has not run;
+* ``checkpoint-rotate`` (``wuliang.checkpoint``): an old checkpoint is
+  renamed out of sight, not yet removed;
+* ``latest-temp`` (``wuliang.export``): the new ``LATEST`` is written to its
+  temporary file, not yet renamed over ``LATEST``.
 """
 
 from __future__ import annotations
@@ -44,6 +65,7 @@ import json
 import mmap
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -60,6 +82,51 @@ MANIFEST = "manifest.json"
 PART_ROWS = 1 << 20
 TMP_PREFIX = ".tmp-"
 _HASH_BLOCK = 1 << 24
+
+CRASH_ENV = "WULIANG_TEST_CRASH_AT"
+CRASH_POINTS = (
+    "writer-open",
+    "rows-file",
+    "before-manifest",
+    "before-rename",
+    "after-rename",
+    "checkpoint-rotate",
+    "latest-temp",
+)
+_CRASH_BLOCK_S = 600.0  # a crashed-on-purpose process nobody kills exits after this
+
+
+def _crash_at(value: str | None) -> tuple[str, int] | None:
+    """``<point>[:<n>]`` of the environment variable, or None when unset."""
+    if not value:
+        return None
+    point, _, n = value.partition(":")
+    if point not in CRASH_POINTS or (n and (not n.isdigit() or int(n) < 1)):
+        raise ValueError(
+            f"{CRASH_ENV}={value!r}: expected <point>[:<n>], n >= 1, "
+            f"point one of {', '.join(CRASH_POINTS)}"
+        )
+    return point, int(n or 1)
+
+
+_CRASH_AT = _crash_at(os.environ.get(CRASH_ENV))
+_crash_hits = 0
+
+
+def crash_point(name: str) -> None:
+    """Test-only (see the module docstring): announces and blocks at the
+    point ``WULIANG_TEST_CRASH_AT`` names, its n-th time; returns at once
+    when the variable is unset."""
+    global _crash_hits
+    if _CRASH_AT is None or name != _CRASH_AT[0]:
+        return
+    _crash_hits += 1
+    if _crash_hits != _CRASH_AT[1]:
+        return
+    print(f"{CRASH_ENV} reached {name}:{_crash_hits}", flush=True)
+    sys.stderr.flush()
+    time.sleep(_CRASH_BLOCK_S)  # the test SIGKILLs us here
+    os._exit(70)  # never go on writing after a crash point
 
 
 class CorruptVersionError(ValueError):
@@ -163,6 +230,7 @@ class VersionWriter:
         self.files: dict[str, dict[str, Any]] = {}
         self.tables: dict[str, dict[str, Any]] = {}
         self.committed = False
+        crash_point("writer-open")
 
     def __enter__(self) -> VersionWriter:
         return self
@@ -217,6 +285,7 @@ class VersionWriter:
                 writer.close()
                 sink.close()
                 self.add_file(relative, in_part)
+                crash_point("rows-file")
             writer = sink = None
 
         for chunk in chunks:
@@ -285,6 +354,7 @@ class VersionWriter:
 
     def commit(self, **fields: Any) -> Path:
         """Writes the manifest and renames the version into place."""
+        crash_point("before-manifest")
         manifest = {
             "format": FORMAT,
             "kind": self.kind,
@@ -296,7 +366,9 @@ class VersionWriter:
         }
         write_json_atomic(self.dir / MANIFEST, manifest)
         _fsync_path(self.dir)
+        crash_point("before-rename")
         os.rename(self.dir, self.final)  # atomic; fails if final appeared meanwhile
+        crash_point("after-rename")
         _fsync_path(self.root)
         self.committed = True
         return self.final
