@@ -35,10 +35,11 @@ Adam run; its initial weights are the same (``keras.utils.set_random_seed``).
              under ``SCHED_IDLE``, an opt-in that suits a trainer alone on
              its machine, as here: ``--background normal`` for the default),
              one ``EmbeddingTable`` per field (dim 16, ``Adagrad(0.05)`` or
-             ``Adam(1e-3)``, the default initializer), a ``SparseFeature`` per C field and a ``DenseFeature`` per
-             I field; the tower is a function that concatenates them in the
-             same order (``wuliang.embedding.concat``: the 26 lookups as one
-             reshape) and calls the Keras MLP.
+             ``Adam(1e-3)``, the default initializer), a ``SparseFeature``
+             per C field and a ``DenseFeature`` per I field; the tower is a
+             function that concatenates them in the same order
+             (``wuliang.embedding.concat``: the 26 lookups as one reshape)
+             and calls the Keras MLP.
 
 All three see the same batches in the same order: wuliang reads the Parquet
 files through its reader (its real pipeline, timed); the other two get the

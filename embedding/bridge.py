@@ -70,8 +70,9 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 def as_tensor(value: Any) -> Any:
     """A step input as a tensor. A C-contiguous, 64-byte aligned, writeable
     numpy array is shared through DLPack (public API; no copy, where a
-    conversion would copy every pulled row on the main thread); anything else is left to TensorFlow, which copies it. The
-    caller must not write the array while the step runs."""
+    conversion would copy every pulled row on the main thread); anything
+    else is left to TensorFlow, which copies it. The caller must not write
+    the array while the step runs."""
     if (
         isinstance(value, np.ndarray)
         and value.size

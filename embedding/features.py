@@ -14,13 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from wuliang.ps_server.spec import (
-    Adagrad,
     Admission,
     Eviction,
     Initializer,
     Optimizer,
     TableSpec,
-    TruncatedNormal,
+    default_initializer,
+    default_optimizer,
 )
 
 COMBINERS = ("sum", "mean", "sqrtn", None)
@@ -28,12 +28,17 @@ COMBINERS = ("sum", "mean", "sqrtn", None)
 
 @dataclass(frozen=True)
 class EmbeddingTable:
-    """A table of the parameter server: key -> float32[dim] (+ optimizer state)."""
+    """A table of the parameter server: key -> float32[dim] (+ optimizer state).
+
+    Defaults train well untuned: lazy ``Adam(1e-3)`` and small initial
+    vectors, ``TruncatedNormal(stddev=0.01)`` (why: ``wuliang.ps_server.spec``'s
+    ``default_initializer`` and ``default_optimizer``).
+    """
 
     name: str
     dim: int
-    optimizer: Optimizer = field(default_factory=Adagrad)
-    initializer: Initializer = field(default_factory=TruncatedNormal)
+    optimizer: Optimizer = field(default_factory=default_optimizer)
+    initializer: Initializer = field(default_factory=default_initializer)
     admission: Admission = field(default_factory=Admission)
     eviction: Eviction = field(default_factory=Eviction)
     seed: int = 0

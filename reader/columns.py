@@ -264,19 +264,18 @@ def finite_chunks(chunk: Chunk, schema: Schema, non_finite: str) -> tuple[list[C
         return [chunk], 0
     if non_finite == "raise":
         row = int(np.flatnonzero(bad)[0])
-        where = f"{chunk.source}: row {chunk.first_row + row}"
+        at = f"at row {chunk.first_row + row}"
+        hint = "(ParquetReader(non_finite='drop') drops such rows)"
         for name, values in chunk.labels.items():
             if not np.isfinite(values[row]):
-                raise ValueError(f"{where}: label {name!r} is null or not finite")
+                raise ValueError(
+                    f"{chunk.source}: label {name!r} is null or not finite {at} {hint}"
+                )
         for name, columns in schema.dense_columns.items():
             values = chunk.dense[row, columns]
             if not np.isfinite(values).all():
                 value = values[~np.isfinite(values)][0]
-                raise ValueError(
-                    f"{where}: dense feature {name!r} is {value} "
-                    "(non-finite values are refused; ParquetReader(non_finite='drop') "
-                    "drops such rows)"
-                )
+                raise ValueError(f"{chunk.source}: dense feature {name!r} is {value} {at} {hint}")
     good = np.flatnonzero(~bad)
     runs = np.split(good, np.flatnonzero(np.diff(good) != 1) + 1) if len(good) else []
     return [slice_chunk(chunk, int(r[0]), int(r[-1]) + 1) for r in runs], int(bad.sum())

@@ -126,6 +126,7 @@ def iter_csv(
     invalid = InvalidRows()
     parse_options.invalid_row_handler = invalid  # the options are the caller's, made per call
     stream, raw = open_input(path)
+    reader = None
     try:
         try:
             reader = pacsv.open_csv(
@@ -141,6 +142,10 @@ def iter_csv(
         except (pa.ArrowInvalid, pa.ArrowKeyError) as error:
             raise _csv_error(path, error, invalid.first, parse_options, names) from None
     finally:
+        # Closed now, not at garbage collection: an Arrow reader whose
+        # read-ahead thread outlives the interpreter aborts the process.
+        if reader is not None:
+            reader.close()
         stream.close()
         raw.close()
 
