@@ -8,8 +8,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+import wuliang as wl
 from wuliang.ps_server import (
     SGD,
+    Adam,
     Constant,
     Engine,
     Initializer,
@@ -166,20 +168,32 @@ def test_truncated_normal_distribution(make_engine: MakeEngine) -> None:
 
 
 @pytest.mark.parametrize("dim", [4, 64])
-def test_default_truncated_normal_stddev_is_inverse_sqrt_dim(
+def test_truncated_normal_without_stddev_is_inverse_sqrt_dim(
     dim: int, make_engine: MakeEngine
 ) -> None:
-    spec = TableSpec("t", dim=dim)
-    assert spec.initializer == TruncatedNormal()
-    assert spec.initializer.stddev is None
     stddev = 1 / math.sqrt(dim)
     keys = MANY_KEYS[: 200_000 // dim]
-    values = initial_vectors(make_engine, None, keys, dim=dim)
+    values = initial_vectors(make_engine, TruncatedNormal(), keys, dim=dim)
     explicit = initial_vectors(make_engine, TruncatedNormal(stddev=stddev), keys, dim=dim)
     np.testing.assert_array_equal(values, explicit)
     assert np.abs(values).max() <= 2 * stddev + 1e-6
     assert values.std() == pytest.approx(stddev * truncated_std_factor(), rel=0.02)
     assert abs(values.mean()) < 0.02 * stddev
+
+
+@pytest.mark.parametrize("dim", [4, 64])
+def test_the_default_initializer_is_small_whatever_the_dim(
+    dim: int, make_engine: MakeEngine
+) -> None:
+    spec = TableSpec("t", dim=dim)
+    assert spec.initializer == TruncatedNormal(stddev=0.01)
+    assert wl.EmbeddingTable("t", dim).initializer == spec.initializer
+    assert spec.optimizer == Adam(learning_rate=1e-3)
+    assert wl.EmbeddingTable("t", dim).optimizer == spec.optimizer
+    keys = MANY_KEYS[: 200_000 // dim]
+    values = initial_vectors(make_engine, None, keys, dim=dim)
+    assert np.abs(values).max() <= 0.02 + 1e-6
+    assert values.std() == pytest.approx(0.01 * truncated_std_factor(), rel=0.02)
 
 
 def test_normal_distribution(make_engine: MakeEngine) -> None:
