@@ -3,7 +3,13 @@
 Import as ``wuliang.hooks``.
 """
 
-from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
+from wuliang.hooks.base import (
+    HookSession,
+    SessionRunArgs,
+    SessionRunContext,
+    SessionRunHook,
+    SessionRunValues,
+)
 from wuliang.hooks.checkpoint import Checkpoint
 from wuliang.hooks.evict import Evict
 from wuliang.hooks.export import IncrementalExport
@@ -24,6 +30,7 @@ __all__ = [
     "Checkpoint",
     "Eval",
     "Evict",
+    "HookSession",
     "IncrementalExport",
     "Logging",
     "NanGuard",

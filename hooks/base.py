@@ -13,13 +13,60 @@ A hook sees every step of a ``Session``::
 
 ``run_context.request_stop()`` ends the training loop after the current step.
 Hooks run in the order given; ``after_run`` in the same order.
+
+What a hook may use of the session that runs it is ``HookSession``: the
+step, the context (parameter server, tables), checkpoint and export calls,
+evaluation and the trace. Nothing else of the session is part of the contract.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from wuliang.context import Context, Trace
+
+
+class HookSession(Protocol):
+    """The session as hooks see it (``wuliang.Session`` implements it)."""
+
+    @property
+    def global_step(self) -> int:
+        """Training steps done (the step the next one gets)."""
+        ...
+
+    @property
+    def context(self) -> Context:
+        """The model's parameter server (``context.ps``), tables
+        (``context.tables``) and settings."""
+        ...
+
+    @property
+    def trace(self) -> Trace:
+        """Per-stage timings, recorded while enabled (``Timeline``)."""
+        ...
+
+    def save_checkpoint(
+        self, model_dir: str | os.PathLike, position: Any = None, keep: int | None = 5
+    ) -> Path:
+        """Writes ``model_dir/ckpt-<step>`` (when ``run_context.synced``)."""
+        ...
+
+    def restore_checkpoint(self, path: str | os.PathLike) -> None:
+        """Restores a checkpoint (from ``restore_session``)."""
+        ...
+
+    def export(self, export_dir: str | os.PathLike, kind: str = "auto") -> Any:
+        """Writes the next export version (when ``run_context.synced``)."""
+        ...
+
+    def evaluate(self, reader: Any, steps: int | None = None) -> dict[str, float]:
+        """Metrics over a reader (between steps)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -33,7 +80,7 @@ class SessionRunArgs:
 class SessionRunContext:
     """What a hook knows of the step about to run, and how it stops training."""
 
-    session: Any
+    session: HookSession
     step: int  # global step of this run (before it is counted)
     batch: Any  # the CsrBatch
     train: bool
@@ -63,11 +110,11 @@ class SessionRunHook:
     def begin(self) -> None:
         pass
 
-    def restore_session(self, session: Any) -> None:
+    def restore_session(self, session: HookSession) -> None:
         """Where a hook restores the session (a checkpoint), so that every
         hook's ``after_create_session`` sees the restored step."""
 
-    def after_create_session(self, session: Any) -> None:
+    def after_create_session(self, session: HookSession) -> None:
         pass
 
     def before_run(self, run_context: SessionRunContext) -> SessionRunArgs | None:
@@ -83,5 +130,5 @@ class SessionRunHook:
         then sees ``run_context.synced`` (to checkpoint or export the engine)."""
         return False
 
-    def end(self, session: Any) -> None:
+    def end(self, session: HookSession) -> None:
         pass

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from wuliang.hooks.base import SessionRunContext, SessionRunValues
+from wuliang.hooks.base import HookSession, SessionRunContext, SessionRunValues
 from wuliang.hooks.periodic import PeriodicSyncHook
 
 
@@ -41,7 +41,7 @@ class Checkpoint(PeriodicSyncHook):
         self.saved: list[Path] = []  # what this hook wrote, oldest first
         self._position: Any = None
 
-    def restore_session(self, session: Any) -> None:
+    def restore_session(self, session: HookSession) -> None:
         from wuliang.checkpoint import latest_checkpoint
 
         latest = latest_checkpoint(self.model_dir) if self.restore else None
@@ -53,5 +53,5 @@ class Checkpoint(PeriodicSyncHook):
             self._position = getattr(run_context.batch, "position", None)
         super().after_run(run_context, run_values)
 
-    def trigger(self, session: Any) -> None:
+    def trigger(self, session: HookSession) -> None:
         self.saved.append(session.save_checkpoint(self.model_dir, self._position, self.keep))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
+from wuliang.hooks.base import HookSession
 from wuliang.hooks.periodic import PeriodicSyncHook
 
 log = logging.getLogger("wuliang.evict")
@@ -43,7 +43,7 @@ class Evict(PeriodicSyncHook):
         self.tables = None if tables is None else list(tables)
         self.results: list[tuple[int, dict[str, dict[str, int]]]] = []  # (step, per table)
 
-    def after_create_session(self, session: Any) -> None:
+    def after_create_session(self, session: HookSession) -> None:
         known = session.context.tables
         unknown = [t for t in self.tables or () if t not in known]
         if unknown:
@@ -53,17 +53,18 @@ class Evict(PeriodicSyncHook):
             )
         super().after_create_session(session)
 
-    def trigger(self, session: Any) -> None:
+    def trigger(self, session: HookSession) -> None:
         context = session.context
         names = self.tables
         if names is None:
             names = [n for n, t in context.tables.items() if t.eviction.enabled]
-        evicted = {name: context.engine.evict(name) for name in names}
+        step = session.global_step
+        evicted = {name: context.ps.evict(name, step=step) for name in names}
         self.results.append((session.global_step, evicted))
         total = sum(r["total"] for r in evicted.values())
         if total:
             per_table = ", ".join(f"{n} {r['total']:,}" for n, r in evicted.items() if r["total"])
             log.info("step %d: evicted %s rows (%s)", session.global_step, f"{total:,}", per_table)
 
-    def end(self, session: Any) -> None:
+    def end(self, session: HookSession) -> None:
         """Nothing: eviction runs on its schedule only."""

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from wuliang.hooks.base import HookSession
 from wuliang.hooks.periodic import PeriodicSyncHook
 
 log = logging.getLogger("wuliang.export")
@@ -40,14 +41,14 @@ class IncrementalExport(PeriodicSyncHook):
         self.full_every = full_every
         self.results: list[Any] = []
 
-    def trigger(self, session: Any) -> None:
-        from wuliang.export import SessionSource, export, latest
+    def trigger(self, session: HookSession) -> None:
+        from wuliang.export import latest
 
         kind = "auto"
         if self.full_every is not None:
             newest = latest(self.export_dir)
             if newest is not None and int(newest["version"]) % self.full_every == 0:
                 kind = "full"
-        result = export(SessionSource(session), self.export_dir, kind)
+        result = session.export(self.export_dir, kind)
         self.results.append(result)
         log.info("%s", result.status())

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
-from wuliang.hooks.base import SessionRunContext, SessionRunHook, SessionRunValues
+from wuliang.hooks.base import HookSession, SessionRunContext, SessionRunHook, SessionRunValues
 
 
 class PeriodicSyncHook(SessionRunHook):
@@ -31,10 +30,10 @@ class PeriodicSyncHook(SessionRunHook):
         self._last_time = time.monotonic()
         self._last_step = -1  # global step at the last trigger (or start)
 
-    def trigger(self, session: Any) -> None:
+    def trigger(self, session: HookSession) -> None:
         raise NotImplementedError
 
-    def after_create_session(self, session: Any) -> None:
+    def after_create_session(self, session: HookSession) -> None:
         self._last_step = session.global_step
         self._last_time = time.monotonic()
 
@@ -63,10 +62,10 @@ class PeriodicSyncHook(SessionRunHook):
         with self._lock:
             self._due.clear()  # marks of a previous train() that stopped early
 
-    def end(self, session: Any) -> None:
+    def end(self, session: HookSession) -> None:
         if session.global_step != self._last_step:
             self._fire(session)
 
-    def _fire(self, session: Any) -> None:
+    def _fire(self, session: HookSession) -> None:
         self.trigger(session)
         self._last_step = session.global_step

@@ -14,7 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
+from wuliang.hooks.base import (
+    HookSession,
+    SessionRunArgs,
+    SessionRunContext,
+    SessionRunHook,
+    SessionRunValues,
+)
 from wuliang.hooks.periodic import PeriodicSyncHook
 
 log = logging.getLogger("wuliang")
@@ -91,7 +97,7 @@ class StopAtStep(SessionRunHook):
         self.last_step = last_step
         self.num_steps = num_steps
 
-    def after_create_session(self, session: Any) -> None:
+    def after_create_session(self, session: HookSession) -> None:
         if self.num_steps is not None:
             self.last_step = session.global_step + self.num_steps
 
@@ -125,7 +131,7 @@ class ProgressBar(SessionRunHook):
         if loss is not None:
             self._bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
 
-    def end(self, session: Any) -> None:
+    def end(self, session: HookSession) -> None:
         if self._bar is not None:
             self._bar.close()
 
@@ -215,13 +221,13 @@ class Summary(_EverySteps):
                 value = auc(np.concatenate(self._labels), np.concatenate(self._scores))
                 if not math.isnan(value):
                     tf.summary.scalar("auc", value)
-            for table, stats in run_context.session.context.engine.stats().items():
+            for table, stats in run_context.session.context.ps.stats().items():
                 tf.summary.scalar(f"rows/{table}", stats["rows"])
         self._writer.flush()
         self._losses, self._scores, self._labels = [], [], []
         self._samples, self._since = 0, now
 
-    def end(self, session: Any) -> None:
+    def end(self, session: HookSession) -> None:
         if self._writer is not None:
             self._writer.close()
 
@@ -237,11 +243,11 @@ class Timeline(SessionRunHook):
         self.last_step = first_step + num_steps
         self._session: Any = None
 
-    def after_create_session(self, session: Any) -> None:
+    def after_create_session(self, session: HookSession) -> None:
         self._session = session
         session.trace.enable()
 
-    def end(self, session: Any) -> None:
+    def end(self, session: HookSession) -> None:
         events = [e for e in session.trace.events() if self.first_step <= e[1] < self.last_step]
         session.trace.disable()
         if not events:
@@ -304,7 +310,7 @@ class Eval(PeriodicSyncHook):
         super().begin()
         _ensure_log_handler()
 
-    def trigger(self, session: Any) -> None:
+    def trigger(self, session: HookSession) -> None:
         reader = self.reader() if callable(self.reader) else self.reader
         metrics = session.evaluate(reader, steps=self.steps)
         self.history.append((session.global_step, metrics))

@@ -1,17 +1,22 @@
-"""The parameter-server engine: embedding tables in a sharded C++ hash map.
+"""The parameter server: embedding tables in a sharded C++ hash map.
 
-Import as ``wuliang.ps_server``. See ``docs/ps_engine.md`` for the design.
+Import as ``wuliang.ps_server``. ``ParameterServer`` is the interface that
+everything above it uses (``interface``); ``parameter_server(address)``
+picks the implementation (``factory``); ``Engine`` is the embedded one. See
+``docs/ps_engine.md`` for the design.
 """
 
-from wuliang.ps_server.engine import (
-    Engine,
+from wuliang.ps_server.engine import Engine, shard_of
+from wuliang.ps_server.factory import address_kind, parameter_server, register_backend
+from wuliang.ps_server.interface import (
+    Handle,
+    ParameterServer,
     PullPart,
     PushPart,
     PushResult,
     RowChunk,
     UnknownTableError,
     as_keys,
-    shard_of,
 )
 from wuliang.ps_server.spec import (
     FTRL,
@@ -39,9 +44,11 @@ __all__ = [
     "Constant",
     "Engine",
     "Eviction",
+    "Handle",
     "Initializer",
     "Normal",
     "Optimizer",
+    "ParameterServer",
     "PullPart",
     "PushPart",
     "PushResult",
@@ -51,6 +58,9 @@ __all__ = [
     "Uniform",
     "UnknownTableError",
     "Zeros",
+    "address_kind",
     "as_keys",
+    "parameter_server",
+    "register_backend",
     "shard_of",
 ]

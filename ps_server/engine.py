@@ -23,85 +23,25 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from wuliang.ps_server import _engine
+from wuliang.ps_server.interface import (
+    ONLY,
+    KeyArray,
+    ParameterServer,
+    PullPart,
+    PushPart,
+    PushResult,
+    RowChunk,
+    UnknownTableError,
+    as_keys,
+)
 from wuliang.ps_server.spec import TableSpec
 
-
-class UnknownTableError(KeyError):
-    """A table name the engine does not have."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-@dataclass(frozen=True)
-class PushResult:
-    applied: int  # row updates applied
-    dropped_nan: int  # gradient rows with NaN or Inf, skipped
-    dropped_pending: int  # keys not admitted yet, skipped
-    duplicates: int  # repeated keys, summed into their first occurrence
-
-
-@dataclass(frozen=True)
-class RowChunk:
-    """Rows of one table, as exported by ``Engine.export``."""
-
-    keys: np.ndarray  # uint64 [n]
-    weights: np.ndarray  # float32 [n, dim]
-    state: np.ndarray  # float32 [n, state_dim] optimizer state
-    counts: np.ndarray  # uint32 [n] updates (+ sightings before admission)
-    steps: np.ndarray  # uint64 [n] step of the last update
-    times: np.ndarray  # uint32 [n] unix time of the last update
-    versions: np.ndarray  # uint64 [n] version of the last modification
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-
-KeyArray = np.ndarray | Sequence[int]
-
-
-_ONLY = {"all": 0, "updated": 1, "rest": 2}  # push_many's halves (C++ Engine::Only)
-
-
-@dataclass(frozen=True)
-class PullPart:
-    """One table's part of ``Engine.pull_many``: the arguments of a ``pull``."""
-
-    table: str
-    keys: KeyArray
-    out: np.ndarray | None = None
-    shard_offsets: np.ndarray | None = None
-
-
-@dataclass(frozen=True)
-class PushPart:
-    """One table's part of ``Engine.push_many``: the arguments of a ``push``."""
-
-    table: str
-    keys: KeyArray
-    grads: np.ndarray
-    shard_offsets: np.ndarray | None = None
-    updated: np.ndarray | None = None
-    updated_rows: np.ndarray | None = None
-
-
-def as_keys(keys: Any, what: str = "keys") -> np.ndarray:
-    """Returns keys as a contiguous 1-D int64/uint64 array (no copy if already)."""
-    if not isinstance(keys, np.ndarray):
-        keys = np.asarray(keys)
-        if keys.size == 0:
-            keys = keys.astype(np.uint64)
-    if keys.dtype != np.int64 and keys.dtype != np.uint64:
-        raise TypeError(f"{what} must be an int64 or uint64 array, got dtype {keys.dtype}")
-    if keys.ndim != 1:
-        raise ValueError(f"{what} must be 1-D, got shape {keys.shape}")
-    return np.ascontiguousarray(keys)
+_ONLY = {name: i for i, name in enumerate(ONLY)}  # C++ Engine::Only
 
 
 def _check_float32(values: Any, shape: tuple[int, ...], what: str) -> None:
@@ -136,8 +76,9 @@ def _as_column(values: Any, dtype: type, shape: tuple[int, ...], what: str) -> n
     return array
 
 
-class Engine:
-    """Embedding tables held in this process by a sharded C++ engine.
+class Engine(ParameterServer):
+    """Embedding tables held in this process by a sharded C++ engine: the
+    ``"embedded"`` parameter server (``wuliang.ps_server.interface``).
 
     Args:
         num_shards: worker threads; each owns 1/num_shards of every table's
@@ -145,6 +86,7 @@ class Engine:
     """
 
     def __init__(self, num_shards: int = 2) -> None:
+        super().__init__()
         if not isinstance(num_shards, int) or not 1 <= num_shards <= 1024:
             raise ValueError(f"num_shards must be an int in [1, 1024], got {num_shards!r}")
         self._native: _engine.Engine | None = _engine.Engine(num_shards)
@@ -162,6 +104,7 @@ class Engine:
 
     def close(self) -> None:
         """Frees every table and stops the shard threads."""
+        super().close()
         self._native = None
         self._specs.clear()
         self._ids.clear()
@@ -182,7 +125,8 @@ class Engine:
 
     @property
     def step(self) -> int:
-        """Global training step, stamped on every updated row."""
+        """The step stamped on rows by calls given none (``step=None``): for
+        users of the engine alone; a trainer passes each call its step."""
         return self.native.step
 
     @step.setter
@@ -249,6 +193,7 @@ class Engine:
         train: bool = True,
         out: np.ndarray | None = None,
         shard_offsets: np.ndarray | None = None,
+        step: int | None = None,
     ) -> np.ndarray:
         """Rows of keys as float32 ``[len(keys), dim]`` (into ``out`` if given).
 
@@ -256,6 +201,10 @@ class Engine:
         shard, as the reader's key preparation leaves them; the engine then
         skips splitting them (and checks the grouping).
         """
+        if step is not None:
+            return super().pull(
+                table, keys, train=train, out=out, shard_offsets=shard_offsets, step=step
+            )
         tid, keys, out, offsets = self._pull_args(PullPart(table, keys, out, shard_offsets))
         return self.native.pull(tid, keys, train, out, offsets)
 
@@ -287,6 +236,7 @@ class Engine:
         shard_offsets: np.ndarray | None = None,
         updated: np.ndarray | None = None,
         updated_rows: np.ndarray | None = None,
+        step: int | None = None,
     ) -> PushResult:
         """Applies the optimizer to the rows of keys with float32 grads ``[n, dim]``.
 
@@ -299,6 +249,8 @@ class Engine:
         row twice): how a trainer refreshes the next step's pulled rows.
         """
         part = PushPart(table, keys, grads, shard_offsets, updated, updated_rows)
+        if step is not None:
+            return self.push_many([part], unique=unique, step=step)
         tid, keys, grads, offsets, updated, updated_rows = self._push_args(part)
         return PushResult(
             **self.native.push(tid, keys, grads, unique, offsets, updated, updated_rows)
@@ -378,9 +330,10 @@ class Engine:
         """Bool array: which keys have a row."""
         return self.native.contains(self._id(table), as_keys(keys))
 
-    def evict(self, table: str | None = None) -> dict[str, int]:
-        """Applies the eviction policy of one table (or all) now."""
-        return self.native.evict(-1 if table is None else self._id(table))
+    def evict(self, table: str | None = None, *, step: int | None = None) -> dict[str, int]:
+        """Applies the eviction policy of one table (or all) now; TTLs in
+        steps count back from ``step`` (default: ``self.step``)."""
+        return self.native.evict(-1 if table is None else self._id(table), _check_step(step))
 
     def stats(self, table: str | None = None) -> dict[str, Any]:
         """Rows, bytes and counters of one table, or of every table by name."""
@@ -414,10 +367,6 @@ class Engine:
             chunk = self.native.export_chunk(tid, since, chunk_rows, cursor)
             if len(chunk["keys"]):
                 yield RowChunk(**chunk)
-
-    def removed_keys(self, table: str, since: int = 0) -> np.ndarray:
-        """Keys erased or evicted after version ``since`` (uint64)."""
-        return self.removed_log(table, since)[0]
 
     def removed_log(self, table: str, since: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """(keys, versions) of the removals after version ``since``, oldest
@@ -461,11 +410,13 @@ class Engine:
         steps: np.ndarray | None = None,
         times: np.ndarray | None = None,
         versions: np.ndarray | None = None,
+        *,
+        step: int | None = None,
     ) -> None:
         """Inserts or overwrites rows exactly (e.g. from a RowChunk).
 
         Missing columns default to the optimizer's initial state, count 0,
-        the current step and time, and the current version.
+        ``step`` (default ``self.step``), now, and the current version.
         """
         tid = self._id(table)
         spec = self._specs[table]
@@ -480,6 +431,7 @@ class Engine:
             _as_column(steps, np.uint64, (n,), "steps"),
             _as_column(times, np.uint32, (n,), "times"),
             _as_column(versions, np.uint64, (n,), "versions"),
+            _check_step(step),
         )
 
 

@@ -348,16 +348,16 @@ void BindEngine(py::module_& m) {
           "table"_a, "keys"_a)
       .def(
           "evict",
-          [](Engine& e, int table) {
+          [](Engine& e, int table, const std::optional<uint64_t>& step) {
             EvictResult r;
             {
               py::gil_scoped_release release;
-              r = e.Evict(table);
+              r = e.Evict(table, StepOr(step));
             }
             return py::dict("ttl"_a = r.ttl, "min_count"_a = r.min_count, "lfu"_a = r.lfu,
                             "total"_a = r.total());
           },
-          "table"_a)
+          "table"_a, "step"_a = py::none())
       .def(
           "stats",
           [](Engine& e, int table) {
@@ -450,7 +450,8 @@ void BindEngine(py::module_& m) {
           "load",
           [](Engine& e, int table, const py::array& keys, const py::object& weights,
              const py::object& state, const py::object& counts, const py::object& steps,
-             const py::object& times, const py::object& versions) {
+             const py::object& times, const py::object& versions,
+             const std::optional<uint64_t>& step) {
             const KeyArray k = Keys(keys);
             const TableSpec& spec = e.Spec(table);
             const size_t n = k.size;
@@ -463,10 +464,11 @@ void BindEngine(py::module_& m) {
             rows.times = Column<uint32_t>(times, n, 1, "times");
             rows.versions = Column<uint64_t>(versions, n, 1, "versions");
             py::gil_scoped_release release;
-            e.Load(table, n, rows);
+            e.Load(table, n, rows, StepOr(step));
           },
           "table"_a, "keys"_a, "weights"_a, "state"_a = py::none(), "counts"_a = py::none(),
-          "steps"_a = py::none(), "times"_a = py::none(), "versions"_a = py::none())
+          "steps"_a = py::none(), "times"_a = py::none(), "versions"_a = py::none(),
+          "step"_a = py::none())
       .def_property("step", &Engine::step, &Engine::SetStep)
       .def_property_readonly("version", &Engine::version)
       .def("advance_version", &Engine::AdvanceVersion)

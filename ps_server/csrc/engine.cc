@@ -500,11 +500,11 @@ PushResult Engine::PushMany(const std::vector<TablePart>& parts, bool keys_uniqu
   return total;
 }
 
-uint64_t Engine::Erase(int table, const uint64_t* keys, size_t n) {
+uint64_t Engine::Erase(int table, const uint64_t* keys, size_t n, uint64_t step) {
   TableDef* def = Def(table);
   Plan plan;
   PlanBatch(keys, n, &plan);
-  const Clock clock = Now(step(), version());
+  const Clock clock = ClockAt(step);
   std::vector<uint64_t> erased(num_shards_, 0);
   RunOnShards([&](int s) { erased[s] = ShardOfDef(def, s)->Erase(plan.For(s), clock); }, &plan);
   uint64_t total = 0;
@@ -519,24 +519,24 @@ void Engine::Contains(int table, const uint64_t* keys, size_t n, uint8_t* out) {
   RunOnShards([&](int s) { ShardOfDef(def, s)->Contains(plan.For(s), out); }, &plan);
 }
 
-void Engine::Load(int table, size_t n, const RowColumns& rows) {
+void Engine::Load(int table, size_t n, const RowColumns& rows, uint64_t step) {
   TableDef* def = Def(table);
   if (n > 0 && (rows.keys == nullptr || rows.weights == nullptr)) {
     throw std::invalid_argument("load into '" + def->spec.name + "' needs keys and weights");
   }
   Plan plan;
   PlanBatch(rows.keys, n, &plan);
-  const Clock clock = Now(step(), version());
+  const Clock clock = ClockAt(step);
   RunOnShards([&](int s) { ShardOfDef(def, s)->Load(plan.For(s), rows, clock); }, &plan);
 }
 
-EvictResult Engine::Evict(int table) {
-  if (table >= 0) return EvictTable(Def(table));
+EvictResult Engine::Evict(int table, uint64_t step) {
+  if (table >= 0) return EvictTable(Def(table), step);
   EvictResult total;
   for (int id = 0; id < next_table_id_.load(); ++id) {
     TableDef* def = tables_[id].load(std::memory_order_acquire);
     if (def == nullptr) continue;
-    const EvictResult r = EvictTable(def);
+    const EvictResult r = EvictTable(def, step);
     total.ttl += r.ttl;
     total.min_count += r.min_count;
     total.lfu += r.lfu;
@@ -544,8 +544,8 @@ EvictResult Engine::Evict(int table) {
   return total;
 }
 
-EvictResult Engine::EvictTable(TableDef* def) {
-  const Clock clock = Now(step(), version());
+EvictResult Engine::EvictTable(TableDef* def, uint64_t step) {
+  const Clock clock = ClockAt(step);
   std::vector<EvictResult> per_shard(num_shards_);
   RunOnShards([&](int s) { ShardOfDef(def, s)->EvictByAge(clock, &per_shard[s]); });
 

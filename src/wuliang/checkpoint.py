@@ -1,4 +1,9 @@
-"""Checkpoints: everything a Session needs to continue training exactly.
+"""Checkpoints: everything a model needs to continue training exactly.
+
+``save(context, tower, model_dir)`` and ``restore(context, tower, path)``
+take the model's ``Context`` (parameter server, tables, step) and its
+``TowerState`` (``wuliang.tower``); ``Session.save_checkpoint`` and
+``restore_checkpoint`` call them.
 
 ``model_dir/ckpt-<step>/`` is a version of kind ``checkpoint``
 (``wuliang.storage``: atomic, every file checksummed):
@@ -45,15 +50,15 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from wuliang.saved_model import SERVING, model_description, write_saved_model
+from wuliang.saved_model import SERVING
 from wuliang.storage import TMP_PREFIX, Version, VersionWriter, crash_point, load_args
+from wuliang.tower import DENSE_PREFIX, TowerState
 
 if TYPE_CHECKING:
-    from wuliang.ps_server import Engine
-    from wuliang.session import Session
+    from wuliang.context import Context
+    from wuliang.ps_server import ParameterServer
 
 PREFIX = "ckpt-"
-DENSE_PREFIX = "dense/model"
 _NAME = re.compile(r"ckpt-(\d+)")
 
 
@@ -75,7 +80,7 @@ def latest_checkpoint(model_dir: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
-def cut_version(engine: Engine) -> int:
+def cut_version(engine: ParameterServer) -> int:
     """The engine version that a snapshot of the rows taken now stands for
     (checkpoints and exports record it as ``engine_version``); rows changed
     later carry higher versions.
@@ -95,7 +100,7 @@ def cut_version(engine: Engine) -> int:
     return current
 
 
-def _unchanged_since(engine: Engine, table: str, version: int) -> bool:
+def _unchanged_since(engine: ParameterServer, table: str, version: int) -> bool:
     """Whether no row of table was changed or removed after version (False
     when the engine's logs no longer reach back that far)."""
     stats = engine.stats(table)
@@ -106,109 +111,40 @@ def _unchanged_since(engine: Engine, table: str, version: int) -> bool:
     return next(iter(engine.export(table, since=version, chunk_rows=1)), None) is None
 
 
-def restored_dense(session: Session) -> Version | None:
-    """The checkpoint whose tower a session restores at its next step (its
-    dense state until then), or None."""
-    prefix = session.pending_dense_restore
-    if prefix is None:
-        return None
-    path = Path(prefix)
-    for _ in DENSE_PREFIX.split("/"):
-        path = path.parent
-    return Version(path)
-
-
-def dense_checkpoint(session: Session) -> Any:
-    """A ``tf.train.Checkpoint`` of the tower and the tower's optimizer."""
-    import tensorflow as tf
-
-    return tf.train.Checkpoint(optimizer=session.optimizer, **tower_trackables(session))
-
-
-def tower_trackables(session: Session) -> dict[str, Any]:
-    """The objects holding the tower's variables, by stable names.
-
-    A tower that is a Keras model or layer or a ``tf.Module`` is tracked as
-    is (``tower``). A plain function is tracked through the objects it closes
-    over or reads as globals (``inspect.getclosurevars``): each Keras
-    layer/model, ``tf.Module`` or variable under the name the code gives it,
-    so a new process (or a second model in this one) restores by those names.
-    A function that reaches no such object falls back to the variables its
-    traced steps capture, ordered by name (stable only in a fresh process).
-    """
-    import tensorflow as tf
-
-    tower, optimizer = session.functions.tower, session.optimizer
-    try:
-        tf.train.Checkpoint(tower=tower)
-        return {"tower": tower}
-    except (ValueError, TypeError):
-        pass
-    objects = _trackables_of(tower) if callable(tower) else {}
-    if objects:
-        return {f"tower_{name}": value for name, value in objects.items()}
-    own = {id(v) for v in getattr(optimizer, "variables", [])}
-    variables = sorted(
-        (v for v in session.functions.variables() if id(v) not in own), key=lambda v: v.name
-    )
-    return {"variables": variables}
-
-
-def _trackables_of(fn: Any) -> dict[str, Any]:
-    """The trackable objects a function reaches by name (closure, globals)."""
-    import inspect
-
-    import tensorflow as tf
-
-    try:
-        found = inspect.getclosurevars(fn)
-    except TypeError:  # not a Python function (a callable object, a builtin)
-        return {}
-    objects = {}
-    for name, value in sorted({**found.globals, **found.nonlocals}.items()):
-        if isinstance(value, type) or inspect.ismodule(value):
-            continue
-        try:
-            tf.train.Checkpoint(probe=value)
-        except (ValueError, TypeError):
-            continue
-        objects[name] = value
-    return objects
-
-
 def save(
-    session: Session,
+    context: Context,
+    tower: TowerState,
     model_dir: str | os.PathLike,
     position: Any = None,
     keep: int | None = 5,
 ) -> Path:
     """Writes ``model_dir/ckpt-<global step>`` and keeps the newest ``keep``.
 
-    Call when the engine is in sync with the step (every push applied, no
-    pull ahead): ``Session.save_checkpoint`` and the ``Checkpoint`` hook do.
-    A checkpoint of the same step already there is kept as is.
+    Call when the parameter server is in sync with the step (every push
+    applied, no pull ahead): ``Session.save_checkpoint`` and the
+    ``Checkpoint`` hook do. A checkpoint of the same step already there is
+    kept as is. ``position``: the reader position to resume at.
     """
-    ctx = session.context
-    engine = ctx.engine
-    step = ctx.global_step
+    ps = context.ps
+    step = context.global_step
     final = Path(model_dir) / f"{PREFIX}{step}"
     if (final / "manifest.json").is_file():
         return final
-    version = cut_version(engine)  # later changes: versions above every row saved here
+    version = cut_version(ps)  # later changes: versions above every row saved here
     with VersionWriter(model_dir, final.name, "checkpoint") as writer:
-        for name in ctx.tables:
-            spec = engine.spec(name)
+        for name in context.tables:
+            spec = ps.spec(name)
             writer.write_table(
-                name, spec.dim, spec.state_dim, engine.export(name), optimizer=repr(spec.optimizer)
+                name, spec.dim, spec.state_dim, ps.export(name), optimizer=repr(spec.optimizer)
             )
-            keys, versions = engine.removed_log(name)
-            writer.write_removed(name, keys, versions, engine.stats(name)["removed_floor"])
-            writer.write_pending(name, *engine.pending_counts(name))
-        restored = restored_dense(session)
+            keys, versions = ps.removed_log(name)
+            writer.write_removed(name, keys, versions, ps.stats(name)["removed_floor"])
+            writer.write_pending(name, *ps.pending_counts(name))
+        restored = tower.restored_version()
         if restored is None:
-            dense_checkpoint(session).write(str(writer.path(DENSE_PREFIX)))
+            tower.checkpoint().write(str(writer.path(DENSE_PREFIX)))
             writer.add_tree("dense")
-            write_saved_model(session, writer.path(SERVING))
+            tower.write_saved_model(writer.path(SERVING))
             writer.add_tree(SERVING)
         else:  # no step since a restore: the tower is still that checkpoint's
             restored.link_tree("dense", writer)
@@ -217,11 +153,11 @@ def save(
             step=step,
             engine_version=version,
             reader_position=None if position is None else position.to_dict(),
-            num_shards=ctx.num_shards,
-            model=model_description(session),
+            num_shards=context.num_shards,
+            model=tower.model_description(),
         )
     if restored is not None:  # the restored one may be rotated out below
-        session.schedule_dense_restore(str(path / DENSE_PREFIX))
+        tower.schedule_restore(str(path / DENSE_PREFIX))
     if keep is not None:
         for _, old in checkpoints(model_dir)[:-keep]:
             _remove(old)
@@ -241,21 +177,20 @@ def _remove(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def restore(session: Session, path: str | os.PathLike) -> dict[str, Any] | None:
-    """Restores a checkpoint into the session; returns its reader position
-    (a dict, or None). The dense state follows at the session's next step."""
+def restore(context: Context, tower: TowerState, path: str | os.PathLike) -> dict[str, Any] | None:
+    """Restores a checkpoint into the model; returns its reader position
+    (a dict, or None). The tower's state follows at the next step."""
     version = Version(path)
     if version.kind != "checkpoint":
         raise ValueError(f"{path} is a {version.kind} export, not a checkpoint")
-    ctx = session.context
-    engine = ctx.engine
+    ps = context.ps
     for name, saved in version.tables.items():
-        if name not in ctx.tables:
+        if name not in context.tables:
             raise ValueError(
                 f"checkpoint {path} has table {name!r}, which this model does not "
-                f"(tables: {', '.join(sorted(ctx.tables)) or 'none'})"
+                f"(tables: {', '.join(sorted(context.tables)) or 'none'})"
             )
-        spec = engine.spec(name)
+        spec = ps.spec(name)
         if (saved["dim"], saved["state_dim"]) != (spec.dim, spec.state_dim):
             raise ValueError(
                 f"checkpoint {path}: table {name!r} has dim {saved['dim']} and "
@@ -263,18 +198,18 @@ def restore(session: Session, path: str | os.PathLike) -> dict[str, Any] | None:
                 f"{spec.dim} and {spec.state_dim}"
             )
     version.verify()  # every file, before changing anything
-    for name in ctx.tables:
-        engine.drop_table(name)
-        engine.create_table(ctx.tables[name].spec())
+    step = int(version["step"])
+    for name in context.tables:
+        ps.drop_table(name)
+        ps.create_table(context.tables[name].spec())
         if name in version.tables:
             for rows in version.read_rows(name, verified=True):
-                engine.load(name, **load_args(rows))
+                ps.load(name, **load_args(rows), step=step)
             keys, versions = version.removed_log(name, verified=True)
             floor = version.tables[name].get("removed_floor", 0)
-            engine.load_removed(name, keys, versions, floor)
-            engine.load_pending(name, *version.pending_counts(name, verified=True))
-    ctx.global_step = int(version["step"])
-    engine.step = ctx.global_step
-    engine.restore_version(int(version["engine_version"]) + 1)
-    session.schedule_dense_restore(str(version.path / DENSE_PREFIX))
+            ps.load_removed(name, keys, versions, floor)
+            ps.load_pending(name, *version.pending_counts(name, verified=True))
+    context.global_step = step
+    ps.restore_version(int(version["engine_version"]) + 1)
+    tower.schedule_restore(str(version.path / DENSE_PREFIX))
     return version.get("reader_position")

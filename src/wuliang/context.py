@@ -1,22 +1,22 @@
 """Context: all the state of one model's training, and nothing global.
 
-A ``Context`` owns the parameter server (the embedded engine), the tables
-created in it, the global step and the pipeline settings. Two contexts in one
-process share nothing, so two models train side by side without interfering.
+A ``Context`` owns the parameter server (``ps``: any ``ParameterServer``,
+chosen by address), the tables created in it, the global step and the
+pipeline settings. Two contexts in one process share nothing, so two models
+train side by side without interfering.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from wuliang.embedding.features import EmbeddingTable
 from wuliang.nonfinite import check_policy
-from wuliang.ps_server import Engine
+from wuliang.ps_server import ParameterServer, address_kind, parameter_server
 from wuliang.threads import check_background, set_background
 
 
@@ -63,9 +63,11 @@ class Context:
     """The state of one model: parameter server, tables, step, settings.
 
     Args:
-        ps: ``"embedded"``: the engine lives in this process (remote servers,
-            a list of ``"host:port"``, come with the remote PS).
-        num_shards: engine shard threads (default: the number of CPUs).
+        ps: the parameter server's address (``wuliang.ps_server.
+            parameter_server``): ``"embedded"``, the engine in this process;
+            a list of ``"host:port"`` for remote servers.
+        num_shards: shard threads of an embedded engine (default: the number
+            of CPUs, at most 16).
         staleness: 0: a step pulls rows only after the previous step's push
             is applied (exact); 1: the pull of step i may run while step i-1
             trains, so rows can be one update old (faster).
@@ -89,7 +91,7 @@ class Context:
 
     def __init__(
         self,
-        ps: str = "embedded",
+        ps: str | Sequence[str] = "embedded",
         num_shards: int | None = None,
         staleness: int = 0,
         prefetch: int = 2,
@@ -97,10 +99,7 @@ class Context:
         background: str = "normal",
         non_finite: str = "raise",
     ) -> None:
-        if ps != "embedded":
-            raise ValueError(
-                f"ps={ps!r}: only the embedded parameter server exists so far (ps='embedded')"
-            )
+        address_kind(ps)  # a bad address fails before anything starts
         if staleness not in (0, 1):
             raise ValueError(f"staleness must be 0 or 1, got {staleness!r}")
         if not isinstance(prefetch, int) or prefetch < 1:
@@ -113,8 +112,10 @@ class Context:
             )
         self.background = check_background(background)
         self.non_finite = check_policy(non_finite)
-        self.engine = Engine(num_shards or max(1, min(os.cpu_count() or 1, 16)))
-        for thread_id in self.engine.worker_thread_ids():
+        if num_shards is not None and not (isinstance(num_shards, int) and num_shards >= 1):
+            raise ValueError(f"num_shards must be an int >= 1 or None, got {num_shards!r}")
+        self.ps: ParameterServer = parameter_server(ps, num_shards)
+        for thread_id in self.ps.worker_thread_ids():
             set_background(self.background, thread_id)
         self.staleness = staleness
         self.prefetch = prefetch
@@ -123,14 +124,19 @@ class Context:
         self.tables: dict[str, EmbeddingTable] = {}
 
     @property
+    def engine(self) -> ParameterServer:
+        """The parameter server (``ps``), by its former name."""
+        return self.ps
+
+    @property
     def num_shards(self) -> int:
-        return self.engine.num_shards
+        return self.ps.num_shards
 
     def create_table(self, table: EmbeddingTable) -> None:
-        """Creates the table in the engine, or checks it matches the one there."""
+        """Creates the table in the parameter server, or checks it matches."""
         known = self.tables.get(table.name)
         if known is None:
-            self.engine.create_table(table.spec())
+            self.ps.create_table(table.spec())
             self.tables[table.name] = table
         elif known != table:
             raise ValueError(
@@ -138,13 +144,13 @@ class Context:
             )
 
     def advance(self) -> int:
-        """Counts one training step; rows updated from now on carry it."""
+        """Counts one training step (each call to the parameter server that
+        stamps rows passes the step it belongs to)."""
         self.global_step += 1
-        self.engine.step = self.global_step
         return self.global_step
 
     def close(self) -> None:
-        self.engine.close()
+        self.ps.close()
 
     def __enter__(self) -> Context:
         return self

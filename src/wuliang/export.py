@@ -43,7 +43,7 @@ to crash anywhere: a version is renamed into place complete or not at all,
 and ``LATEST`` (which may lag after a crash) is set from the newest
 committed version by the next run.
 
-Sources: ``SessionSource`` (a live session, in sync: the ``IncrementalExport``
+Sources: ``LiveSource`` (a model in memory, in sync: the ``IncrementalExport``
 hook) and ``CheckpointSource`` (a checkpoint: the ``wuliang export`` job).
 """
 
@@ -63,7 +63,7 @@ import numpy as np
 
 from wuliang.checkpoint import cut_version
 from wuliang.ps_server import SGD, Engine, RowChunk, TableSpec, Zeros
-from wuliang.saved_model import SERVING, model_description, write_saved_model
+from wuliang.saved_model import SERVING
 from wuliang.storage import (
     CorruptVersionError,
     Version,
@@ -75,7 +75,8 @@ from wuliang.storage import (
 )
 
 if TYPE_CHECKING:
-    from wuliang.session import Session
+    from wuliang.context import Context
+    from wuliang.tower import TowerState
 
 LATEST = "LATEST"
 LOCK = ".lock"
@@ -100,41 +101,44 @@ class ExportSource(Protocol):
     def write_serving(self, writer: VersionWriter) -> None: ...
 
 
-class SessionSource:
-    """A live session. Call in sync (no step in flight); cuts the engine
-    version (``cut_version``) so that changes made later go to the next
-    delta."""
+class LiveSource:
+    """A model in memory: its parameter server and tower (``wuliang.tower``).
+    Call in sync (no step in flight); cuts the version (``cut_version``) so
+    that changes made later go to the next delta."""
 
-    def __init__(self, session: Session) -> None:
-        self.session = session
-        engine = session.context.engine
-        self.engine = engine
-        self.engine_version = cut_version(engine)
-        self.step = session.global_step
+    def __init__(self, context: Context, tower: TowerState) -> None:
+        ps = context.ps
+        self.ps = ps
+        self.tower = tower
+        self.engine_version = cut_version(ps)
+        self.step = context.global_step
         self.tables = {
-            name: {"dim": engine.spec(name).dim, "optimizer": repr(engine.spec(name).optimizer)}
-            for name in session.context.tables
+            name: {"dim": ps.spec(name).dim, "optimizer": repr(ps.spec(name).optimizer)}
+            for name in context.tables
         }
-        self.model = model_description(session)
+        self.model = tower.model_description()
         self.origin = "session"
 
     def rows(self, table: str, since: int) -> Iterable[RowChunk]:
-        return self.engine.export(table, since=since)
+        return self.ps.export(table, since=since)
 
     def removed(self, table: str, since: int) -> np.ndarray | None:
-        if self.engine.stats(table)["removed_floor"] > since:
+        if self.ps.stats(table)["removed_floor"] > since:
             return None
-        return self.engine.removed_keys(table, since)
+        return self.ps.removed_keys(table, since)
 
     def write_serving(self, writer: VersionWriter) -> None:
-        from wuliang.checkpoint import restored_dense
-
-        restored = restored_dense(self.session)
+        restored = self.tower.restored_version()
         if restored is not None:  # no step since a restore: that checkpoint's tower
             restored.link_tree(SERVING, writer)
             return
-        write_saved_model(self.session, writer.path(SERVING))
+        self.tower.write_saved_model(writer.path(SERVING))
         writer.add_tree(SERVING)
+
+
+def SessionSource(session: Any) -> LiveSource:
+    """The ``LiveSource`` of a session (its ``context`` and ``tower``)."""
+    return LiveSource(session.context, session.tower)
 
 
 class CheckpointSource:

@@ -15,14 +15,14 @@ task), as the training step computes them (sigmoid of the logits for
 themselves for ``mse`` or a custom loss). The same function is the loaded
 object's ``serve(inputs: dict)``.
 
-The module tracks the tower's variables the way ``checkpoint.dense_checkpoint``
-does: a Keras model/layer or ``tf.Module`` tower as is, a plain function
-through the trackable objects it reaches by name, else the variables the
-traced step captures.
+The module tracks the tower's variables the way the tower's checkpoint does
+(``TowerState.trackables``): a Keras model/layer or ``tf.Module`` tower as
+is, a plain function through the trackable objects it reaches by name, else
+the variables the traced step captures.
 
 Writing a SavedModel (``tf.saved_model.save``) traces and serialises the
-whole object graph, which would dominate a small delta export. A session's first write
-does it and keeps the graph files; later writes of the same session (same
+whole object graph, which would dominate a small delta export. A tower's first write
+does it and keeps the graph files; later writes of the same tower (same
 variables) copy those and write only ``variables/`` (a checkpoint of the
 same object graph, which is what the loader restores from), a fraction of
 the cost.
@@ -38,26 +38,26 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from wuliang.session import Session
+    from wuliang.tower import TowerState
 
 SIGNATURE = "serving_default"
 SERVING = "serving"  # the SavedModel's folder in checkpoints and exports
 _VALID_NAME = re.compile(r"[A-Za-z0-9.][A-Za-z0-9_.\-/]*")
 
 
-def input_specs(session: Session) -> dict[str, Any]:
+def input_specs(tower: TowerState) -> dict[str, Any]:
     """The signature's inputs: name -> ``tf.TensorSpec``."""
     import tensorflow as tf
 
     specs: dict[str, Any] = {}
-    for f in session.sparse:
+    for f in tower.sparse:
         if f.is_sequence:
             specs[f.name] = tf.TensorSpec([None, f.max_len, f.table.dim], tf.float32, f.name)
             mask = f"{f.name}_mask"
             specs[mask] = tf.TensorSpec([None, f.max_len], tf.float32, mask)
         else:
             specs[f.name] = tf.TensorSpec([None, f.table.dim], tf.float32, f.name)
-    for d in session.dense:
+    for d in tower.dense:
         specs[d.name] = tf.TensorSpec([None, d.dim], tf.float32, d.name)
     for name in specs:
         if not _VALID_NAME.fullmatch(name):
@@ -68,27 +68,12 @@ def input_specs(session: Session) -> dict[str, Any]:
     return specs
 
 
-def model_description(session: Session) -> dict[str, Any]:
-    """What serving needs besides the SavedModel: each feature's table and
-    how it pools, the dense features (JSON, for manifests)."""
-    return {
-        "signature": SIGNATURE,
-        "sparse": [
-            {"name": f.name, "table": f.table.name, "combiner": f.combiner, "max_len": f.max_len}
-            for f in session.sparse
-        ],
-        "dense": [{"name": d.name, "dim": d.dim} for d in session.dense],
-    }
-
-
-def serving_module(session: Session) -> Any:
+def serving_module(tower: TowerState) -> Any:
     """A ``tf.Module`` with the tower's variables and ``serve(inputs)``."""
     import tensorflow as tf
 
-    from wuliang.checkpoint import tower_trackables
-
-    functions = session.functions
-    sparse, dense = list(session.sparse), list(session.dense)
+    functions = tower.functions
+    sparse, dense = tower.sparse, tower.dense
     module = tf.Module()
 
     def serve(inputs: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
@@ -104,13 +89,13 @@ def serving_module(session: Session) -> Any:
             return {f"predictions_{task}": p for task, p in sorted(predictions.items())}
         return {"predictions": predictions}
 
-    module.serve = tf.function(serve, input_signature=[input_specs(session)])
+    module.serve = tf.function(serve, input_signature=[input_specs(tower)])
     module.serve.get_concrete_function()  # builds the tower if no step has yet
     # The variables only: a tracked Keras model would be traced by the saver
     # through its own call(inputs), which a tower taking (embeddings, dense)
     # does not accept.
     variables: dict[int, Any] = {}
-    for value in tower_trackables(session).values():
+    for value in tower.trackables().values():
         if isinstance(value, tf.Variable):
             value = [value]
         for variable in value if isinstance(value, list | tuple) else value.variables:
@@ -121,7 +106,7 @@ def serving_module(session: Session) -> Any:
 
 @dataclass
 class _Template:
-    """A session's SavedModel apart from its variables."""
+    """A tower's SavedModel apart from its variables."""
 
     module: Any
     variables: list[int]  # ids of the module's variables when saved
@@ -132,12 +117,12 @@ _TEMPLATES: weakref.WeakKeyDictionary[Any, _Template] = weakref.WeakKeyDictionar
 _NOT_COPIED = ("variables/", "fingerprint.pb")
 
 
-def write_saved_model(session: Session, path: str | Path) -> None:
+def write_saved_model(tower: TowerState, path: str | Path) -> None:
     """Writes the tower as a SavedModel into the (new or empty) folder path."""
     import tensorflow as tf
 
     path = Path(path)
-    template = _TEMPLATES.get(session)
+    template = _TEMPLATES.get(tower)
     if template is not None and template.variables == [id(v) for v in template.module.variables]:
         for relative, content in template.files.items():
             target = path / relative
@@ -145,7 +130,7 @@ def write_saved_model(session: Session, path: str | Path) -> None:
             target.write_bytes(content)
         tf.train.Checkpoint(template.module).write(str(path / "variables" / "variables"))
         return
-    module = serving_module(session)
+    module = serving_module(tower)
     signature = module.serve.get_concrete_function()
     tf.saved_model.save(module, str(path), signatures={SIGNATURE: signature})
     files = {
@@ -153,4 +138,4 @@ def write_saved_model(session: Session, path: str | Path) -> None:
         for p in sorted(path.rglob("*"))
         if p.is_file() and not str(p.relative_to(path)).startswith(_NOT_COPIED)
     }
-    _TEMPLATES[session] = _Template(module, [id(v) for v in module.variables], files)
+    _TEMPLATES[tower] = _Template(module, [id(v) for v in module.variables], files)

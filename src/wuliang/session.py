@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from wuliang import checkpoint
 from wuliang.context import Context, Trace
 from wuliang.embedding.bridge import (
     Layout,
@@ -48,6 +49,7 @@ from wuliang.ps_server import PullPart, PushPart
 from wuliang.reader._reader import index_in
 from wuliang.reader.batch import CsrBatch
 from wuliang.reader.prepare import KeyPreparer, PreparedKeys
+from wuliang.tower import TowerState
 
 STANDARD_FETCHES = ("loss", "predictions", "logits")
 log = logging.getLogger("wuliang")
@@ -113,6 +115,7 @@ class Session:
             self.optimizer,
             order=[f.name for f in features],
         )
+        self.tower = TowerState(self.functions, self.sparse, self.dense, self.optimizer)
         self.hooks = list(hooks)
         evicting = [name for name, t in tables.items() if t.eviction.enabled]
         every = self.context.evict_every_steps
@@ -125,7 +128,6 @@ class Session:
         self._output_names: set[str] | None = None
         self._hooks_begun = False
         self._failed = False  # a step raised: close() does not end the session hooks
-        self._dense_restore: str | None = None  # checkpoint prefix, restored at the next step
         self._resume_position: dict[str, Any] | None = None  # for the next train()
 
     # -- public ----------------------------------------------------------------
@@ -151,34 +153,28 @@ class Session:
         """Writes ``model_dir/ckpt-<global step>`` (``wuliang.checkpoint``).
         Between ``run`` calls or from a hook's ``after_run`` when
         ``run_context.synced``; ``position``: the reader position to resume at."""
-        from wuliang import checkpoint
-
-        return checkpoint.save(self, model_dir, position, keep)
+        return checkpoint.save(self.context, self.tower, model_dir, position, keep)
 
     def restore_checkpoint(self, path: str | os.PathLike) -> None:
         """Restores a checkpoint (a ``ckpt-<step>`` folder, or the newest in a
         model_dir). The next ``train`` resumes its reader where the checkpoint's
         left off (when it is a ``ParquetReader`` over the same files)."""
-        from wuliang import checkpoint
-
         target = Path(path)
         if not (target / "manifest.json").is_file():
             latest = checkpoint.latest_checkpoint(target)
             if latest is None:
                 raise FileNotFoundError(f"no checkpoint in {target}")
             target = latest
-        self._resume_position = checkpoint.restore(self, target)
+        self._resume_position = checkpoint.restore(self.context, self.tower, target)
 
-    def schedule_dense_restore(self, prefix: str) -> None:
-        """Restores the tower and its optimizer from a TF checkpoint prefix
-        at the next step, once traced (so that every variable exists)."""
-        self._dense_restore = prefix
+    def export(self, export_dir: str | os.PathLike, kind: str = "auto") -> Any:
+        """Writes the next version of ``export_dir`` from this model
+        (``wuliang.export``: a delta of the newest version, or full with
+        ``kind="full"``); returns its ``ExportResult``. Between ``run`` calls
+        or from a hook's ``after_run`` when ``run_context.synced``."""
+        from wuliang.export import LiveSource, export
 
-    @property
-    def pending_dense_restore(self) -> str | None:
-        """The TF checkpoint prefix the next step restores the tower from
-        (None: none pending); until then it holds the session's dense state."""
-        return self._dense_restore
+        return export(LiveSource(self.context, self.tower), export_dir, kind)
 
     def run(
         self, feed: CsrBatch, fetch: str | Sequence[str] = ("loss",), train: bool = True
@@ -424,7 +420,7 @@ class Session:
                 base = bases[table]
                 out = packed[base : base + len(keys.uniques)]
                 parts.append(PullPart(table, keys.uniques, out, keys.shard_offsets))
-        self.context.engine.pull_many(parts, train=train, step=step)
+        self.context.ps.pull_many(parts, train=train, step=step)
         return rows
 
     def _link(
@@ -474,14 +470,14 @@ class Session:
                 parts.append(
                     PushPart(table, keys.uniques, grads, keys.shard_offsets, updated, rows)
                 )
-        engine = self.context.engine
+        ps = self.context.ps
         if link is None:
-            engine.push_many(parts, unique=True, step=step)
+            ps.push_many(parts, unique=True, step=step)
             return
-        engine.push_many(parts, unique=True, only="updated", step=step)
+        ps.push_many(parts, unique=True, only="updated", step=step)
         if linked_done is not None:
             linked_done()
-        engine.push_many(parts, unique=True, only="rest", step=step)
+        ps.push_many(parts, unique=True, only="rest", step=step)
 
     def _step(
         self,
@@ -511,7 +507,7 @@ class Session:
                 self._check_hook_fetches(hook, names, inputs, rows)
             wanted += names
         start = time.perf_counter()
-        self._restore_dense(inputs, rows, train)
+        self.tower.restore_pending(inputs, rows, train)
         run = self.functions.train if train else self.functions.evaluate
         out = run(inputs, rows)
         if self._output_names is None:
@@ -543,20 +539,6 @@ class Session:
             values = SessionRunValues({n: fetched[n] for n in names}, timings)
             hook.after_run(context, values)
         return {n: fetched[n] for n in fetch}, context.stop_requested
-
-    def _restore_dense(self, inputs: StepInputs, rows: list[np.ndarray], train: bool) -> None:
-        """A scheduled dense restore: trace (variables exist), then read. A
-        training step clears it; an evaluation keeps it for the first training
-        step (the optimizer's variables exist only once that is traced)."""
-        if self._dense_restore is None or (train and inputs.labels is None):
-            return
-        from wuliang.checkpoint import dense_checkpoint
-
-        self.functions.trace(inputs, rows, train)
-        status = dense_checkpoint(self).read(self._dense_restore)
-        status.assert_existing_objects_matched()
-        if train:
-            self._dense_restore = None
 
     def _fetch(self, out: dict[str, Any], name: str, inputs: StepInputs) -> Any:
         if name == "loss" and "loss" not in out:
@@ -595,7 +577,7 @@ class Session:
                     break
                 if with_labels and item.inputs.labels is None:
                     raise ValueError("evaluate() needs labels: the reader has no label column")
-                self._restore_dense(item.inputs, item.rows, train=False)
+                self.tower.restore_pending(item.inputs, item.rows, train=False)
                 yield item, self.functions.evaluate(item.inputs, item.rows, labels=with_labels)
         finally:
             pipeline.close()

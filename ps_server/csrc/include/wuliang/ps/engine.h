@@ -21,7 +21,9 @@
 // after v and RemovedLog(since=v) the keys erased or evicted after v. Each
 // shard logs the keys it changes and removes per version (bounded: about
 // twice its rows), so a delta costs what it contains, not the table size.
-// Pushes stamp rows with the current global step (SetStep) and wall time.
+// Calls that stamp rows (PullMany, PushMany, Load, Evict's TTL) take the
+// training step as an argument; kCurrentStep falls back to SetStep's value,
+// for users of the engine alone. Rows also carry the wall time.
 #pragma once
 
 #include <array>
@@ -192,12 +194,13 @@ class Engine {
   PushResult PushMany(const std::vector<TablePart>& parts, bool keys_unique = false,
                       Only only = Only::kAll, uint64_t step = kCurrentStep);
   // Removes rows; returns how many existed.
-  uint64_t Erase(int table, const uint64_t* keys, size_t n);
+  uint64_t Erase(int table, const uint64_t* keys, size_t n, uint64_t step = kCurrentStep);
   // Writes 1 for keys that have a row, else 0.
   void Contains(int table, const uint64_t* keys, size_t n,
                 uint8_t* out);  // (n,)
-  // Applies the table's EvictionSpec now (all tables if table < 0).
-  EvictResult Evict(int table);
+  // Applies the table's EvictionSpec now (all tables if table < 0); TTLs in
+  // steps count back from `step`.
+  EvictResult Evict(int table, uint64_t step = kCurrentStep);
   TableStats Stats(int table);
 
   // Writes up to max_rows rows with version > since into `out` and advances
@@ -225,8 +228,8 @@ class Engine {
   void LoadPending(int table, const uint64_t* keys, const uint32_t* counts, size_t n);
   // Inserts or overwrites rows exactly. keys and weights are required; state
   // defaults to the optimizer's initial state, counts to 0, steps/times to
-  // now and versions to the current version.
-  void Load(int table, size_t n, const RowColumns& rows);
+  // now and versions to the current version. `step`: the default of steps.
+  void Load(int table, size_t n, const RowColumns& rows, uint64_t step = kCurrentStep);
 
   uint64_t step() const { return step_.load(std::memory_order_relaxed); }
   void SetStep(uint64_t step) { step_.store(step, std::memory_order_relaxed); }
@@ -259,7 +262,7 @@ class Engine {
   std::vector<int> PlanParts(const std::vector<TablePart>& parts,
                              std::vector<details::Plan>* plans) const;
   void CheckFinite(const details::TableDef& def, const TablePart& part) const;
-  EvictResult EvictTable(details::TableDef* def);
+  EvictResult EvictTable(details::TableDef* def, uint64_t step);
   // The clock of a data call: its own step, or kCurrentStep for step().
   details::Clock ClockAt(uint64_t step) const;
 

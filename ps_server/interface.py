@@ -1,0 +1,382 @@
+"""The parameter-server interface: what every implementation offers.
+
+Everything above the engine (session, pipeline, checkpoint, export, hooks,
+serving) talks to a ``ParameterServer``, never to one implementation, and an
+implementation is chosen by address (``wuliang.ps_server.parameter_server``):
+``"embedded"`` is the C++ engine in this process (``Engine``); remote servers
+(a list of ``"host:port"``) and a GPU-cached front plug in the same way.
+
+Data half (any number of threads at once):
+
+* ``pull_many(parts, train, step)``: the rows of several tables' keys in one
+  call, into each part's ``out``; ``pull(table, keys)`` for one table.
+  ``train=True`` counts a sighting of each key and creates its row once
+  admission allows; ``train=False`` is a pure lookup. Keys without a row read
+  as their initial vector.
+* ``push_many(parts, unique, only, step)``: applies each table's optimizer to
+  the rows of the keys with the given gradients; ``push`` for one table.
+* ``pull_many_async`` / ``push_many_async``: the same, started now; the
+  returned ``Handle`` 's ``wait()`` returns the result or raises the error.
+  The arrays passed in must not change (nor ``out`` be read) until then.
+
+Admin half: tables (``create_table``, ``drop_table``, ``tables``, ``spec``),
+``stats``, chunked ``export`` (rows modified after a version) and ``load``,
+the removal log (``removed_log``, ``load_removed``, ``trim_removed``), the
+admission counts of keys not admitted yet (``pending_counts``,
+``load_pending``), ``erase``, ``contains``, ``evict``, and versions
+(``version``, ``advance_version``, ``restore_version``).
+
+The training step travels with the calls that stamp rows with it
+(``pull_many``, ``push_many``, ``load``, ``evict``): a server holds no
+trainer's step, so several workers can share one. The version is the
+server's own: every modified row carries the version current when it
+changed, and ``advance_version`` (at a checkpoint or export cut) starts the
+next one; ``export(table, since=v)`` and ``removed_log(table, since=v)`` give
+what changed after ``v``.
+
+Keys are uint64 (int64 arrays are taken as their two's-complement twins);
+rows are float32 ``[n, dim]``. A bad argument raises ``TypeError`` or
+``ValueError`` naming it; an unknown table ``UnknownTableError`` listing the
+tables there are.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from wuliang.ps_server.spec import TableSpec
+
+T = TypeVar("T")
+KeyArray = np.ndarray | Sequence[int]
+ONLY = ("all", "updated", "rest")  # push_many's halves
+
+
+class UnknownTableError(KeyError):
+    """A table name the parameter server does not have."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class PushResult:
+    applied: int  # row updates applied
+    dropped_nan: int  # gradient rows with NaN or Inf, skipped
+    dropped_pending: int  # keys not admitted yet, skipped
+    duplicates: int  # repeated keys, summed into their first occurrence
+
+    def __add__(self, other: PushResult) -> PushResult:
+        return PushResult(
+            self.applied + other.applied,
+            self.dropped_nan + other.dropped_nan,
+            self.dropped_pending + other.dropped_pending,
+            self.duplicates + other.duplicates,
+        )
+
+
+@dataclass(frozen=True)
+class RowChunk:
+    """Rows of one table, as ``export`` yields them and ``load`` takes them."""
+
+    keys: np.ndarray  # uint64 [n]
+    weights: np.ndarray  # float32 [n, dim]
+    state: np.ndarray  # float32 [n, state_dim] optimizer state
+    counts: np.ndarray  # uint32 [n] updates (+ sightings before admission)
+    steps: np.ndarray  # uint64 [n] step of the last update
+    times: np.ndarray  # uint32 [n] unix time of the last update
+    versions: np.ndarray  # uint64 [n] version of the last modification
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+@dataclass(frozen=True)
+class PullPart:
+    """One table's part of ``pull_many``: the arguments of a ``pull``.
+
+    ``shard_offsets`` (int64, ``num_shards + 1``): the keys are already
+    grouped by shard (``wuliang.reader.KeyPreparer``), so the server skips
+    grouping them (and checks the grouping).
+    """
+
+    table: str
+    keys: KeyArray
+    out: np.ndarray | None = None  # float32 [n, dim], written
+    shard_offsets: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class PushPart:
+    """One table's part of ``push_many``: the arguments of a ``push``.
+
+    ``updated`` (float32, C-contiguous) receives each key's weights after the
+    push (what a lookup would read next): key i's at ``updated[i]``, or with
+    ``updated_rows`` (int32 ``[n]``) at ``updated[updated_rows[i]]`` (nowhere
+    where -1; no row twice). A trainer refreshes the next step's rows this way.
+    """
+
+    table: str
+    keys: KeyArray
+    grads: np.ndarray  # float32 [n, dim]
+    shard_offsets: np.ndarray | None = None
+    updated: np.ndarray | None = None
+    updated_rows: np.ndarray | None = None
+
+
+class Handle(Generic[T]):
+    """A call in flight: ``wait()`` returns its result or raises its error."""
+
+    def __init__(self, future: Future[T]) -> None:
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> T:
+        """The result, once the call is done (TimeoutError after ``timeout`` s)."""
+        return self._future.result(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+
+class ParameterServer(abc.ABC):
+    """Embedding tables of a parameter server. See the module docstring."""
+
+    def __init__(self) -> None:
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+
+    # -- lifecycle -----------------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def num_shards(self) -> int:
+        """How many groups a batch's keys are split into (``shard_of``); key
+        preparation groups keys the same way ahead of ``pull_many``."""
+
+    def close(self) -> None:
+        """Releases the server (its tables, for an embedded one)."""
+        with self._executor_lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+    def __enter__(self) -> ParameterServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def worker_thread_ids(self) -> list[int]:
+        """OS ids of the threads in this process that do the server's work
+        (to set their scheduling); none for a remote server."""
+        return []
+
+    # -- data half -----------------------------------------------------------
+
+    @abc.abstractmethod
+    def pull_many(
+        self, parts: Sequence[PullPart], *, train: bool = True, step: int | None = None
+    ) -> None:
+        """``pull`` into each part's ``out`` (required), for many tables at once.
+
+        ``step``: the training step of the batch; rows the pull creates carry
+        it, and a ``push_many(step=s)`` leaves alone the rows that a pull of a
+        later step admitted (a trainer that pulls ahead of its pushes gets
+        what running the steps one by one gives). None: the server's own."""
+
+    @abc.abstractmethod
+    def push_many(
+        self,
+        parts: Sequence[PushPart],
+        *,
+        unique: bool = False,
+        only: str = "all",
+        step: int | None = None,
+    ) -> PushResult:
+        """``push`` for many tables at once; the results are summed.
+
+        ``unique=True`` promises no key repeats within a part. ``only=
+        "updated"`` applies just the keys with ``updated_rows[i] >= 0``,
+        ``"rest"`` the others (both need ``unique``): a push in two halves,
+        the rows the next step shares first. ``step``: as for ``pull_many``."""
+
+    def pull_many_async(
+        self, parts: Sequence[PullPart], *, train: bool = True, step: int | None = None
+    ) -> Handle[None]:
+        """``pull_many`` started now; ``wait()`` on the handle for the rows."""
+        return self._start(lambda: self.pull_many(parts, train=train, step=step))
+
+    def push_many_async(
+        self,
+        parts: Sequence[PushPart],
+        *,
+        unique: bool = False,
+        only: str = "all",
+        step: int | None = None,
+    ) -> Handle[PushResult]:
+        """``push_many`` started now; ``wait()`` returns its ``PushResult``."""
+        return self._start(lambda: self.push_many(parts, unique=unique, only=only, step=step))
+
+    def pull(
+        self,
+        table: str,
+        keys: KeyArray,
+        *,
+        train: bool = True,
+        out: np.ndarray | None = None,
+        shard_offsets: np.ndarray | None = None,
+        step: int | None = None,
+    ) -> np.ndarray:
+        """Rows of keys as float32 ``[len(keys), dim]`` (into ``out`` if given)."""
+        keys = as_keys(keys)
+        if out is None:
+            out = np.empty((len(keys), self.spec(table).dim), np.float32)
+        self.pull_many([PullPart(table, keys, out, shard_offsets)], train=train, step=step)
+        return out
+
+    def push(
+        self,
+        table: str,
+        keys: KeyArray,
+        grads: np.ndarray,
+        *,
+        unique: bool = False,
+        shard_offsets: np.ndarray | None = None,
+        updated: np.ndarray | None = None,
+        updated_rows: np.ndarray | None = None,
+        step: int | None = None,
+    ) -> PushResult:
+        """Applies the table's optimizer to the rows of keys with float32
+        grads ``[n, dim]`` (duplicate keys summed first)."""
+        part = PushPart(table, keys, grads, shard_offsets, updated, updated_rows)
+        return self.push_many([part], unique=unique, step=step)
+
+    def _start(self, call: Callable[[], T]) -> Handle[T]:
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(2, thread_name_prefix="wuliang-ps-call")
+            return Handle(self._executor.submit(call))
+
+    # -- admin half: tables --------------------------------------------------
+
+    @abc.abstractmethod
+    def create_table(self, spec: TableSpec) -> None:
+        """Creates a table; ValueError if the name is taken."""
+
+    @abc.abstractmethod
+    def drop_table(self, name: str) -> None:
+        """Removes a table and frees its rows."""
+
+    @abc.abstractmethod
+    def tables(self) -> list[str]:
+        """The tables' names, in creation order."""
+
+    @abc.abstractmethod
+    def spec(self, name: str) -> TableSpec:
+        """A table's spec."""
+
+    @abc.abstractmethod
+    def stats(self, table: str | None = None) -> dict[str, Any]:
+        """Rows, bytes and counters of one table, or of every table by name."""
+
+    # -- admin half: rows ----------------------------------------------------
+
+    @abc.abstractmethod
+    def export(self, table: str, since: int = 0, chunk_rows: int = 65536) -> Iterator[RowChunk]:
+        """The rows modified after version ``since`` (0: all), chunk by chunk.
+        Arguments are checked at the call."""
+
+    @abc.abstractmethod
+    def load(
+        self,
+        table: str,
+        keys: KeyArray,
+        weights: np.ndarray,
+        state: np.ndarray | None = None,
+        counts: np.ndarray | None = None,
+        steps: np.ndarray | None = None,
+        times: np.ndarray | None = None,
+        versions: np.ndarray | None = None,
+        *,
+        step: int | None = None,
+    ) -> None:
+        """Inserts or overwrites rows exactly (e.g. a ``RowChunk``'s columns).
+        Missing columns default to the optimizer's initial state, count 0,
+        ``step`` (default: the server's), now, and the current version."""
+
+    @abc.abstractmethod
+    def erase(self, table: str, keys: KeyArray) -> int:
+        """Removes rows (logged for deltas); returns how many existed."""
+
+    @abc.abstractmethod
+    def contains(self, table: str, keys: KeyArray) -> np.ndarray:
+        """Bool ``[n]``: which keys have a row."""
+
+    @abc.abstractmethod
+    def evict(self, table: str | None = None, *, step: int | None = None) -> dict[str, int]:
+        """Applies the eviction policy of one table (or every table) now;
+        TTLs in steps count back from ``step`` (default: the server's)."""
+
+    # -- admin half: logs and admission --------------------------------------
+
+    @abc.abstractmethod
+    def removed_log(self, table: str, since: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, versions) of the removals after version ``since``, oldest
+        first; complete only when ``since >= stats(table)["removed_floor"]``."""
+
+    def removed_keys(self, table: str, since: int = 0) -> np.ndarray:
+        """Keys erased or evicted after version ``since`` (uint64)."""
+        return self.removed_log(table, since)[0]
+
+    @abc.abstractmethod
+    def load_removed(
+        self, table: str, keys: KeyArray, versions: np.ndarray, floor: int = 0
+    ) -> None:
+        """Restores removal records (a checkpoint's), sorted by version;
+        ``floor``: the records are incomplete up to this version."""
+
+    @abc.abstractmethod
+    def trim_removed(self, table: str, upto: int) -> None:
+        """Forgets removal records of versions <= ``upto``."""
+
+    @abc.abstractmethod
+    def pending_counts(self, table: str) -> tuple[np.ndarray, np.ndarray]:
+        """(keys uint64, counts uint32) of the keys seen but not admitted."""
+
+    @abc.abstractmethod
+    def load_pending(self, table: str, keys: KeyArray, counts: np.ndarray) -> None:
+        """Sets the sighting counts of keys waiting for admission."""
+
+    # -- admin half: versions ------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """The current version, stamped on every row modified now."""
+
+    @abc.abstractmethod
+    def advance_version(self) -> int:
+        """Starts a new version and returns it."""
+
+    @abc.abstractmethod
+    def restore_version(self, version: int) -> None:
+        """Raises the version to at least ``version`` (after restoring rows)."""
+
+
+def as_keys(keys: Any, what: str = "keys") -> np.ndarray:
+    """Keys as a contiguous 1-D int64/uint64 array (no copy if already)."""
+    if not isinstance(keys, np.ndarray):
+        keys = np.asarray(keys)
+        if keys.size == 0:
+            keys = keys.astype(np.uint64)
+    if keys.dtype != np.int64 and keys.dtype != np.uint64:
+        raise TypeError(f"{what} must be an int64 or uint64 array, got dtype {keys.dtype}")
+    if keys.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {keys.shape}")
+    return np.ascontiguousarray(keys)

@@ -1,0 +1,173 @@
+"""The tower's state: the dense half of a model, as checkpoints and exports see it.
+
+A ``Session`` owns one ``TowerState``: the tower and its optimizer, the
+features it reads, and the traced step functions. Checkpoints and exports
+take it together with the parameter server (``wuliang.checkpoint``,
+``wuliang.export``), so neither reaches into the session:
+
+* ``trackables()`` / ``checkpoint()``: the objects holding the tower's
+  variables by stable names, and a ``tf.train.Checkpoint`` of them and the
+  tower optimizer's state (``dense/model.*`` in a checkpoint);
+* ``model_description()``: what serving needs besides the SavedModel (each
+  feature's table and pooling, the dense features), for manifests;
+* ``write_saved_model(path)``: the tower as a SavedModel
+  (``wuliang.saved_model``);
+* a pending restore: a checkpoint restores the tower at the session's next
+  step, once its variables exist (``schedule_restore``, ``restore_pending``);
+  until then the tower's state is that checkpoint's (``restored_version``).
+
+Trackables: a tower that is a Keras model or layer or a ``tf.Module`` is
+tracked as is (``tower``). A plain function is tracked through the objects it
+closes over or reads as globals (``inspect.getclosurevars``): each Keras
+layer/model, ``tf.Module`` or variable under the name the code gives it, so a
+new process (or a second model in this one) restores by those names. A
+function that reaches no such object falls back to the variables its traced
+steps capture, ordered by name (stable only in a fresh process).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from wuliang.embedding.features import DenseFeature, SparseFeature
+
+DENSE_PREFIX = "dense/model"  # the tower's checkpoint inside a checkpoint folder
+
+
+class TowerState:
+    """The dense half of one model (see the module docstring).
+
+    Args:
+        functions: the model's ``embedding.bridge.StepFunctions``.
+        sparse, dense: the model's features.
+        optimizer: the Keras optimizer of the tower's variables.
+    """
+
+    def __init__(
+        self,
+        functions: Any,
+        sparse: Sequence[SparseFeature],
+        dense: Sequence[DenseFeature],
+        optimizer: Any,
+    ) -> None:
+        self.functions = functions
+        self.sparse = list(sparse)
+        self.dense = list(dense)
+        self.optimizer = optimizer
+        self._restore: str | None = None  # checkpoint prefix, read at the next step
+
+    @property
+    def tower(self) -> Any:
+        """The user's tower object."""
+        return self.functions.tower
+
+    def model_description(self) -> dict[str, Any]:
+        """Each feature's table and pooling, the dense features (JSON)."""
+        from wuliang.saved_model import SIGNATURE
+
+        return {
+            "signature": SIGNATURE,
+            "sparse": [
+                {
+                    "name": f.name,
+                    "table": f.table.name,
+                    "combiner": f.combiner,
+                    "max_len": f.max_len,
+                }
+                for f in self.sparse
+            ],
+            "dense": [{"name": d.name, "dim": d.dim} for d in self.dense],
+        }
+
+    def trackables(self) -> dict[str, Any]:
+        """The objects holding the tower's variables, by stable names."""
+        import tensorflow as tf
+
+        tower = self.tower
+        try:
+            tf.train.Checkpoint(tower=tower)
+            return {"tower": tower}
+        except (ValueError, TypeError):
+            pass
+        objects = _trackables_of(tower) if callable(tower) else {}
+        if objects:
+            return {f"tower_{name}": value for name, value in objects.items()}
+        own = {id(v) for v in getattr(self.optimizer, "variables", [])}
+        variables = sorted(
+            (v for v in self.functions.variables() if id(v) not in own), key=lambda v: v.name
+        )
+        return {"variables": variables}
+
+    def checkpoint(self) -> Any:
+        """A ``tf.train.Checkpoint`` of the tower and its optimizer."""
+        import tensorflow as tf
+
+        return tf.train.Checkpoint(optimizer=self.optimizer, **self.trackables())
+
+    def write_saved_model(self, path: str | Path) -> None:
+        """Writes the tower as a SavedModel into the (new or empty) folder."""
+        from wuliang.saved_model import write_saved_model
+
+        write_saved_model(self, path)
+
+    # -- restoring -------------------------------------------------------------
+
+    def schedule_restore(self, prefix: str) -> None:
+        """Restores the tower and its optimizer from a TF checkpoint prefix
+        at the next step, once traced (so that every variable exists)."""
+        self._restore = prefix
+
+    @property
+    def pending_restore(self) -> str | None:
+        """The checkpoint prefix the next step restores from (None: none)."""
+        return self._restore
+
+    def restored_version(self) -> Any:
+        """The checkpoint (``storage.Version``) whose tower the next step
+        restores, which holds the tower's state until then; or None."""
+        from wuliang.storage import Version
+
+        if self._restore is None:
+            return None
+        path = Path(self._restore)
+        for _ in DENSE_PREFIX.split("/"):
+            path = path.parent
+        return Version(path)
+
+    def restore_pending(self, inputs: Any, rows: Sequence[np.ndarray], train: bool) -> None:
+        """A scheduled restore: trace (variables exist), then read. A
+        training step clears it; an evaluation keeps it for the first
+        training step (the optimizer's variables exist only once that is
+        traced)."""
+        if self._restore is None or (train and inputs.labels is None):
+            return
+        self.functions.trace(inputs, rows, train)
+        status = self.checkpoint().read(self._restore)
+        status.assert_existing_objects_matched()
+        if train:
+            self._restore = None
+
+
+def _trackables_of(fn: Any) -> dict[str, Any]:
+    """The trackable objects a function reaches by name (closure, globals)."""
+    import tensorflow as tf
+
+    try:
+        found = inspect.getclosurevars(fn)
+    except TypeError:  # not a Python function (a callable object, a builtin)
+        return {}
+    objects = {}
+    for name, value in sorted({**found.globals, **found.nonlocals}.items()):
+        if isinstance(value, type) or inspect.ismodule(value):
+            continue
+        try:
+            tf.train.Checkpoint(probe=value)
+        except (ValueError, TypeError):
+            continue
+        objects[name] = value
+    return objects
