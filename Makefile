@@ -8,7 +8,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 CPP_SOURCES := $(shell find ps_server/csrc reader/csrc -name '*.cc' -o -name '*.h')
-PY_SOURCES := $(shell find src ps_server reader embedding hooks -name '*.py' -o -name '*.pyi')
+PY_SOURCES := $(shell find src ps_server reader embedding hooks serving -name '*.py' -o -name '*.pyi')
 SANITIZERS := thread address
 
 .PHONY: demo test install dev lint format cpp-test py-test bench bench-quick clean

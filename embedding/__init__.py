@@ -3,7 +3,8 @@
 Import as ``wuliang.embedding`` (``EmbeddingTable``, ``SparseFeature`` and
 ``DenseFeature`` are also at ``wuliang.*``). The bridge (``bridge.py``) and
 ``concat`` (``ops.py``, for towers) need TensorFlow and are imported on first
-use.
+use. ``wuliang.embedding.pooling`` pools looked-up rows as the bridge does, in
+numpy, for serving without TensorFlow.
 """
 
 from typing import Any

@@ -53,6 +53,7 @@ def test_a_script_in_the_repository_root_imports_the_installed_package() -> None
     # on sys.path: no folder there may shadow the installed package.
     code = (
         "import wuliang.ps_server, wuliang.reader, wuliang.hooks, wuliang.embedding\n"
+        "import wuliang.serving\n"
         "print(wuliang.ps_server.Engine.__module__)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -29,6 +29,7 @@ _SUBMODULES = (
     "optimizers",
     "ps_server",
     "reader",
+    "serving",
 )
 _NAMES = {
     "Context": "wuliang.context",

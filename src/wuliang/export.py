@@ -45,6 +45,11 @@ committed version by the next run.
 
 Sources: ``LiveSource`` (a model in memory, in sync: the ``IncrementalExport``
 hook) and ``CheckpointSource`` (a checkpoint: the ``wuliang export`` job).
+
+This module writes. The read side (``versions``, ``latest``, ``chain``,
+``apply``, ``apply_chain``), which an online server needs without the writer
+or TensorFlow, is ``wuliang.serving.versions``; its names are re-exported
+here.
 """
 
 from __future__ import annotations
@@ -62,14 +67,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from wuliang.checkpoint import cut_version
-from wuliang.ps_server import SGD, Engine, RowChunk, TableSpec, Zeros
+from wuliang.ps_server import Engine, RowChunk
 from wuliang.saved_model import SERVING
+from wuliang.serving.versions import LATEST, apply, apply_chain, chain, latest, versions
 from wuliang.storage import (
-    CorruptVersionError,
     Version,
     VersionWriter,
     crash_point,
-    load_args,
     remove_stale_temporaries,
     select_rows,
 )
@@ -78,7 +82,23 @@ if TYPE_CHECKING:
     from wuliang.context import Context
     from wuliang.tower import TowerState
 
-LATEST = "LATEST"
+__all__ = [
+    "LATEST",
+    "LOCK",
+    "CheckpointSource",
+    "ExportResult",
+    "ExportSource",
+    "LiveSource",
+    "SessionSource",
+    "apply",
+    "apply_chain",
+    "chain",
+    "compact",
+    "export",
+    "latest",
+    "versions",
+]
+
 LOCK = ".lock"
 
 
@@ -206,25 +226,6 @@ class ExportResult:
             f"export {self.version}: {what}{why} at step {self.step}: {tables}; "
             f"{self.seconds:.2f} s -> {self.path}"
         )
-
-
-def versions(export_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(version, path) of the committed versions in export_dir, oldest first."""
-    root = Path(export_dir)
-    if not root.is_dir():
-        return []
-    found = [
-        (int(p.name), p)
-        for p in root.iterdir()
-        if p.name.isdigit() and (p / "manifest.json").is_file()
-    ]
-    return sorted(found)
-
-
-def latest(export_dir: str | os.PathLike) -> Version | None:
-    """The newest committed version (whatever LATEST says), or None."""
-    found = versions(export_dir)
-    return Version(found[-1][1]) if found else None
 
 
 def export(source: ExportSource, export_dir: str | os.PathLike, kind: str = "auto") -> ExportResult:
@@ -356,75 +357,6 @@ def _point_latest(root: Path, version: Version) -> None:
         os.fsync(f.fileno())
     crash_point("latest-temp")
     os.replace(tmp, path)
-
-
-# -- reading exports -----------------------------------------------------------
-
-
-def chain(export_dir: str | os.PathLike, version: int | None = None) -> list[Version]:
-    """The versions to apply for ``version`` (default: LATEST), base first:
-    a full version and the deltas on top of it."""
-    root = Path(export_dir)
-    if version is None:
-        try:
-            version = int((root / LATEST).read_text().strip())
-        except FileNotFoundError:
-            newest = latest(root)
-            if newest is None:
-                raise FileNotFoundError(f"{root} has no export") from None
-            version = int(newest["version"])
-        except ValueError:
-            raise CorruptVersionError(f"{root / LATEST} does not name a version") from None
-    out: list[Version] = []
-    current: int | None = version
-    while current is not None:
-        path = root / str(current)
-        if not (path / "manifest.json").is_file():
-            wanted_by = f" (the parent of {out[-1].path.name})" if out else ""
-            raise CorruptVersionError(f"export version {path}{wanted_by} is missing")
-        v = Version(path)
-        out.append(v)
-        current = v.get("parent")
-    return out[::-1]
-
-
-def apply(engine: Engine, version: Version) -> None:
-    """Applies one version to engine: a full one replaces each of its tables,
-    a delta removes its keys and loads its rows. Tables the engine lacks are
-    created (SGD, zero initializer: serving does not train). Every file is
-    checked before anything changes."""
-    version.verify()
-    for table, info in version.tables.items():
-        if table in engine.tables() and engine.spec(table).dim != info["dim"]:
-            raise ValueError(
-                f"{version.path}: table {table!r} has dim {info['dim']}, "
-                f"the engine's has {engine.spec(table).dim}"
-            )
-    for table, info in version.tables.items():
-        if version.kind == "full" and table in engine.tables():
-            spec = engine.spec(table)
-            engine.drop_table(table)
-            engine.create_table(spec)
-        elif table not in engine.tables():
-            engine.create_table(TableSpec(table, info["dim"], optimizer=SGD(), initializer=Zeros()))
-        gone = version.removed_keys(table, verified=True)
-        if len(gone):
-            engine.erase(table, gone)
-        for rows in version.read_rows(table, verified=True):
-            args = load_args(rows)
-            if engine.spec(table).state_dim == 0:
-                args["state"] = None
-            engine.load(table, **args)
-
-
-def apply_chain(
-    engine: Engine, export_dir: str | os.PathLike, version: int | None = None
-) -> list[Version]:
-    """Applies the chain of ``version`` (default LATEST) to engine; returns it."""
-    versions_ = chain(export_dir, version)
-    for v in versions_:
-        apply(engine, v)
-    return versions_
 
 
 def compact(export_dir: str | os.PathLike) -> ExportResult:
