@@ -6,7 +6,11 @@ and a Zipf(1.1) stream over the table's keys:
 
 * wuliang: the sharded engine (``--shards``, default 2 threads);
 * naive:   ``std::unordered_map`` behind one mutex, same row layout,
-           initializer and optimizer code, compiled in the same extension.
+           initializer and optimizer code, compiled with the same flags
+           (``benchmarks/csrc``: the module ``wuliang_bench``, installed only
+           by a build with ``WULIANG_BENCH=ON``, as ``make bench`` does:
+           ``pip install . -Ccmake.define.WULIANG_BENCH=ON``; without it
+           only the wuliang engine runs).
 
 pull = training pull (counts the sighting), push = Adagrad update with
 duplicate keys summed. Engines run one after the other so that each has the
@@ -21,17 +25,32 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
+import importlib.util
 import json
 import time
 from collections.abc import Callable
+from types import ModuleType
 
 import numpy as np
 
-from wuliang.ps_server import Adagrad, Engine, TableSpec, _engine
+from wuliang.ps_server import Adagrad, Engine, TableSpec
 
 DIM = 16
 META_BYTES = 24  # count, last-update step and time, version
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def naive_module() -> ModuleType | None:
+    """The naive engine's module, or None (with a note) when it is not built."""
+    if importlib.util.find_spec("wuliang_bench") is None:
+        print(
+            "naive: the wuliang_bench module is not installed; only the wuliang engine runs. "
+            "Build it with: make bench  (or: pip install . -Ccmake.define.WULIANG_BENCH=ON)",
+            flush=True,
+        )
+        return None
+    return importlib.import_module("wuliang_bench")
 
 
 def rss_bytes() -> int:
@@ -166,8 +185,9 @@ def main() -> None:
 
     naive: dict[str, float] = {}
     naive_bytes = 0
-    if not args.skip_naive:
-        baseline = _engine.NaiveEngine(spec.to_native())
+    bench = None if args.skip_naive else naive_module()
+    if bench is not None:
+        baseline = bench.NaiveEngine(spec.to_native())
         naive = run_engine(
             "naive",
             lambda k, out: baseline.pull(k, True, out),

@@ -47,8 +47,8 @@ import numpy as np
 import tensorflow as tf
 
 from wuliang.embedding.features import DenseFeature, SparseFeature
+from wuliang.embedding.kernels import scatter_add_rows
 from wuliang.embedding.ops import concat
-from wuliang.reader._reader import scatter_add_rows
 from wuliang.reader.batch import CsrBatch
 from wuliang.reader.prepare import PreparedKeys
 

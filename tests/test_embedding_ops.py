@@ -1,5 +1,6 @@
 """wl.embedding.concat equals tf.concat (values and gradients) while taking
-runs of one lookup's columns as a reshape; scatter_add_rows equals np.add.at."""
+runs of one lookup's columns as a reshape; scatter_add_rows equals np.add.at;
+index_in equals a dict lookup."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import wuliang as wl
-from wuliang.reader._reader import scatter_add_rows
+from wuliang.embedding.kernels import index_in, scatter_add_rows
 
 RNG = np.random.default_rng(5)
 LOOKUP = RNG.normal(size=(3, 4, 2)).astype(np.float32)  # [B, F, dim]
@@ -86,6 +87,27 @@ def test_scatter_add_rows_errors() -> None:
         scatter_add_rows(out, np.array([0], np.int32), np.ones((1, 3), np.float32))
     with pytest.raises(TypeError, match="float32"):
         scatter_add_rows(out.astype(np.float64), np.array([0], np.int32), np.ones((1, 2)))
+
+
+def test_index_in_equals_a_dict_lookup() -> None:
+    b = RNG.permutation(1000)[:300].astype(np.uint64)
+    a = RNG.integers(0, 1000, size=500).astype(np.int64)
+    where = {int(k): j for j, k in enumerate(b)}
+    want = np.array([where[int(k)] + 7 if int(k) in where else -1 for k in a], np.int32)
+    got = index_in(a, b, 7)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(index_in(a, b[:0]), np.full(len(a), -1, np.int32))
+
+
+def test_index_in_errors() -> None:
+    keys = np.arange(4, dtype=np.int64)
+    with pytest.raises(TypeError, match="1-D contiguous int64 or uint64"):
+        index_in(keys.astype(np.int32), keys)
+    with pytest.raises(TypeError, match="b must be"):
+        index_in(keys, keys[::2])
+    with pytest.raises(ValueError, match="must fit in int32"):
+        index_in(keys, keys, 2**31 - 2)
 
 
 def test_aligned_inputs_are_shared_with_tensorflow_others_copied() -> None:

@@ -15,7 +15,6 @@
 
 #include "wuliang/ps/engine.h"
 #include "wuliang/ps/hash.h"
-#include "wuliang/ps/naive_engine.h"
 
 namespace py = pybind11;
 using namespace pybind11::literals;
@@ -475,41 +474,12 @@ void BindEngine(py::module_& m) {
       .def("restore_version", &Engine::RestoreVersion, "version"_a);
 }
 
-void BindNaive(py::module_& m) {
-  py::class_<NaiveEngine>(m, "NaiveEngine")
-      .def(py::init<const TableSpec&>(), "spec"_a)
-      .def(
-          "pull",
-          [](NaiveEngine& e, const py::array& keys, bool train, const py::object& out) {
-            const KeyArray k = Keys(keys);
-            py::array_t<float> result = PullInto(e.dim(), k.size, out);
-            float* dst = result.mutable_data();
-            py::gil_scoped_release release;
-            e.Pull(k.data, k.size, dst, train);
-            return result;
-          },
-          "keys"_a, "train"_a = true, "out"_a = py::none())
-      .def(
-          "push",
-          [](NaiveEngine& e, const py::array& keys, const py::object& grads) {
-            const KeyArray k = Keys(keys);
-            const float* g = Column<float>(grads, k.size, e.dim(), "grads");
-            py::gil_scoped_release release;
-            e.Push(k.data, k.size, g);
-          },
-          "keys"_a, "grads"_a)
-      .def_property_readonly("dim", &NaiveEngine::dim)
-      .def("rows", &NaiveEngine::rows)
-      .def("bytes", &NaiveEngine::bytes);
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_engine, m) {
   m.doc() = "wuliang parameter-server engine (C++)";
   BindSpecs(m);
   BindEngine(m);
-  BindNaive(m);
   m.def(
       "shard_of",
       [](const py::array& keys, uint32_t num_shards) {

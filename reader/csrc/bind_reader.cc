@@ -89,45 +89,6 @@ PYBIND11_MODULE(_reader, m) {
   m.doc() = "wuliang reader helpers (C++): key preparation, string hashing";
   m.def("prepare_keys", &Prepare, "features"_a, "num_tables"_a, "num_shards"_a,
         "features: [(table_index, values)], returns ([(uniques, shard_offsets)], [inverse])");
-  m.def(
-      "index_in",
-      [](const py::array& a, const py::array& b, int32_t base) {
-        const uint64_t* pa = Keys(a, "a");
-        const uint64_t* pb = Keys(b, "b");
-        if (b.shape(0) + static_cast<int64_t>(base) > INT32_MAX) {
-          throw py::value_error("index_in: base + len(b) must fit in int32");
-        }
-        py::array_t<int32_t> out(a.shape(0));
-        int32_t* dst = out.mutable_data();
-        py::gil_scoped_release release;
-        IndexIn(pa, a.shape(0), pb, b.shape(0), base, dst);
-        return out;
-      },
-      "a"_a, "b"_a, "base"_a = 0,
-      "int32 [len(a)]: base + the position of each of a's keys in b (no repeats), or -1");
-  m.def(
-      "scatter_add_rows",
-      [](py::array out,
-         const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& index,
-         const py::array_t<float, py::array::c_style | py::array::forcecast>& values) {
-        if (!py::isinstance<py::array_t<float>>(out) || out.ndim() != 2 ||
-            !(out.flags() & py::array::c_style) || !out.writeable()) {
-          throw py::type_error("out must be a writable C-contiguous float32 [rows, dim] array");
-        }
-        const size_t dim = out.shape(1);
-        const size_t n = index.ndim() == 1 ? index.shape(0) : 0;
-        if (index.ndim() != 1 || values.ndim() != 2 || static_cast<size_t>(values.shape(0)) != n ||
-            static_cast<size_t>(values.shape(1)) != dim) {
-          throw py::value_error("index must be [n] and values [n, " + std::to_string(dim) +
-                                "] (out's dim)");
-        }
-        float* dst = static_cast<float*>(out.mutable_data());
-        const size_t rows = out.shape(0);
-        py::gil_scoped_release release;
-        ScatterAddRows(dst, rows, dim, index.data(), n, values.data());
-      },
-      "out"_a, "index"_a, "values"_a,
-      "out[index[i]] += values[i]: per-row sums of looked-up values' gradients");
   m.def("field_seed", [](const std::string& field) { return FieldSeed(field); }, "field"_a);
   m.def("hash_strings", &HashStringArray<int32_t>, "offsets"_a, "data"_a, "seed"_a);
   m.def("hash_strings", &HashStringArray<int64_t>, "offsets"_a, "data"_a, "seed"_a);

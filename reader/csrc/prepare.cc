@@ -1,73 +1,13 @@
 #include "wuliang/reader/prepare.h"
 
-#include <algorithm>
 #include <stdexcept>
 #include <string>
 
 #include "wuliang/ps/hash.h"
+#include "wuliang/reader/dedup_table.h"
 
 namespace wuliang::reader {
 namespace {
-
-// Open-addressing key -> id map, reused across calls. Slots are valid only
-// when their epoch is the current one, so starting over costs nothing.
-class DedupTable {
- public:
-  void Reset(size_t expected) {
-    size_t capacity = 64;
-    while (capacity < 2 * expected) capacity <<= 1;
-    if (capacity > slots_.size() || ++epoch_ == 0) {
-      slots_.assign(std::max(capacity, slots_.size()), Slot{0, 0, 0});
-      epoch_ = 1;
-    }
-    mask_ = capacity - 1;
-  }
-
-  void Prefetch(uint64_t hash) const { __builtin_prefetch(&slots_[hash & mask_]); }
-
-  bool Contains(uint64_t key, uint64_t hash) const {
-    for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
-      const Slot& s = slots_[i];
-      if (s.epoch != epoch_) return false;
-      if (s.key == key) return true;
-    }
-  }
-
-  // The id of key, or -1.
-  int64_t Find(uint64_t key, uint64_t hash) const {
-    for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
-      const Slot& s = slots_[i];
-      if (s.epoch != epoch_) return -1;
-      if (s.key == key) return s.id;
-    }
-  }
-
-  // Returns the id of key, assigning next_id when it is new.
-  uint32_t Insert(uint64_t key, uint64_t hash, uint32_t next_id, bool* inserted) {
-    for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
-      Slot& s = slots_[i];
-      if (s.epoch != epoch_) {
-        s = Slot{key, next_id, epoch_};
-        *inserted = true;
-        return next_id;
-      }
-      if (s.key == key) {
-        *inserted = false;
-        return s.id;
-      }
-    }
-  }
-
- private:
-  struct Slot {
-    uint64_t key;
-    uint32_t id;
-    uint32_t epoch;
-  };
-  std::vector<Slot> slots_;
-  size_t mask_ = 0;
-  uint32_t epoch_ = 0;
-};
 
 // Per-thread scratch memory, reached through the reference a non-inlined
 // call returns: in a shared library GCC re-derives a thread_local's address
@@ -164,44 +104,6 @@ void PrepareKeys(FeatureKeys* features, size_t num_features, int num_tables, uin
       if (fk.table != t) continue;
       for (size_t i = 0; i < fk.n; ++i) fk.inverse[i] = local[fk.inverse[i]];
     }
-  }
-}
-
-void IndexIn(const uint64_t* a, size_t na, const uint64_t* b, size_t nb, int32_t base,
-             int32_t* out) {
-  Scratch& s = ThreadScratch();
-  DedupTable& set = s.dedup;
-  std::vector<uint64_t>& hashes = s.value_hashes;
-  constexpr size_t kAhead = 16;  // prefetch distance into the set
-  set.Reset(nb);
-  hashes.resize(std::max(na, nb));
-  for (size_t j = 0; j < nb; ++j) hashes[j] = ps::Mix64(b[j]);
-  bool inserted;
-  for (size_t j = 0; j < nb; ++j) {
-    if (j + kAhead < nb) set.Prefetch(hashes[j + kAhead]);
-    set.Insert(b[j], hashes[j], static_cast<uint32_t>(j), &inserted);
-  }
-  for (size_t i = 0; i < na; ++i) hashes[i] = ps::Mix64(a[i]);
-  for (size_t i = 0; i < na; ++i) {
-    if (i + kAhead < na) set.Prefetch(hashes[i + kAhead]);
-    const int64_t j = set.Find(a[i], hashes[i]);
-    out[i] = j < 0 ? -1 : base + static_cast<int32_t>(j);
-  }
-}
-
-void ScatterAddRows(float* out, size_t out_rows, size_t dim, const int32_t* index, size_t n,
-                    const float* values) {
-  for (size_t i = 0; i < n; ++i) {
-    if (index[i] < 0 || static_cast<size_t>(index[i]) >= out_rows) {
-      throw std::out_of_range("index " + std::to_string(index[i]) + " at position " +
-                              std::to_string(i) + " is outside the " + std::to_string(out_rows) +
-                              " rows");
-    }
-  }
-  for (size_t i = 0; i < n; ++i) {
-    float* __restrict dst = out + static_cast<size_t>(index[i]) * dim;
-    const float* __restrict src = values + i * dim;
-    for (size_t j = 0; j < dim; ++j) dst[j] += src[j];
   }
 }
 

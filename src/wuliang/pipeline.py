@@ -22,6 +22,9 @@ one at a time, so whichever comes first, the push's rows are what step i
 sees. With staleness 1 the early pull is all: rows can be one update old. An
 exception in either thread is re-raised in the main thread with its
 traceback; ``close()`` waits for the pending pushes and joins both threads.
+
+The pipeline is generic: it never imports TensorFlow (nor the bridge, which
+does); the step inputs pass through it unopened.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from typing import Any
 
 import numpy as np
 
-from wuliang.embedding.bridge import StepInputs
 from wuliang.reader.batch import CsrBatch
 from wuliang.reader.prepare import PreparedKeys
 from wuliang.threads import set_background
@@ -50,7 +52,7 @@ class Pulled:
     seq: int
     batch: CsrBatch
     prepared: PreparedKeys
-    inputs: StepInputs
+    inputs: Any  # the step function's inputs, opaque here
     rows: list[np.ndarray]  # packed rows per group of tables
     timings: dict[str, float]
     sync: bool = False  # after this step: wait for its push; release() before the next pull
@@ -62,8 +64,9 @@ class Pipeline:
 
     Args:
         batches: the reader's iterator.
-        prepare: batch -> (PreparedKeys, StepInputs), for batches the reader
-            did not prepare.
+        prepare: batch -> (PreparedKeys, step inputs), for batches the reader
+            did not prepare; the inputs are opaque here (the Session's
+            ``wuliang.embedding.bridge.StepInputs``).
         rows_for: PreparedKeys -> the batch's (unfilled) packed rows.
         pull: (PreparedKeys, rows, step) -> None: pulls into rows the
             batch of that global step.
@@ -90,7 +93,7 @@ class Pipeline:
     def __init__(
         self,
         batches: Iterator[CsrBatch],
-        prepare: Callable[[CsrBatch], tuple[PreparedKeys, StepInputs]],
+        prepare: Callable[[CsrBatch], tuple[PreparedKeys, Any]],
         rows_for: Callable[[PreparedKeys], list[np.ndarray]],
         pull: Callable[[PreparedKeys, list[np.ndarray], int], None],
         push: Callable[[PreparedKeys, Any, int, Any, Callable[[], None]], None] | None,

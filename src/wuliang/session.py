@@ -39,6 +39,7 @@ from wuliang.embedding.bridge import (
     embedding_of,
 )
 from wuliang.embedding.features import Feature, split_features
+from wuliang.embedding.kernels import index_in
 from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
 from wuliang.hooks.evict import Evict
 from wuliang.hooks.standard import NanGuard
@@ -46,7 +47,6 @@ from wuliang.metrics import Metrics
 from wuliang.nonfinite import NonFiniteGuard
 from wuliang.pipeline import Pipeline
 from wuliang.ps_server import PullPart, PushPart
-from wuliang.reader._reader import index_in
 from wuliang.reader.batch import CsrBatch
 from wuliang.reader.prepare import KeyPreparer, PreparedKeys
 from wuliang.tower import TowerState

@@ -18,7 +18,6 @@
 #include "details/memory_pool.h"
 #include "details/pending_counter.h"
 #include "wuliang/ps/hash.h"
-#include "wuliang/ps/naive_engine.h"
 
 using namespace wuliang::ps;
 
@@ -372,35 +371,6 @@ void TestDropWhileOthersRun() {
   CHECK(engine.TableNames() == std::vector<std::string>{"keep"});
 }
 
-// The naive baseline runs the same initializer and optimizer code: on unique
-// keys both engines must agree bit for bit, for every optimizer.
-void TestEngineMatchesNaiveBaseline() {
-  for (OptimizerKind kind :
-       {OptimizerKind::kSgd, OptimizerKind::kAdagrad, OptimizerKind::kAdam, OptimizerKind::kFtrl}) {
-    TableSpec spec;
-    spec.name = "t";
-    spec.dim = 8;
-    spec.seed = 3;
-    spec.optimizer.kind = kind;
-    spec.optimizer.l1 = 0.01f;
-    Engine engine(EngineOptions{3});
-    const int table = engine.CreateTable(spec);
-    NaiveEngine naive(spec);
-    std::mt19937_64 rng(11);
-    std::vector<uint64_t> keys(300);
-    std::vector<float> grads(300 * 8), a(300 * 8), b(300 * 8);
-    for (int step = 0; step < 5; ++step) {
-      for (size_t i = 0; i < keys.size(); ++i) keys[i] = i * 2654435761ULL + (step % 2);
-      for (float& g : grads) g = static_cast<float>(rng() % 2001) / 1000.0f - 1.0f;
-      engine.Push(table, keys.data(), keys.size(), grads.data(), /*keys_unique=*/true);
-      naive.Push(keys.data(), keys.size(), grads.data());
-    }
-    engine.Pull(table, keys.data(), keys.size(), a.data(), false);
-    naive.Pull(keys.data(), keys.size(), b.data(), false);
-    CHECK(a == b);
-  }
-}
-
 }  // namespace
 
 int main() {
@@ -416,7 +386,6 @@ int main() {
   TestDuplicatesAreSummed();
   TestExportLoadAndEvictUnderLoad();
   TestDropWhileOthersRun();
-  TestEngineMatchesNaiveBaseline();
   std::puts("engine_test: all passed");
   return 0;
 }

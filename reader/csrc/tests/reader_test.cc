@@ -83,23 +83,12 @@ void TestStringHash() {
   CHECK(a != b);
 }
 
-void TestIndexIn() {
-  const uint64_t a[] = {5, 9, 2, 7, 9, 11};
-  const uint64_t b[] = {7, 9, 100};
-  int32_t out[6];
-  IndexIn(a, 6, b, 3, 10, out);
-  CHECK((std::vector<int32_t>(out, out + 6) == std::vector<int32_t>{-1, 11, -1, 10, 11, -1}));
-  IndexIn(a, 6, b, 0, 0, out);
-  CHECK((std::vector<int32_t>(out, out + 6) == std::vector<int32_t>(6, -1)));
-}
-
 }  // namespace
 
 int main() {
   for (uint32_t shards : {1u, 2u, 3u, 8u}) TestPrepareRandom(shards, shards);
   TestPrepareConcurrent();
   TestStringHash();
-  TestIndexIn();
   std::puts("reader_test: all passed");
   return 0;
 }

@@ -37,19 +37,4 @@ struct TableKeys {
 void PrepareKeys(FeatureKeys* features, size_t num_features, int num_tables, uint32_t num_shards,
                  std::vector<TableKeys>* tables);
 
-// out[i] = base + j where b[j] == a[i] (b without repeats), else -1: where
-// the previous batch's push writes each of its rows into the next batch's
-// pulled rows (the rows both batches have).
-void IndexIn(const uint64_t* a, size_t na,  // (na,)
-             const uint64_t* b, size_t nb,  // (nb,)
-             int32_t base, int32_t* out);   // (na,)
-
-// out[index[i]] += values[i] for i < n, rows of dim floats: the gradient of
-// each unique row, summed over the values looked up from it (the inverse of
-// a gather). Sequential, so the sums are deterministic. Throws
-// std::out_of_range naming the first index outside [0, out_rows).
-void ScatterAddRows(float* out, size_t out_rows, size_t dim,  // (out_rows, dim)
-                    const int32_t* index, size_t n,           // (n,)
-                    const float* values);                     // (n, dim)
-
 }  // namespace wuliang::reader

@@ -1,4 +1,4 @@
-#include "wuliang/ps/naive_engine.h"
+#include "naive_engine.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -9,8 +9,9 @@
 #include "details/optimizers.h"
 #include "details/row_layout.h"
 
-namespace wuliang::ps {
+namespace wuliang::bench {
 
+namespace details = ps::details;
 using details::RowLayout;
 
 // Naive rows are one malloc each: | RowMeta | weights | state |.
@@ -19,11 +20,11 @@ details::RowMeta* Meta(char* row) { return RowLayout::Meta(row); }
 float* Weights(char* row) { return reinterpret_cast<float*>(row + sizeof(details::RowMeta)); }
 }  // namespace
 
-NaiveEngine::NaiveEngine(const TableSpec& spec)
+NaiveEngine::NaiveEngine(const ps::TableSpec& spec)
     : spec_(spec),
-      state_dim_(StateDim(spec.optimizer.kind, spec.dim)),
+      state_dim_(ps::StateDim(spec.optimizer.kind, spec.dim)),
       stride_(sizeof(details::RowMeta) + sizeof(float) * (spec.dim + state_dim_)) {
-  ValidateSpec(spec);
+  ps::ValidateSpec(spec);
 }
 
 NaiveEngine::~NaiveEngine() {
@@ -78,4 +79,4 @@ size_t NaiveEngine::bytes() {
   return rows_.size() * (stride_ + node) + rows_.bucket_count() * sizeof(void*);
 }
 
-}  // namespace wuliang::ps
+}  // namespace wuliang::bench

@@ -1,6 +1,9 @@
 // Benchmark baseline: what a straightforward parameter server looks like.
 // std::unordered_map<key, row*> behind one mutex, one malloc per row, the
-// same row layout, initializer and optimizer code as Engine. Not for use.
+// same row layout, initializer and optimizer code as Engine. Not for use:
+// benchmark-only (benchmarks/ps_bench.py through the wuliang_bench module),
+// built only with WULIANG_BENCH=ON or WULIANG_TESTS=ON, never part of
+// wuliang_ps or the default wheel.
 #pragma once
 
 #include <cstddef>
@@ -10,11 +13,11 @@
 
 #include "wuliang/ps/table_spec.h"
 
-namespace wuliang::ps {
+namespace wuliang::bench {
 
 class NaiveEngine {
  public:
-  explicit NaiveEngine(const TableSpec& spec);
+  explicit NaiveEngine(const ps::TableSpec& spec);
   ~NaiveEngine();
   NaiveEngine(const NaiveEngine&) = delete;
   NaiveEngine& operator=(const NaiveEngine&) = delete;
@@ -28,11 +31,11 @@ class NaiveEngine {
  private:
   char* FindOrCreate(uint64_t key);
 
-  TableSpec spec_;
+  ps::TableSpec spec_;
   int state_dim_;
   size_t stride_;
   std::mutex mutex_;
   std::unordered_map<uint64_t, char*> rows_;
 };
 
-}  // namespace wuliang::ps
+}  // namespace wuliang::bench

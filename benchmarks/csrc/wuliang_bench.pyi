@@ -1,0 +1,19 @@
+"""Type stubs of the benchmark-only extension (benchmarks/csrc/bind_bench.cc).
+
+Installed only by a build with ``WULIANG_BENCH=ON`` (``make bench``).
+"""
+
+import numpy as np
+
+from wuliang.ps_server._engine import TableSpec
+
+class NaiveEngine:
+    def __init__(self, spec: TableSpec) -> None: ...
+    @property
+    def dim(self) -> int: ...
+    def pull(
+        self, keys: np.ndarray, train: bool = True, out: np.ndarray | None = None
+    ) -> np.ndarray: ...
+    def push(self, keys: np.ndarray, grads: np.ndarray) -> None: ...
+    def rows(self) -> int: ...
+    def bytes(self) -> int: ...

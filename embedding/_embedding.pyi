@@ -1,0 +1,6 @@
+"""Type stubs of the C++ extension (bind_embedding.cc). Use wuliang.embedding.kernels."""
+
+import numpy as np
+
+def index_in(a: np.ndarray, b: np.ndarray, base: int = 0) -> np.ndarray: ...
+def scatter_add_rows(out: np.ndarray, index: np.ndarray, values: np.ndarray) -> None: ...
