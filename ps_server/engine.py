@@ -67,6 +67,17 @@ def _check_step(step: int | None) -> int | None:
     return int(step)
 
 
+def _check_version(version: Any, what: str) -> int:
+    """A version argument (``since``, ``upto``, ``floor``, ``version``) as an int."""
+    if (
+        isinstance(version, bool)
+        or not isinstance(version, int | np.integer)
+        or not 0 <= version < 2**64
+    ):
+        raise ValueError(f"{what} must be a version >= 0, got {version!r}")
+    return int(version)
+
+
 def _as_column(values: Any, dtype: type, shape: tuple[int, ...], what: str) -> np.ndarray | None:
     if values is None:
         return None
@@ -146,9 +157,7 @@ class Engine(ParameterServer):
 
     def restore_version(self, version: int) -> None:
         """Raises the version to at least ``version`` (after restoring rows)."""
-        if not isinstance(version, int | np.integer) or version < 0:
-            raise ValueError(f"version must be a non-negative int, got {version!r}")
-        self.native.restore_version(int(version))
+        self.native.restore_version(_check_version(version, "version"))
 
     # -- tables --------------------------------------------------------------
 
@@ -357,9 +366,7 @@ class Engine(ParameterServer):
         tid = self._id(table)
         if not isinstance(chunk_rows, int) or chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows!r}")
-        if not isinstance(since, int) or since < 0:
-            raise ValueError(f"since must be a version >= 0, got {since!r}")
-        return self._export_chunks(tid, since, chunk_rows)
+        return self._export_chunks(tid, _check_version(since, "since"), chunk_rows)
 
     def _export_chunks(self, tid: int, since: int, chunk_rows: int) -> Iterator[RowChunk]:
         cursor = _engine.ExportCursor()
@@ -372,7 +379,8 @@ class Engine(ParameterServer):
         """(keys, versions) of the removals after version ``since``, oldest
         first. The log is bounded: it is complete only when ``since`` >=
         ``stats(table)["removed_floor"]``."""
-        return self.native.removed_log(self._id(table), since)
+        tid = self._id(table)
+        return self.native.removed_log(tid, _check_version(since, "since"))
 
     def load_removed(
         self, table: str, keys: KeyArray, versions: np.ndarray, floor: int = 0
@@ -381,7 +389,8 @@ class Engine(ParameterServer):
         ``floor``: the records are incomplete up to this version."""
         keys = as_keys(keys)
         versions = _as_column(versions, np.uint64, (len(keys),), "versions")
-        self.native.load_removed(self._id(table), keys, versions, int(floor))
+        tid = self._id(table)
+        self.native.load_removed(tid, keys, versions, _check_version(floor, "floor"))
 
     def pending_counts(self, table: str) -> tuple[np.ndarray, np.ndarray]:
         """(keys uint64, counts uint32) of the keys seen but not admitted yet
@@ -398,7 +407,8 @@ class Engine(ParameterServer):
 
     def trim_removed(self, table: str, upto: int) -> None:
         """Forgets removal records of versions <= upto (after exporting them)."""
-        self.native.trim_removed(self._id(table), upto)
+        tid = self._id(table)
+        self.native.trim_removed(tid, _check_version(upto, "upto"))
 
     def load(
         self,
