@@ -15,6 +15,7 @@ from wuliang.ps_server.interface import (
     PushPart,
     PushResult,
     RowChunk,
+    TableUpdate,
     UnknownTableError,
     as_keys,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "PushResult",
     "RowChunk",
     "TableSpec",
+    "TableUpdate",
     "TruncatedNormal",
     "Uniform",
     "UnknownTableError",

@@ -22,13 +22,14 @@ Semantics in one place:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from wuliang.ps_server import _engine
 from wuliang.ps_server.interface import (
+    MISSING,
     ONLY,
     KeyArray,
     ParameterServer,
@@ -36,6 +37,7 @@ from wuliang.ps_server.interface import (
     PushPart,
     PushResult,
     RowChunk,
+    TableUpdate,
     UnknownTableError,
     as_keys,
 )
@@ -330,6 +332,78 @@ class Engine(ParameterServer):
                 f"got shape {offsets.shape}"
             )
         return offsets
+
+    def lookup(
+        self, table: str, keys: KeyArray, *, missing: str = "zeros"
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A pure lookup (rows, found) in one pass, atomic with
+        ``apply_update`` (see ``ParameterServer.lookup``)."""
+        if missing not in MISSING:
+            raise ValueError(f"missing must be 'zeros' or 'initial', got {missing!r}")
+        tid = self._id(table)
+        keys = as_keys(keys)
+        out = np.empty((len(keys), self._specs[table].dim), np.float32)
+        found = np.empty(len(keys), np.bool_)
+        self.native.lookup(tid, keys, out, found, missing == "initial")
+        return out, found
+
+    def apply_update(self, updates: Mapping[str, TableUpdate]) -> None:
+        """See ``ParameterServer.apply_update``: every table staged in C++
+        (full: a new table beside the live one; delta: an overlay of its rows
+        and removals), then each switched over in turn."""
+        staged: list[tuple[str, int, TableSpec]] = []
+        native = self.native
+        try:
+            for name, update in updates.items():
+                spec = self._update_spec(name, update)
+                tid = self._ids.get(name, -1)
+                handle = native.begin_apply(spec.to_native(), tid, bool(update.full))
+                staged.append((name, handle, spec))
+                for rows in update.rows:
+                    state = rows.state if spec.state_dim and rows.state.size else None
+                    n = len(rows.keys)
+                    native.stage_rows(
+                        handle,
+                        as_keys(rows.keys),
+                        _as_float32(rows.weights, (n, spec.dim), f"rows of table {name!r}"),
+                        None if state is None else _as_float32(state, (n, spec.state_dim), "state"),
+                        _as_column(rows.counts, np.uint32, (n,), "counts"),
+                        _as_column(rows.steps, np.uint64, (n,), "steps"),
+                        _as_column(rows.times, np.uint32, (n,), "times"),
+                        _as_column(rows.versions, np.uint64, (n,), "versions"),
+                    )
+                if update.removed is not None and len(update.removed):
+                    if update.full:
+                        raise ValueError(f"table {name!r}: a full update removes no keys")
+                    native.stage_removed(handle, as_keys(update.removed, "removed"))
+        except BaseException:
+            for _, handle, _ in staged:
+                native.abort_apply(handle)
+            raise
+        for i, (name, handle, spec) in enumerate(staged):
+            try:
+                tid = native.commit_apply(handle)
+            except BaseException:
+                for _, later, _ in staged[i + 1 :]:
+                    native.abort_apply(later)
+                raise
+            with self._lock:
+                self._ids[name] = tid
+                self._specs.setdefault(name, spec)
+
+    def _update_spec(self, name: str, update: TableUpdate) -> TableSpec:
+        """The spec an update stages with: the live table's (dims checked),
+        or the update's for a new table."""
+        if not isinstance(update, TableUpdate):
+            raise TypeError(f"table {name!r}: expected a TableUpdate, got {type(update).__name__}")
+        if name in self._specs:
+            spec = self._specs[name]
+            if spec.dim != update.spec.dim:
+                raise ValueError(
+                    f"table {name!r} has dim {spec.dim}, the update's has {update.spec.dim}"
+                )
+            return spec
+        return update.spec.with_name(name)
 
     def erase(self, table: str, keys: KeyArray) -> int:
         """Removes rows; returns how many existed."""

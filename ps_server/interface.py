@@ -23,8 +23,10 @@ Admin half: tables (``create_table``, ``drop_table``, ``tables``, ``spec``),
 ``stats``, chunked ``export`` (rows modified after a version) and ``load``,
 the removal log (``removed_log``, ``load_removed``, ``trim_removed``), the
 admission counts of keys not admitted yet (``pending_counts``,
-``load_pending``), ``erase``, ``contains``, ``evict``, and versions
-(``version``, ``advance_version``, ``restore_version``).
+``load_pending``), ``erase``, ``contains``, ``evict``, versions
+(``version``, ``advance_version``, ``restore_version``), and
+``apply_update``: a version applied atomically for concurrent readers
+(``lookup``), as a serving process does every hour.
 
 The training step travels with the calls that stamp rows with it
 (``pull_many``, ``push_many``, ``load``, ``evict``): a server holds no
@@ -44,7 +46,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -56,6 +58,7 @@ from wuliang.ps_server.spec import TableSpec
 T = TypeVar("T")
 KeyArray = np.ndarray | Sequence[int]
 ONLY = ("all", "updated", "rest")  # push_many's halves
+MISSING = ("zeros", "initial")  # what lookup reads for a key without a row
 
 
 class UnknownTableError(KeyError):
@@ -128,6 +131,24 @@ class PushPart:
     shard_offsets: np.ndarray | None = None
     updated: np.ndarray | None = None
     updated_rows: np.ndarray | None = None
+
+
+@dataclass
+class TableUpdate:
+    """One table's part of a version to apply (``apply_update``).
+
+    ``full``: the rows replace the whole table (keys absent from them are
+    gone); else a delta: the rows replace or join the table's, then the
+    ``removed`` keys go. Rows come with every column (``RowChunk``: an
+    export's, a version file's); ``state`` may have no columns when the
+    table keeps no optimizer state. ``spec`` creates the table when the
+    server lacks it (the mapping key names the table).
+    """
+
+    spec: TableSpec
+    full: bool
+    rows: Iterable[RowChunk]
+    removed: np.ndarray | None = None  # uint64 keys (deltas)
 
 
 class Handle(Generic[T]):
@@ -222,6 +243,22 @@ class ParameterServer(abc.ABC):
     ) -> Handle[PushResult]:
         """``push_many`` started now; ``wait()`` returns its ``PushResult``."""
         return self._start(lambda: self.push_many(parts, unique=unique, only=only, step=step))
+
+    def lookup(
+        self, table: str, keys: KeyArray, *, missing: str = "zeros"
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A pure lookup for serving: (rows float32 ``[n, dim]``, found bool
+        ``[n]``); a key without a row reads as zeros (``missing="zeros"``) or
+        as its initial vector (``"initial"``). Seen wholly at one version
+        while ``apply_update`` runs."""
+        keys = as_keys(keys)
+        if missing not in MISSING:
+            raise ValueError(f"missing must be 'zeros' or 'initial', got {missing!r}")
+        rows = self.pull(table, keys, train=False)
+        found = self.contains(table, keys)
+        if missing == "zeros":
+            rows[~found] = 0.0
+        return rows, found
 
     def pull(
         self,
@@ -352,6 +389,18 @@ class ParameterServer(abc.ABC):
     @abc.abstractmethod
     def load_pending(self, table: str, keys: KeyArray, counts: np.ndarray) -> None:
         """Sets the sighting counts of keys waiting for admission."""
+
+    @abc.abstractmethod
+    def apply_update(self, updates: Mapping[str, TableUpdate]) -> None:
+        """Applies a version (full or delta, per table) while readers look
+        keys up: a ``lookup`` or ``pull(train=False)`` sees each table wholly
+        at the old version or wholly at the new one, never a mix, an empty
+        table or a torn row. Every table is staged first (a failure while
+        reading the rows changes nothing), then each is switched over.
+        A delta costs memory in proportion to its rows; a full version holds
+        two copies of its table during the switch. Writes to a table while
+        its version stages land before the version; writes during the short
+        switch are refused (RuntimeError naming the table)."""
 
     # -- admin half: versions ------------------------------------------------
 

@@ -852,19 +852,11 @@ def test_push_of_a_step_leaves_rows_a_later_pull_admitted(ps: ParameterServer) -
     np.testing.assert_array_equal(ps.pull(t, keys[:2], train=False), initial[:2] - 1)
 
 
-LAGGING_PUSH_DROPPED = pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: with min_count > 1 a push of step s drops (as dropped_pending) every "
-    "row last updated at a step > s (TableShard::Push, skip_later_rows), not only rows a "
-    "later step's pull admitted; telling them apart needs per-row state RowMeta lacks",
-)
-
-
 @pytest.mark.parametrize(
     "admission",
     [
         pytest.param(1, id="admit-all"),
-        pytest.param(2, id="min_count-2", marks=LAGGING_PUSH_DROPPED),
+        pytest.param(2, id="min_count-2"),
     ],
 )
 def test_workers_at_different_steps_share_a_server(admission: int, ps: ParameterServer) -> None:

@@ -14,10 +14,17 @@
 namespace wuliang::ps::details {
 
 struct RowMeta {
-  uint64_t update_step;  // global step of the last update
+  // Global step of the last update (steps are below 2^63). The top bit marks
+  // a row that a training pull admitted and no push has updated since: a
+  // push of an earlier step must leave it alone (its key had no row then).
+  uint64_t update_step;
   uint64_t version;      // engine version of the last modification
   uint32_t update_time;  // unix seconds of the last update
   uint32_t count;        // updates + sightings before admission, saturating
+
+  static constexpr uint64_t kAdmittedBit = uint64_t{1} << 63;
+  uint64_t step() const { return update_step & ~kAdmittedBit; }
+  bool admitted_unpushed() const { return (update_step & kAdmittedBit) != 0; }
 };
 static_assert(sizeof(RowMeta) == 24);
 

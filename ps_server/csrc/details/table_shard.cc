@@ -160,7 +160,9 @@ char* TableShard::Admit(uint64_t key, uint64_t hash, const Clock& clock) {
   if (seen < min_count) return nullptr;
   pending_.Forget(key, hash);
   ++counters_.admitted;
-  return CreateRow(key, hash, clock, seen - 1);
+  char* row = CreateRow(key, hash, clock, seen - 1);
+  RowLayout::Meta(pool_.Cold(row))->update_step |= RowMeta::kAdmittedBit;
+  return row;
 }
 
 void TableShard::RemoveRow(uint64_t key, uint64_t hash, const Clock& clock) {
@@ -346,7 +348,8 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
   const RowOptimizer opt(spec_.optimizer);
   const int dim = layout_.dim;
   const Create create = spec_.admission.min_count <= 1 ? Create::kAdmit : Create::kNever;
-  // A row a pull of a later step admitted did not exist at this push's step.
+  // A row that a pull of a later step admitted did not exist at this push's
+  // step (rows merely updated at later steps, e.g. by another worker, did).
   const bool skip_later_rows = clock.step_given && spec_.admission.min_count > 1;
   // Counted locally: `result` shares a cache line with other shards' results.
   uint64_t applied = 0, dropped_nan = 0, dropped_pending = 0;
@@ -385,7 +388,8 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
         }
       };
       if (row == nullptr ||
-          (skip_later_rows && RowLayout::Meta(pool_.Cold(row))->update_step > clock.step)) {
+          (skip_later_rows && RowLayout::Meta(pool_.Cold(row))->admitted_unpushed() &&
+           RowLayout::Meta(pool_.Cold(row))->step() > clock.step)) {
         ++dropped_pending;
         report();
         return;
@@ -446,6 +450,60 @@ void TableShard::Contains(const ShardBatch& batch, uint8_t* out) {
   }
 }
 
+void TableShard::Lookup(const ShardBatch& batch, float* out, uint8_t* found, bool init_missing,
+                        const Overlay* overlay) {
+  const Slice s = Select(batch);
+  const int dim = layout_.dim;
+  const auto missing = [&](size_t k, float* dst) {
+    if (init_missing) {
+      InitializeWeights(spec_.initializer, spec_.seed, s.key(k), dim, dst);
+    } else {
+      std::fill(dst, dst + dim, 0.0f);
+    }
+    if (found != nullptr) found[s.pos(k)] = 0;
+  };
+  if (overlay == nullptr) {
+    Pipeline</*kCold=*/false>(s, Create::kNever, Clock{}, [&](size_t k, char* row) {
+      float* dst = out + s.pos(k) * dim;
+      if (row == nullptr) return missing(k, dst);
+      CopyFloats(dst, RowLayout::Weights(row), dim);
+      if (found != nullptr) found[s.pos(k)] = 1;
+    });
+    return;
+  }
+  // Only while a version is applied: no prefetching pipeline.
+  for (size_t k = 0; k < s.size(); ++k) {
+    float* dst = out + s.pos(k) * dim;
+    char* const* row = overlay->rows->index_.Find(s.key(k), hashes_[k]);
+    if (row == nullptr && !overlay->Removes(s.key(k))) row = index_.Find(s.key(k), hashes_[k]);
+    if (row == nullptr) {
+      missing(k, dst);
+      continue;
+    }
+    CopyFloats(dst, RowLayout::Weights(*row), dim);
+    if (found != nullptr) found[s.pos(k)] = 1;
+  }
+}
+
+void TableShard::Merge(const Overlay& overlay, const Clock& clock) {
+  const int dim = layout_.dim;
+  const size_t cold_bytes = layout_.cold_stride;
+  const TableShard& from = *overlay.rows;
+  uint64_t newest = 0;
+  from.index_.ForEach([&](uint64_t key, char* const& src) {
+    const uint64_t hash = Mix64(key);
+    char** slot = index_.Find(key, hash);
+    char* row = slot != nullptr ? *slot : CreateRow(key, hash, clock, 0, /*blank=*/true);
+    CopyFloats(RowLayout::Weights(row), RowLayout::Weights(src), dim);
+    std::memcpy(pool_.Cold(row), from.pool_.Cold(src), cold_bytes);
+    newest = std::max(newest, RowLayout::Meta(pool_.Cold(row))->version);
+  });
+  changes_.Forget(newest);  // as Load: rows keep their own versions
+  for (uint64_t key : overlay.removed) {
+    if (!from.index_.Find(key, Mix64(key))) RemoveRow(key, Mix64(key), clock);
+  }
+}
+
 void TableShard::Load(const ShardBatch& batch, const RowColumns& cols, const Clock& clock) {
   const Slice s = Select(batch);
   const int dim = layout_.dim;
@@ -462,7 +520,7 @@ void TableShard::Load(const ShardBatch& batch, const RowColumns& cols, const Clo
     }
     RowMeta* meta = RowLayout::Meta(cold);
     meta->count = cols.counts != nullptr ? cols.counts[p] : 0;
-    meta->update_step = cols.steps != nullptr ? cols.steps[p] : clock.step;
+    meta->update_step = (cols.steps != nullptr ? cols.steps[p] : clock.step) & ~RowMeta::kAdmittedBit;
     meta->update_time = cols.times != nullptr ? cols.times[p] : clock.now;
     if (cols.versions != nullptr) {
       meta->version = cols.versions[p];
@@ -482,13 +540,13 @@ void TableShard::EvictByAge(const Clock& clock, EvictResult* result) {
   std::vector<uint64_t> expired, rare;
   index_.ForEach([&](uint64_t key, char* row) {
     const RowMeta* m = RowLayout::Meta(pool_.Cold(row));
-    const bool old_by_steps = e.ttl_steps != 0 && clock.step > m->update_step &&
-                              clock.step - m->update_step > e.ttl_steps;
+    const bool old_by_steps =
+        e.ttl_steps != 0 && clock.step > m->step() && clock.step - m->step() > e.ttl_steps;
     const bool old_by_time = e.ttl_seconds != 0 && clock.now > m->update_time &&
                              clock.now - m->update_time > e.ttl_seconds;
     if (old_by_steps || old_by_time) {
       expired.push_back(key);
-    } else if (e.min_count != 0 && m->count < e.min_count && m->update_step < prev_evict_step_) {
+    } else if (e.min_count != 0 && m->count < e.min_count && m->step() < prev_evict_step_) {
       rare.push_back(key);
     }
   });
@@ -512,7 +570,7 @@ void TableShard::StepsAtCount(uint32_t bucket, std::vector<uint64_t>* steps) con
   index_.ForEach([&](uint64_t, char* row) {
     const RowMeta* m = RowLayout::Meta(pool_.Cold(row));
     if (std::min<size_t>(m->count, kHistogramBuckets - 1) == bucket) {
-      steps->push_back(m->update_step);
+      steps->push_back(m->step());
     }
   });
 }
@@ -523,8 +581,8 @@ void TableShard::EvictLeastFrequent(uint32_t threshold, uint64_t cutoff, uint64_
   index_.ForEach([&](uint64_t key, char* row) {
     const RowMeta* m = RowLayout::Meta(pool_.Cold(row));
     const size_t bucket = std::min<size_t>(m->count, kHistogramBuckets - 1);
-    const bool at_cutoff = bucket == threshold && m->update_step == cutoff;
-    if (bucket < threshold || (bucket == threshold && m->update_step < cutoff) ||
+    const bool at_cutoff = bucket == threshold && m->step() == cutoff;
+    if (bucket < threshold || (bucket == threshold && m->step() < cutoff) ||
         (at_cutoff && quota > 0)) {
       victims.push_back(key);
       if (at_cutoff) --quota;
@@ -574,7 +632,7 @@ size_t TableShard::Export(uint64_t since, size_t max_rows, ExportCursor* cursor,
     if (out.state != nullptr)
       CopyFloats(out.state + o * state_dim, RowLayout::State(cold), state_dim);
     if (out.counts != nullptr) out.counts[o] = meta->count;
-    if (out.steps != nullptr) out.steps[o] = meta->update_step;
+    if (out.steps != nullptr) out.steps[o] = meta->step();
     if (out.times != nullptr) out.times[o] = meta->update_time;
     if (out.versions != nullptr) out.versions[o] = meta->version;
     ++written;

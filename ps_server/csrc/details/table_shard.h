@@ -3,6 +3,7 @@
 // synchronised.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -62,6 +63,20 @@ struct TableDef {
   std::vector<class TableShard*> shards;  // set/cleared by the owner threads
 };
 
+class TableShard;
+
+// What a version being applied holds for one shard (Engine::ApplyVersion):
+// its rows (a shard of the staging table) and the keys it removes. While it
+// is published, lookups read it before the shard's own rows; Merge then
+// folds it into them.
+struct Overlay {
+  TableShard* rows = nullptr;
+  std::vector<uint64_t> removed;  // sorted, unique
+  bool Removes(uint64_t key) const {
+    return std::binary_search(removed.begin(), removed.end(), key);
+  }
+};
+
 // Rows with count == kHistogramBuckets - 1 stand for all larger counts.
 constexpr size_t kHistogramBuckets = 1 << 16;
 
@@ -82,6 +97,17 @@ class TableShard {
             int only = 0);
   uint64_t Erase(const ShardBatch& batch, const Clock& clock);
   void Contains(const ShardBatch& batch, uint8_t* out);
+  // A pure lookup, no counter touched: a key's weights and found = 1, or for
+  // a key without a row its initial vector (init_missing) or zeros and
+  // found = 0. With an overlay, its rows come first and its removed keys
+  // read as missing. found may be null.
+  void Lookup(const ShardBatch& batch,
+              float* out,      // (n, dim)
+              uint8_t* found,  // (n,)
+              bool init_missing, const Overlay* overlay);
+  // Folds an overlay in: its rows replace or join this shard's (every
+  // column), then its removed keys go (logged with clock's version).
+  void Merge(const Overlay& overlay, const Clock& clock);
   void Load(const ShardBatch& batch, const RowColumns& rows, const Clock& clock);
 
   // Eviction: TTL and min-count first, then the engine-wide LFU cut: rows
