@@ -11,6 +11,7 @@ from wuliang.ps_server.engine import (
     RowChunk,
     UnknownTableError,
     as_keys,
+    server_of,
     shard_of,
 )
 from wuliang.ps_server.spec import (
@@ -52,5 +53,6 @@ __all__ = [
     "UnknownTableError",
     "Zeros",
     "as_keys",
+    "server_of",
     "shard_of",
 ]

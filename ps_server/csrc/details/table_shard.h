@@ -59,7 +59,7 @@ struct TableDef {
   TableSpec spec;
   RowLayout layout;
   int id = -1;
-  std::vector<class TableShard*> shards;  // set/cleared by the owner threads
+  std::vector<class TableShard*> shards;  // (S,) built at creation, freed with the def
 };
 
 // Rows with count == kHistogramBuckets - 1 stand for all larger counts.
