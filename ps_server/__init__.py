@@ -6,7 +6,7 @@ picks the implementation (``factory``); ``Engine`` is the embedded one. See
 ``docs/ps_engine.md`` for the design.
 """
 
-from wuliang.ps_server.engine import Engine, shard_of
+from wuliang.ps_server.engine import Engine, server_of, shard_of
 from wuliang.ps_server.factory import address_kind, parameter_server, register_backend
 from wuliang.ps_server.interface import (
     Handle,
@@ -64,5 +64,6 @@ __all__ = [
     "as_keys",
     "parameter_server",
     "register_backend",
+    "server_of",
     "shard_of",
 ]

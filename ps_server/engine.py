@@ -17,10 +17,15 @@ Semantics in one place:
   gradient rows are dropped and counted (or raise, per table). Pushes to keys
   still waiting for admission are dropped and counted.
 * Keys are uint64; int64 arrays are reinterpreted (-1 is 2**64 - 1).
+* Tables may be dropped and created while other threads call: a call on a
+  table name resolves it once, to the table of that name at that moment, and
+  either runs on that table or raises ``UnknownTableError`` (the table was
+  dropped first); it never reaches a table created later under the same name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -103,8 +108,10 @@ class Engine(ParameterServer):
         if not isinstance(num_shards, int) or not 1 <= num_shards <= 1024:
             raise ValueError(f"num_shards must be an int in [1, 1024], got {num_shards!r}")
         self._native: _engine.Engine | None = _engine.Engine(num_shards)
-        self._specs: dict[str, TableSpec] = {}
-        self._ids: dict[str, int] = {}
+        # name -> (native id, spec), replaced whole, so that one lookup gives
+        # an id and the spec of the same table. Native ids are never reused
+        # for another table (the engine raises on a dropped table's id).
+        self._tables: dict[str, tuple[int, TableSpec]] = {}
         self._lock = threading.Lock()  # create/drop only
 
     # -- lifecycle -----------------------------------------------------------
@@ -119,8 +126,7 @@ class Engine(ParameterServer):
         """Frees every table and stops the shard threads."""
         super().close()
         self._native = None
-        self._specs.clear()
-        self._ids.clear()
+        self._tables = {}
 
     def __enter__(self) -> Engine:
         return self
@@ -167,31 +173,35 @@ class Engine(ParameterServer):
         if not isinstance(spec, TableSpec):
             raise TypeError(f"create_table takes a TableSpec, got {type(spec).__name__}")
         with self._lock:
-            if spec.name in self._specs:
+            if spec.name in self._tables:
                 raise ValueError(f"table {spec.name!r} already exists")
-            self._ids[spec.name] = self.native.create_table(spec.to_native())
-            self._specs[spec.name] = spec
+            self._tables[spec.name] = (self.native.create_table(spec.to_native()), spec)
 
     def drop_table(self, name: str) -> None:
+        """Frees the table's rows and its id. Calls on it that are running
+        finish first; calls that start later raise ``UnknownTableError``."""
         with self._lock:
-            self._id(name)
+            self._table(name)
             self.native.drop_table(name)
-            del self._specs[name], self._ids[name]
+            del self._tables[name]
 
     def tables(self) -> list[str]:
-        return list(self._specs)
+        return list(self._tables)
 
     def spec(self, name: str) -> TableSpec:
-        self._id(name)
-        return self._specs[name]
+        return self._table(name)[1]
 
     def _id(self, name: str) -> int:
+        return self._table(name)[0]
+
+    def _table(self, name: str) -> tuple[int, TableSpec]:
+        """(native id, spec) of a table, from one consistent lookup."""
         if self._native is None:
             raise RuntimeError("engine is closed")
         try:
-            return self._ids[name]
+            return self._tables[name]
         except KeyError:
-            known = ", ".join(sorted(self._ids)) or "none"
+            known = ", ".join(sorted(self._tables)) or "none"
             raise UnknownTableError(f"unknown table {name!r} (tables: {known})") from None
 
     # -- batch calls ---------------------------------------------------------
@@ -289,20 +299,19 @@ class Engine(ParameterServer):
         return PushResult(**self.native.push_many(args, unique, _ONLY[only], _check_step(step)))
 
     def _pull_args(self, part: PullPart) -> tuple:
-        tid = self._id(part.table)
+        tid, spec = self._table(part.table)
         keys = as_keys(part.keys)
         out = part.out
         if out is not None:
-            _check_float32(out, (len(keys), self._specs[part.table].dim), "out")
+            _check_float32(out, (len(keys), spec.dim), "out")
             if not out.flags.c_contiguous or not out.flags.writeable:
                 raise ValueError("out must be a writeable C-contiguous array")
         return tid, keys, out, self._offsets(part.shard_offsets)
 
     def _push_args(self, part: PushPart) -> tuple:
         table = part.table
-        tid = self._id(table)
+        tid, spec = self._table(table)
         keys = as_keys(part.keys)
-        spec = self._specs[table]
         grads = _as_float32(part.grads, (len(keys), spec.dim), f"grads for table {table!r}")
         updated, updated_rows = part.updated, part.updated_rows
         if updated_rows is not None:
@@ -340,9 +349,9 @@ class Engine(ParameterServer):
         ``apply_update`` (see ``ParameterServer.lookup``)."""
         if missing not in MISSING:
             raise ValueError(f"missing must be 'zeros' or 'initial', got {missing!r}")
-        tid = self._id(table)
+        tid, spec = self._table(table)
         keys = as_keys(keys)
-        out = np.empty((len(keys), self._specs[table].dim), np.float32)
+        out = np.empty((len(keys), spec.dim), np.float32)
         found = np.empty(len(keys), np.bool_)
         self.native.lookup(tid, keys, out, found, missing == "initial")
         return out, found
@@ -356,7 +365,7 @@ class Engine(ParameterServer):
         try:
             for name, update in updates.items():
                 spec = self._update_spec(name, update)
-                tid = self._ids.get(name, -1)
+                tid = self._tables[name][0] if name in self._tables else -1
                 handle = native.begin_apply(spec.to_native(), tid, bool(update.full))
                 staged.append((name, handle, spec))
                 for rows in update.rows:
@@ -388,16 +397,15 @@ class Engine(ParameterServer):
                     native.abort_apply(later)
                 raise
             with self._lock:
-                self._ids[name] = tid
-                self._specs.setdefault(name, spec)
+                self._tables[name] = (tid, spec)
 
     def _update_spec(self, name: str, update: TableUpdate) -> TableSpec:
         """The spec an update stages with: the live table's (dims checked),
         or the update's for a new table."""
         if not isinstance(update, TableUpdate):
             raise TypeError(f"table {name!r}: expected a TableUpdate, got {type(update).__name__}")
-        if name in self._specs:
-            spec = self._specs[name]
+        if name in self._tables:
+            spec = self._tables[name][1]
             if spec.dim != update.spec.dim:
                 raise ValueError(
                     f"table {name!r} has dim {spec.dim}, the update's has {update.spec.dim}"
@@ -423,7 +431,11 @@ class Engine(ParameterServer):
         native = self.native
         if table is not None:
             return native.stats(self._id(table))
-        return {name: native.stats(tid) for name, tid in list(self._ids.items())}
+        stats = {}
+        for name, (tid, _) in list(self._tables.items()):
+            with contextlib.suppress(UnknownTableError):  # dropped meanwhile
+                stats[name] = native.stats(tid)
+        return stats
 
     # -- export and load -----------------------------------------------------
 
@@ -502,8 +514,7 @@ class Engine(ParameterServer):
         Missing columns default to the optimizer's initial state, count 0,
         ``step`` (default ``self.step``), now, and the current version.
         """
-        tid = self._id(table)
-        spec = self._specs[table]
+        tid, spec = self._table(table)
         keys = as_keys(keys)
         n = len(keys)
         self.native.load(
@@ -520,5 +531,25 @@ class Engine(ParameterServer):
 
 
 def shard_of(keys: KeyArray, num_shards: int) -> np.ndarray:
-    """Shard of every key (uint32), as the engine and the reader compute it."""
-    return _engine.shard_of(as_keys(keys), num_shards)
+    """Shard of every key (uint32) in an engine of ``num_shards`` shards, as the
+    engine and the reader's key preparation compute it: the high 32 bits of
+    ``Mix64(key)`` scaled to ``[0, num_shards)``. Stable across releases."""
+    return _engine.shard_of(as_keys(keys), _check_count(num_shards, "num_shards"))
+
+
+def server_of(keys: KeyArray, num_servers: int) -> np.ndarray:
+    """Parameter server of every key (uint32) among ``num_servers`` servers.
+
+    Inside server ``server_of(k, N)`` key ``k`` lives in shard
+    ``shard_of(k, S)``. The two are computed from independent hashes
+    (``Mix64(key + 0x9E3779B97F4A7C15)`` for the server, ``Mix64(key)`` for
+    the shard), so every (server, shard) pair gets ``1 / (N * S)`` of the keys;
+    routing servers by ``shard_of(k, N)`` would leave most shards of every
+    server empty."""
+    return _engine.server_of(as_keys(keys), _check_count(num_servers, "num_servers"))
+
+
+def _check_count(n: int, what: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or not 1 <= n < 2**32:
+        raise ValueError(f"{what} must be an int in [1, 2**32), got {n!r}")
+    return int(n)

@@ -53,6 +53,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from wuliang.ps_server import _engine
 from wuliang.ps_server.spec import TableSpec
 
 T = TypeVar("T")
@@ -61,11 +62,10 @@ ONLY = ("all", "updated", "rest")  # push_many's halves
 MISSING = ("zeros", "initial")  # what lookup reads for a key without a row
 
 
-class UnknownTableError(KeyError):
-    """A table name the parameter server does not have."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
+UnknownTableError = _engine.UnknownTableError
+"""A table name (or id) that names no live table: a ``KeyError`` whose
+``str`` is its message. Every implementation raises this class (the C++
+engine too, for a call on a table dropped while it was starting)."""
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ Engine::TablePart PartOf(const Engine& e, const py::tuple& t, size_t size, const
   const KeyArray k = Keys(ArrayIn(t, 1, "keys"));
   p.keys = k.data;
   p.n = k.size;
-  *dim = e.Spec(p.table).dim;
+  *dim = e.Dim(p.table);
   p.shard_offsets = Column<int64_t>(py::reinterpret_borrow<py::object>(t[3]), e.num_shards() + 1, 1,
                                     "shard_offsets");
   return p;
@@ -238,6 +238,17 @@ void BindSpecs(py::module_& m) {
 }
 
 void BindEngine(py::module_& m) {
+  // A KeyError whose str() is its message (KeyError's would quote it).
+  auto& unknown = py::register_exception<UnknownTableError>(m, "UnknownTableError", PyExc_KeyError);
+  unknown.attr("__doc__") =
+      "A table name or id that names no live table: never created, or dropped (before the call, "
+      "or while it was starting).";
+  unknown.attr("__str__") = py::cpp_function(
+      [](const py::object& self) -> py::str {
+        const py::tuple args = self.attr("args");
+        return args.empty() ? py::str("") : py::str(args[0]);
+      },
+      py::is_method(unknown));
   py::class_<ExportCursor>(m, "ExportCursor")
       .def(py::init<>())
       .def_readonly("shard", &ExportCursor::shard)
@@ -264,7 +275,7 @@ void BindEngine(py::module_& m) {
           [](Engine& e, int table, const py::array& keys, bool train, const py::object& out,
              const py::object& shard_offsets) {
             const KeyArray k = Keys(keys);
-            py::array_t<float> result = PullInto(e.Spec(table).dim, k.size, out);
+            py::array_t<float> result = PullInto(e.Dim(table), k.size, out);
             float* dst = result.mutable_data();
             const int64_t* offsets =
                 Column<int64_t>(shard_offsets, e.num_shards() + 1, 1, "shard_offsets");
@@ -280,7 +291,7 @@ void BindEngine(py::module_& m) {
              const py::object& shard_offsets, const py::object& updated,
              const py::object& updated_rows) {
             const KeyArray k = Keys(keys);
-            const int dim = e.Spec(table).dim;
+            const int dim = e.Dim(table);
             const float* g = Column<float>(grads, k.size, dim, "grads");
             const int64_t* offsets =
                 Column<int64_t>(shard_offsets, e.num_shards() + 1, 1, "shard_offsets");
@@ -371,7 +382,7 @@ void BindEngine(py::module_& m) {
       .def(
           "export_chunk",
           [](Engine& e, int table, uint64_t since, size_t max_rows, ExportCursor& cursor) {
-            const TableSpec& spec = e.Spec(table);
+            const TableSpec spec = e.Spec(table);
             const size_t state_dim = StateDim(spec.optimizer.kind, spec.dim);
             py::array_t<uint64_t> keys(max_rows);
             py::array_t<float> weights({max_rows, static_cast<size_t>(spec.dim)});
@@ -452,7 +463,7 @@ void BindEngine(py::module_& m) {
              const py::object& times, const py::object& versions,
              const std::optional<uint64_t>& step) {
             const KeyArray k = Keys(keys);
-            const TableSpec& spec = e.Spec(table);
+            const TableSpec spec = e.Spec(table);
             const size_t n = k.size;
             RowColumns rows;
             rows.keys = const_cast<uint64_t*>(k.data);
@@ -491,5 +502,21 @@ PYBIND11_MODULE(_engine, m) {
         ShardOfBatch(k.data, k.size, num_shards, dst);
         return out;
       },
-      "keys"_a, "num_shards"_a);
+      "keys"_a, "num_shards"_a,
+      "Shard of each key in an engine of num_shards shards (uint32): ShardOf in "
+      "wuliang/ps/hash.h.");
+  m.def(
+      "server_of",
+      [](const py::array& keys, uint32_t num_servers) {
+        const KeyArray k = Keys(keys);
+        if (num_servers == 0) throw py::value_error("num_servers must be >= 1");
+        py::array_t<uint32_t> out(k.size);
+        uint32_t* dst = out.mutable_data();
+        py::gil_scoped_release release;
+        ServerOfBatch(k.data, k.size, num_servers, dst);
+        return out;
+      },
+      "keys"_a, "num_servers"_a,
+      "Parameter server of each key among num_servers (uint32): ServerOf in "
+      "wuliang/ps/hash.h, independent of the shard.");
 }

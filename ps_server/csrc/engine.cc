@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "details/grace_period.h"
 #include "details/shard_worker.h"
 #include "details/table_shard.h"
 #include "wuliang/ps/hash.h"
@@ -18,6 +19,7 @@
 namespace wuliang::ps {
 
 using details::Clock;
+using details::GracePeriod;
 using details::Plan;
 using details::ShardBatch;
 using details::TableDef;
@@ -168,7 +170,23 @@ void ShardOfBatch(const uint64_t* keys, size_t n, uint32_t num_shards, uint32_t*
   for (size_t i = 0; i < n; ++i) shards[i] = ShardOf(keys[i], num_shards);
 }
 
-Engine::Engine(const EngineOptions& options) : num_shards_(options.num_shards) {
+void ServerOfBatch(const uint64_t* keys, size_t n, uint32_t num_servers, uint32_t* servers) {
+  for (size_t i = 0; i < n; ++i) servers[i] = ServerOf(keys[i], num_servers);
+}
+
+namespace {
+
+// Frees a table that no call can reach any more (unpublished, grace period
+// over): shards first, they refer to the def's spec and layout.
+void FreeTable(TableDef* def) {
+  for (TableShard* shard : def->shards) delete shard;
+  delete def;
+}
+
+}  // namespace
+
+Engine::Engine(const EngineOptions& options)
+    : num_shards_(options.num_shards), grace_(std::make_unique<GracePeriod>()) {
   if (num_shards_ < 1 || num_shards_ > 1024) {
     throw std::invalid_argument("num_shards must be in [1, 1024], got " +
                                 std::to_string(num_shards_));
@@ -179,11 +197,10 @@ Engine::Engine(const EngineOptions& options) : num_shards_(options.num_shards) {
 }
 
 Engine::~Engine() {
-  for (int id = 0; id < next_table_id_.load(); ++id) {
-    TableDef* def = tables_[id].load(std::memory_order_acquire);
-    if (def != nullptr) DropTable(def->spec.name);
+  workers_.clear();  // joins; no call is in flight (nothing may call a dying engine)
+  for (int slot = 0; slot < num_slots_.load(); ++slot) {
+    if (TableDef* def = tables_[slot].load()) FreeTable(def);
   }
-  workers_.clear();  // joins
 }
 
 void Engine::RunOnShards(const std::function<void(int)>& fn, const Plan* plan) {
@@ -265,18 +282,44 @@ void Engine::PlanBatch(const uint64_t* keys, size_t n, Plan* plan) const {
 }
 
 TableDef* Engine::Def(int table) const {
-  TableDef* def = nullptr;
-  if (table >= 0 && table < kMaxTables) def = tables_[table].load(std::memory_order_acquire);
-  if (def == nullptr) throw std::out_of_range("no table with id " + std::to_string(table));
-  return def;
+  if (table >= 0) {
+    // seq_cst: this load must not pass the read scope's increment (the
+    // store-load order GracePeriod relies on).
+    TableDef* def = tables_[table & (kMaxTables - 1)].load(std::memory_order_seq_cst);
+    if (def != nullptr && def->id == table) return def;  // else dropped, slot maybe reused
+  }
+  throw UnknownTableError("no table with id " + std::to_string(table) +
+                          " (never created, or dropped)");
+}
+
+TableDef* Engine::FindDef(const std::string& name) const {
+  const int n = num_slots_.load(std::memory_order_acquire);
+  for (int slot = 0; slot < n; ++slot) {
+    TableDef* def = tables_[slot].load(std::memory_order_seq_cst);
+    if (def != nullptr && def->spec.name == name) return def;
+  }
+  return nullptr;
+}
+
+std::vector<std::string> Engine::TableNamesInScope() const {
+  std::vector<std::string> names;
+  const int n = num_slots_.load(std::memory_order_acquire);
+  for (int slot = 0; slot < n; ++slot) {
+    const TableDef* def = tables_[slot].load(std::memory_order_seq_cst);
+    if (def != nullptr) names.push_back(def->spec.name);
+  }
+  return names;
 }
 
 namespace {
 
-TableShard* ShardOfDef(const TableDef* def, int s) {
-  TableShard* shard = def->shards[s];
-  if (shard == nullptr) throw std::out_of_range("table '" + def->spec.name + "' was dropped");
-  return shard;
+std::string UnknownName(const std::string& name, const std::vector<std::string>& names) {
+  std::ostringstream msg;
+  msg << "unknown table '" << name << "' (tables:";
+  for (size_t i = 0; i < names.size(); ++i) msg << (i ? ", " : " ") << names[i];
+  if (names.empty()) msg << " none";
+  msg << ")";
+  return msg.str();
 }
 
 Clock Now(uint64_t step, uint64_t version) {
@@ -313,68 +356,91 @@ std::vector<int64_t> Engine::WorkerThreadIds() {
 
 int Engine::CreateTable(const TableSpec& spec) {
   ValidateSpec(spec);
-  std::lock_guard<std::mutex> lock(create_mutex_);
-  for (const std::string& name : TableNames()) {
-    if (name == spec.name) throw std::invalid_argument("table '" + spec.name + "' already exists");
+  std::lock_guard<std::mutex> lock(create_mutex_);  // no def is freed meanwhile
+  if (FindDef(spec.name) != nullptr) {
+    throw std::invalid_argument("table '" + spec.name + "' already exists");
   }
-  const int id = next_table_id_.load();
-  if (id >= kMaxTables) throw std::length_error("too many tables created in this engine");
+  const int used = num_slots_.load(std::memory_order_relaxed);
+  int slot = -1;
+  if (!free_slots_.empty()) {
+    slot = free_slots_.back();
+  } else if (used < kMaxTables) {
+    slot = used;
+  } else {
+    const size_t live = TableNamesInScope().size();
+    throw std::length_error("cannot create table '" + spec.name + "': " + std::to_string(live) +
+                            " tables live, at most " + std::to_string(kMaxTables) + " (and " +
+                            std::to_string(kMaxTables - live) + " ids retired after " +
+                            std::to_string(kGenerations) + " creates each)");
+  }
   auto def = std::make_unique<TableDef>();
   def->spec = spec;
   def->layout = details::RowLayout(spec.dim, StateDim(spec.optimizer.kind, spec.dim));
   CheckReserve(spec, def->layout);
-  def->id = id;
-  // Each owner thread builds its shard (and faults in its reserved memory).
-  const uint64_t shard_reserve = (spec.reserve_rows + num_shards_ - 1) / num_shards_;
+  def->id = slot < used ? next_id_[slot] : slot;  // a new slot starts at generation 0
   def->shards.assign(num_shards_, nullptr);
   try {
-    RunOnShards([&](int s) { def->shards[s] = new TableShard(*def, shard_reserve); });
+    if (spec.reserve_rows == 0) {
+      // Nothing to fault in: the shards are built here, without a hand-off
+      // to the workers (whose tasks reach them only after the publication).
+      for (int s = 0; s < num_shards_; ++s) def->shards[s] = new TableShard(*def, 0);
+    } else {
+      // Each owner thread builds its shard and faults in its reserved memory.
+      const uint64_t shard_reserve = (spec.reserve_rows + num_shards_ - 1) / num_shards_;
+      RunOnShards([&](int s) { def->shards[s] = new TableShard(*def, shard_reserve); });
+    }
   } catch (...) {
-    RunOnShards([&](int s) { delete def->shards[s]; });
+    for (TableShard*& shard : def->shards) delete std::exchange(shard, nullptr);
     throw;
   }
-  tables_[id].store(def.get(), std::memory_order_release);
-  all_defs_.push_back(std::move(def));
-  next_table_id_.store(id + 1);
+  const int id = def->id;
+  tables_[slot].store(def.release(), std::memory_order_release);
+  if (slot < used) {
+    free_slots_.pop_back();
+  } else {
+    next_id_.push_back(slot);
+    num_slots_.store(used + 1, std::memory_order_release);
+  }
   return id;
 }
 
 void Engine::DropTable(const std::string& name) {
-  std::lock_guard<std::mutex> lock(create_mutex_);
-  const int id = TableId(name);
-  TableDef* def = tables_[id].exchange(nullptr, std::memory_order_acq_rel);
-  // Tasks already queued for this table run first; later ones see nullptr.
-  RunOnShards([def](int s) {
-    delete def->shards[s];
-    def->shards[s] = nullptr;
-  });
+  std::lock_guard<std::mutex> lock(create_mutex_);  // no def is freed meanwhile
+  TableDef* def = FindDef(name);
+  if (def == nullptr) throw UnknownTableError(UnknownName(name, TableNamesInScope()));
+  const int slot = def->id & (kMaxTables - 1);
+  tables_[slot].store(nullptr, std::memory_order_seq_cst);
+  // The calls that found the table run to their end; later ones throw.
+  grace_->Wait();
+  // Freed here, off the shard workers: calls on other tables do not wait
+  // while the memory is unmapped.
+  const int generation = (def->id >> kSlotBits) + 1;
+  FreeTable(def);
+  if (generation < kGenerations) {
+    next_id_[slot] = (generation << kSlotBits) | slot;
+    free_slots_.push_back(slot);
+  }  // else the slot is retired: none of its ids is issued again
 }
 
 int Engine::TableId(const std::string& name) const {
-  const int n = next_table_id_.load();
-  for (int id = 0; id < n; ++id) {
-    const TableDef* def = tables_[id].load(std::memory_order_acquire);
-    if (def != nullptr && def->spec.name == name) return id;
-  }
-  std::ostringstream msg;
-  msg << "unknown table '" << name << "' (tables:";
-  const std::vector<std::string> names = TableNames();
-  for (size_t i = 0; i < names.size(); ++i) msg << (i ? ", " : " ") << names[i];
-  if (names.empty()) msg << " none";
-  msg << ")";
-  throw std::out_of_range(msg.str());
+  const GracePeriod::ReadScope scope(*grace_);
+  if (const TableDef* def = FindDef(name)) return def->id;
+  throw UnknownTableError(UnknownName(name, TableNamesInScope()));
 }
 
-const TableSpec& Engine::Spec(int table) const { return Def(table)->spec; }
+TableSpec Engine::Spec(int table) const {
+  const GracePeriod::ReadScope scope(*grace_);
+  return Def(table)->spec;
+}
+
+int Engine::Dim(int table) const {
+  const GracePeriod::ReadScope scope(*grace_);
+  return Def(table)->spec.dim;
+}
 
 std::vector<std::string> Engine::TableNames() const {
-  std::vector<std::string> names;
-  const int n = next_table_id_.load();
-  for (int id = 0; id < n; ++id) {
-    const TableDef* def = tables_[id].load(std::memory_order_acquire);
-    if (def != nullptr) names.push_back(def->spec.name);
-  }
-  return names;
+  const GracePeriod::ReadScope scope(*grace_);
+  return TableNamesInScope();
 }
 
 namespace {
@@ -428,6 +494,7 @@ Clock Engine::ClockAt(uint64_t step) const {
 }
 
 void Engine::PullMany(const std::vector<TablePart>& parts, bool train, uint64_t step) {
+  const GracePeriod::ReadScope scope(*grace_);
   std::vector<TableDef*> defs;
   defs.reserve(parts.size());
   for (const TablePart& p : parts) defs.push_back(Def(p.table));
@@ -437,7 +504,7 @@ void Engine::PullMany(const std::vector<TablePart>& parts, bool train, uint64_t 
   RunOn(active, [&](int s) {
     for (size_t i = 0; i < parts.size(); ++i) {
       if (parts[i].n == 0) continue;
-      ShardOfDef(defs[i], s)->Pull(plans[i].For(s), parts[i].out, train, clock);
+      defs[i]->shards[s]->Pull(plans[i].For(s), parts[i].out, train, clock);
     }
   });
 }
@@ -468,6 +535,7 @@ PushResult Engine::Push(int table, const uint64_t* keys, size_t n, const float* 
 
 PushResult Engine::PushMany(const std::vector<TablePart>& parts, bool keys_unique, Only only,
                             uint64_t step) {
+  const GracePeriod::ReadScope scope(*grace_);
   if (only != Only::kAll && !keys_unique) {
     throw std::invalid_argument("a push split by updated_rows needs unique keys");
   }
@@ -485,9 +553,8 @@ PushResult Engine::PushMany(const std::vector<TablePart>& parts, bool keys_uniqu
     for (size_t i = 0; i < parts.size(); ++i) {
       const TablePart& p = parts[i];
       if (p.n == 0) continue;
-      ShardOfDef(defs[i], s)
-          ->Push(plans[i].For(s), p.grads, keys_unique, clock, &results[s], p.updated,
-                 p.updated_rows, static_cast<int>(only));
+      defs[i]->shards[s]->Push(plans[i].For(s), p.grads, keys_unique, clock, &results[s], p.updated,
+                               p.updated_rows, static_cast<int>(only));
     }
   });
   PushResult total;
@@ -501,25 +568,28 @@ PushResult Engine::PushMany(const std::vector<TablePart>& parts, bool keys_uniqu
 }
 
 uint64_t Engine::Erase(int table, const uint64_t* keys, size_t n, uint64_t step) {
+  const GracePeriod::ReadScope scope(*grace_);
   TableDef* def = Def(table);
   Plan plan;
   PlanBatch(keys, n, &plan);
   const Clock clock = ClockAt(step);
   std::vector<uint64_t> erased(num_shards_, 0);
-  RunOnShards([&](int s) { erased[s] = ShardOfDef(def, s)->Erase(plan.For(s), clock); }, &plan);
+  RunOnShards([&](int s) { erased[s] = def->shards[s]->Erase(plan.For(s), clock); }, &plan);
   uint64_t total = 0;
   for (uint64_t e : erased) total += e;
   return total;
 }
 
 void Engine::Contains(int table, const uint64_t* keys, size_t n, uint8_t* out) {
+  const GracePeriod::ReadScope scope(*grace_);
   TableDef* def = Def(table);
   Plan plan;
   PlanBatch(keys, n, &plan);
-  RunOnShards([&](int s) { ShardOfDef(def, s)->Contains(plan.For(s), out); }, &plan);
+  RunOnShards([&](int s) { def->shards[s]->Contains(plan.For(s), out); }, &plan);
 }
 
 void Engine::Load(int table, size_t n, const RowColumns& rows, uint64_t step) {
+  const GracePeriod::ReadScope scope(*grace_);
   TableDef* def = Def(table);
   if (n > 0 && (rows.keys == nullptr || rows.weights == nullptr)) {
     throw std::invalid_argument("load into '" + def->spec.name + "' needs keys and weights");
@@ -527,14 +597,15 @@ void Engine::Load(int table, size_t n, const RowColumns& rows, uint64_t step) {
   Plan plan;
   PlanBatch(rows.keys, n, &plan);
   const Clock clock = ClockAt(step);
-  RunOnShards([&](int s) { ShardOfDef(def, s)->Load(plan.For(s), rows, clock); }, &plan);
+  RunOnShards([&](int s) { def->shards[s]->Load(plan.For(s), rows, clock); }, &plan);
 }
 
 EvictResult Engine::Evict(int table, uint64_t step) {
+  const GracePeriod::ReadScope scope(*grace_);
   if (table >= 0) return EvictTable(Def(table), step);
   EvictResult total;
-  for (int id = 0; id < next_table_id_.load(); ++id) {
-    TableDef* def = tables_[id].load(std::memory_order_acquire);
+  for (int slot = 0; slot < num_slots_.load(std::memory_order_acquire); ++slot) {
+    TableDef* def = tables_[slot].load(std::memory_order_seq_cst);
     if (def == nullptr) continue;
     const EvictResult r = EvictTable(def, step);
     total.ttl += r.ttl;
@@ -547,14 +618,14 @@ EvictResult Engine::Evict(int table, uint64_t step) {
 EvictResult Engine::EvictTable(TableDef* def, uint64_t step) {
   const Clock clock = ClockAt(step);
   std::vector<EvictResult> per_shard(num_shards_);
-  RunOnShards([&](int s) { ShardOfDef(def, s)->EvictByAge(clock, &per_shard[s]); });
+  RunOnShards([&](int s) { def->shards[s]->EvictByAge(clock, &per_shard[s]); });
 
   const uint64_t max_rows = def->spec.eviction.max_rows;
   if (max_rows > 0) {
     std::vector<std::vector<uint64_t>> hist(num_shards_);
     RunOnShards([&](int s) {
       hist[s].assign(details::kHistogramBuckets, 0);
-      ShardOfDef(def, s)->CountHistogram(&hist[s]);
+      def->shards[s]->CountHistogram(&hist[s]);
     });
     std::vector<uint64_t> merged(details::kHistogramBuckets, 0);
     uint64_t rows = 0;
@@ -572,7 +643,7 @@ EvictResult Engine::EvictTable(TableDef* def, uint64_t step) {
       // Among rows at the threshold the oldest go first: find the update
       // step of the need-th oldest, then split the ties at it over shards.
       std::vector<std::vector<uint64_t>> steps(num_shards_);
-      RunOnShards([&](int s) { ShardOfDef(def, s)->StepsAtCount(threshold, &steps[s]); });
+      RunOnShards([&](int s) { def->shards[s]->StepsAtCount(threshold, &steps[s]); });
       std::vector<uint64_t> all;
       for (const auto& v : steps) all.insert(all.end(), v.begin(), v.end());
       // Training may change counts between the phases: the cut then uses
@@ -592,12 +663,12 @@ EvictResult Engine::EvictTable(TableDef* def, uint64_t step) {
           ties_left -= quota[s];
         }
         RunOnShards([&](int s) {
-          ShardOfDef(def, s)->EvictLeastFrequent(threshold, cutoff, quota[s], clock, &per_shard[s]);
+          def->shards[s]->EvictLeastFrequent(threshold, cutoff, quota[s], clock, &per_shard[s]);
         });
       }
     }
   }
-  RunOnShards([&](int s) { ShardOfDef(def, s)->Compact(); });
+  RunOnShards([&](int s) { def->shards[s]->Compact(); });
   EvictResult total;
   for (const EvictResult& r : per_shard) {
     total.ttl += r.ttl;
@@ -608,9 +679,10 @@ EvictResult Engine::EvictTable(TableDef* def, uint64_t step) {
 }
 
 TableStats Engine::Stats(int table) {
+  const GracePeriod::ReadScope scope(*grace_);
   TableDef* def = Def(table);
   std::vector<TableStats> per_shard(num_shards_);
-  RunOnShards([&](int s) { per_shard[s] = ShardOfDef(def, s)->Snapshot(); });
+  RunOnShards([&](int s) { per_shard[s] = def->shards[s]->Snapshot(); });
   TableStats total;
   for (const TableStats& t : per_shard) total += t;
   return total;
@@ -618,13 +690,14 @@ TableStats Engine::Stats(int table) {
 
 size_t Engine::Export(int table, uint64_t since, size_t max_rows, ExportCursor* cursor,
                       const RowColumns& out) {
+  const GracePeriod::ReadScope scope(*grace_);
   TableDef* def = Def(table);
   size_t written = 0;
   while (!cursor->done && written < max_rows) {
     const int s = cursor->shard;
     bool shard_done = false;
     RunOn({s}, [&](int) {
-      TableShard* t = ShardOfDef(def, s);
+      TableShard* t = def->shards[s];
       if (!cursor->started) {
         t->BeginExport(since, cursor);
         cursor->started = true;
@@ -645,9 +718,10 @@ size_t Engine::Export(int table, uint64_t since, size_t max_rows, ExportCursor* 
 }
 
 std::vector<std::pair<uint64_t, uint64_t>> Engine::RemovedLog(int table, uint64_t since) {
+  const GracePeriod::ReadScope scope(*grace_);
   TableDef* def = Def(table);
   std::vector<std::vector<std::pair<uint64_t, uint64_t>>> per_shard(num_shards_);
-  RunOnShards([&](int s) { ShardOfDef(def, s)->RemovedSince(since, &per_shard[s]); });
+  RunOnShards([&](int s) { def->shards[s]->RemovedSince(since, &per_shard[s]); });
   std::vector<std::pair<uint64_t, uint64_t>> records;
   for (const auto& r : per_shard) records.insert(records.end(), r.begin(), r.end());
   std::stable_sort(records.begin(), records.end(),
@@ -656,8 +730,9 @@ std::vector<std::pair<uint64_t, uint64_t>> Engine::RemovedLog(int table, uint64_
 }
 
 void Engine::TrimRemoved(int table, uint64_t upto) {
+  const GracePeriod::ReadScope scope(*grace_);
   TableDef* def = Def(table);
-  RunOnShards([&](int s) { ShardOfDef(def, s)->TrimRemoved(upto); });
+  RunOnShards([&](int s) { def->shards[s]->TrimRemoved(upto); });
 }
 
 void Engine::LoadRemoved(int table, const uint64_t* keys, const uint64_t* versions, size_t n,
@@ -666,18 +741,20 @@ void Engine::LoadRemoved(int table, const uint64_t* keys, const uint64_t* versio
     if (versions[i] < versions[i - 1])
       throw std::invalid_argument("removal records must be sorted by version");
   }
+  const GracePeriod::ReadScope scope(*grace_);
   TableDef* def = Def(table);
   const auto split = SplitByShard(keys, versions, n, num_shards_);
   RunOnShards([&](int s) {
-    ShardOfDef(def, s)->LoadRemoved(split.keys[s].data(), split.values[s].data(),
-                                    split.keys[s].size(), floor);
+    def->shards[s]->LoadRemoved(split.keys[s].data(), split.values[s].data(), split.keys[s].size(),
+                                floor);
   });
 }
 
 std::vector<std::pair<uint64_t, uint32_t>> Engine::PendingCounts(int table) {
+  const GracePeriod::ReadScope scope(*grace_);
   TableDef* def = Def(table);
   std::vector<std::vector<std::pair<uint64_t, uint32_t>>> per_shard(num_shards_);
-  RunOnShards([&](int s) { ShardOfDef(def, s)->PendingCounts(&per_shard[s]); });
+  RunOnShards([&](int s) { def->shards[s]->PendingCounts(&per_shard[s]); });
   std::vector<std::pair<uint64_t, uint32_t>> counts;
   for (const auto& c : per_shard) counts.insert(counts.end(), c.begin(), c.end());
   std::sort(counts.begin(), counts.end());
@@ -685,11 +762,11 @@ std::vector<std::pair<uint64_t, uint32_t>> Engine::PendingCounts(int table) {
 }
 
 void Engine::LoadPending(int table, const uint64_t* keys, const uint32_t* counts, size_t n) {
+  const GracePeriod::ReadScope scope(*grace_);
   TableDef* def = Def(table);
   const auto split = SplitByShard(keys, counts, n, num_shards_);
   RunOnShards([&](int s) {
-    ShardOfDef(def, s)->LoadPending(split.keys[s].data(), split.values[s].data(),
-                                    split.keys[s].size());
+    def->shards[s]->LoadPending(split.keys[s].data(), split.values[s].data(), split.keys[s].size());
   });
 }
 

@@ -60,7 +60,7 @@ struct TableDef {
   TableSpec spec;
   RowLayout layout;
   int id = -1;
-  std::vector<class TableShard*> shards;  // set/cleared by the owner threads
+  std::vector<class TableShard*> shards;  // (S,) built at creation, freed with the def
 };
 
 class TableShard;
@@ -80,7 +80,11 @@ struct Overlay {
 // Rows with count == kHistogramBuckets - 1 stand for all larger counts.
 constexpr size_t kHistogramBuckets = 1 << 16;
 
-class TableShard {
+// Aligned to (and padded to whole) 128-byte blocks: the shards of a table
+// may be allocated one after the other by one thread (CreateTable), and two
+// workers writing their shard's fields must not share a cache line, nor a
+// pair of lines that the adjacent-line prefetcher moves together.
+class alignas(128) TableShard {
  public:
   // reserve_rows: this shard's part of the table's reserve_rows.
   TableShard(const TableDef& def, size_t reserve_rows);

@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -22,6 +24,18 @@
 using namespace wuliang::ps;
 
 namespace {
+
+#if defined(__SANITIZE_THREAD__)  // GCC
+constexpr bool kThreadSanitizer = true;
+#elif defined(__has_feature)  // Clang
+#if __has_feature(thread_sanitizer)
+constexpr bool kThreadSanitizer = true;
+#else
+constexpr bool kThreadSanitizer = false;
+#endif
+#else
+constexpr bool kThreadSanitizer = false;
+#endif
 
 TableSpec SgdSpec(const std::string& name, int dim) {
   TableSpec spec;
@@ -371,6 +385,150 @@ void TestDropWhileOthersRun() {
   CHECK(engine.TableNames() == std::vector<std::string>{"keep"});
 }
 
+// Servers and shards from independent hashes: every (server, shard) cell of
+// sequential keys gets its share within 5 binomial sigmas. Servers taken
+// from the shard's bits (ShardOf(key, N)) leave most cells empty.
+void TestServerAndShardAreIndependent() {
+  constexpr uint32_t kKeys = 1 << 18;
+  for (uint32_t servers : {2u, 3u, 8u}) {
+    for (uint32_t shards : {4u, 16u}) {
+      const uint32_t cells = servers * shards;
+      std::vector<uint32_t> routed(cells, 0), naive(cells, 0);
+      for (uint64_t key = 0; key < kKeys; ++key) {
+        const uint32_t shard = ShardOf(key, shards);
+        ++routed[ServerOf(key, servers) * shards + shard];
+        ++naive[ShardOf(key, servers) * shards + shard];
+      }
+      const double p = 1.0 / cells, mean = kKeys * p, sigma = std::sqrt(kKeys * p * (1 - p));
+      for (uint32_t c = 0; c < cells; ++c) CHECK(std::abs(routed[c] - mean) <= 5 * sigma);
+      const auto empty = std::count(naive.begin(), naive.end(), 0u);
+      CHECK(empty >= static_cast<std::ptrdiff_t>(cells - servers - shards));
+    }
+  }
+  static_assert(ServerOf(0, 16) == 14 && ShardOf(0, 16) == 0);  // as tests/test_routing.py pins
+}
+
+// Dropped tables give their slot back: ids are reused with a new generation,
+// a dropped table's id raises UnknownTableError and never reaches the table
+// that took its slot.
+void TestTableIdsAreReusedSafely() {
+  Engine engine(EngineOptions{2});
+  const int keep = engine.CreateTable(SgdSpec("keep", 2));
+  std::vector<int> stale;
+  const uint64_t key = 7;
+  float row[4];
+  for (int i = 0; i < 2000; ++i) {
+    TableSpec spec = SgdSpec("t", i % 2 == 0 ? 2 : 4);
+    const int id = engine.CreateTable(spec);
+    CHECK((id & 0x3fff) == 1);  // the slot dropped last is taken again
+    for (int old : stale) CHECK(old != id);
+    engine.Push(id, &key, 1, std::vector<float>(spec.dim, -1.0f).data());
+    engine.Pull(id, &key, 1, row, false);
+    CHECK(row[0] == 1.0f && engine.Dim(id) == spec.dim && engine.Spec(id).name == "t");
+    if (i % 100 == 0) stale.push_back(id);
+    engine.DropTable("t");
+    bool threw = false;
+    try {
+      engine.Pull(id, &key, 1, row, false);
+    } catch (const UnknownTableError& e) {
+      threw = std::string(e.what()).find(std::to_string(id)) != std::string::npos;
+    }
+    CHECK(threw);
+  }
+  const int last = engine.CreateTable(SgdSpec("t", 2));
+  for (int id : stale) {
+    bool threw = false;
+    try {
+      engine.Stats(id);
+    } catch (const UnknownTableError&) {
+      threw = true;
+    }
+    CHECK(threw);
+  }
+  CHECK(engine.TableId("t") == last && engine.TableId("keep") == keep);
+  CHECK((engine.TableNames() == std::vector<std::string>{"keep", "t"}));
+  bool threw = false;
+  try {
+    engine.DropTable("gone");
+  } catch (const UnknownTableError& e) {
+    threw = std::string(e.what()) == "unknown table 'gone' (tables: keep, t)";
+  }
+  CHECK(threw);
+}
+
+// Threads pull and push a table by name while another drops and re-creates
+// it (each incarnation with its own dim and constant initial value = dim):
+// every call either works on a live table, seeing only that table's values,
+// or throws UnknownTableError. Run under TSan and ASan by `make cpp-test`.
+void TestDropAndRecreateUnderLoad() {
+  Engine engine(EngineOptions{2});
+  auto spec_of = [](int dim) {
+    TableSpec spec = SgdSpec("t", dim);
+    spec.initializer.kind = InitKind::kConstant;
+    spec.initializer.value = static_cast<float>(dim);
+    return spec;
+  };
+  TableSpec other = spec_of(3);
+  other.name = "other";
+  other.initializer.value = -1.0f;
+  engine.CreateTable(other);
+  engine.CreateTable(spec_of(4));
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> ok{0}, unknown{0};
+  std::vector<std::thread> users;
+  for (int t = 0; t < 3; ++t) {
+    users.emplace_back([&, t] {
+      std::vector<uint64_t> keys(64);
+      for (size_t i = 0; i < keys.size(); ++i) keys[i] = i * 31 + t;
+      std::vector<float> out, zeros;
+      while (!stop.load()) {
+        try {
+          const int id = engine.TableId("t");
+          const int dim = engine.Dim(id);
+          out.assign(keys.size() * dim, 0.0f);
+          zeros.assign(keys.size() * dim, 0.0f);
+          engine.Push(id, keys.data(), keys.size(), zeros.data());  // creates rows, keeps values
+          engine.Pull(id, keys.data(), keys.size(), out.data(), t == 0);
+          for (float v : out) CHECK(v == static_cast<float>(dim));
+          ++ok;
+        } catch (const UnknownTableError&) {
+          ++unknown;
+          std::this_thread::yield();  // (exceptions are slow under the sanitizers)
+        }
+      }
+    });
+  }
+  for (int round = 0; round < 300; ++round) {
+    engine.DropTable("t");
+    engine.CreateTable(spec_of(4 + 4 * (round % 3)));
+    // Let the users reach this incarnation (up to 10 ms).
+    const int64_t seen = ok.load();
+    for (int i = 0; i < 1000 && ok.load() == seen; ++i) {
+      std::this_thread::sleep_for(std::chrono::microseconds(10));
+    }
+  }
+  stop.store(true);
+  for (auto& u : users) u.join();
+  CHECK(ok.load() > 0);
+  const uint64_t key = 5;
+  float row[3];
+  engine.Pull(engine.TableId("other"), &key, 1, row, false);
+  CHECK(row[0] == -1.0f);
+}
+
+// A slot whose generations are spent is retired: no id is issued twice.
+void TestSpentSlotsAreRetired() {
+  Engine engine(EngineOptions{1});
+  const TableSpec spec = SgdSpec("t", 1);
+  for (int generation = 0; generation < (1 << 17); ++generation) {
+    CHECK(engine.CreateTable(spec) == generation << 14);  // slot 0 again and again
+    engine.DropTable("t");
+  }
+  CHECK(engine.CreateTable(spec) == 1);  // slot 0 is spent: a new slot
+  engine.DropTable("t");
+  CHECK(engine.CreateTable(spec) == ((1 << 14) | 1));  // slot 1, generation 1
+}
+
 }  // namespace
 
 int main() {
@@ -386,6 +544,10 @@ int main() {
   TestDuplicatesAreSummed();
   TestExportLoadAndEvictUnderLoad();
   TestDropWhileOthersRun();
+  TestServerAndShardAreIndependent();
+  TestTableIdsAreReusedSafely();
+  TestDropAndRecreateUnderLoad();
+  if (!kThreadSanitizer) TestSpentSlotsAreRetired();  // 2^17 creates: seconds under TSan
   std::puts("engine_test: all passed");
   return 0;
 }

@@ -10,7 +10,23 @@
 //   lock-free queue and waits on a latch; the calling thread does no table
 //   work itself. Tasks of one shard run in the order they were enqueued.
 // * Create/DropTable are serialised among themselves by a mutex (never taken
-//   on the data path); tables are published with release/acquire atomics.
+//   on the data path); tables are published in an array of atomic pointers.
+// * Table ids are reused without ever naming two tables: an id is
+//   (generation << kSlotBits) | slot. DropTable frees the slot, a later
+//   CreateTable takes it with the next generation, and a call with the id of
+//   a dropped table throws UnknownTableError, before the slot's reuse or
+//   after it. No id is ever issued twice: a slot whose generations are spent
+//   is retired (2^17 creates on one slot). At most kMaxTables tables live at
+//   once; creates are not limited.
+// * Dropped tables are freed, safely: every call that takes a table id, and
+//   TableId/TableNames, runs inside a read scope of a grace period (one
+//   atomic increment and one decrement on a counter of the calling thread's
+//   own, no lock; details/grace_period.h). DropTable unpublishes the table,
+//   waits until every call that could have found it has returned (those
+//   complete on the live table), then frees its shards and definition; a call
+//   that looks the id up after the unpublish throws UnknownTableError. So a
+//   DropTable waits for the calls in flight on any table (a long Evict or
+//   Load included), as it waited for the tasks queued before it.
 // * Readers that are not the owner (stats, export) also run as tasks on the
 //   owner thread, so each shard is seen at a single point in time.
 //
@@ -33,6 +49,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -43,10 +60,17 @@ namespace wuliang::ps {
 
 namespace details {
 class ShardWorker;
+class GracePeriod;
 struct TableDef;
 struct Plan;
 struct Clock;
 }  // namespace details
+
+// A table name or id that names no live table (never created, or dropped).
+class UnknownTableError : public std::out_of_range {
+ public:
+  using std::out_of_range::out_of_range;
+};
 
 struct EngineOptions {
   int num_shards = 2;  // worker threads; shard count of every table
@@ -134,14 +158,18 @@ class Engine {
   // The OS thread id of each shard's worker (for scheduling policies, top).
   std::vector<int64_t> WorkerThreadIds();
 
-  // Returns the table id. Throws std::invalid_argument for a bad spec or a
-  // name that is taken.
+  // Returns the table id (>= 0). Throws std::invalid_argument for a bad spec
+  // or a name that is taken, std::length_error when kMaxTables tables live.
   int CreateTable(const TableSpec& spec);
-  // Frees every row. Throws std::out_of_range for an unknown table.
+  // Frees every row and the table's id (see the contract above: waits for
+  // the calls in flight). Throws UnknownTableError for an unknown name.
   void DropTable(const std::string& name);
-  // Throws std::out_of_range("unknown table 'x' (tables: a, b)").
+  // Throws UnknownTableError("unknown table 'x' (tables: a, b)").
   int TableId(const std::string& name) const;
-  const TableSpec& Spec(int table) const;
+  // Every method below that takes a table id throws UnknownTableError when
+  // the id names no live table.
+  TableSpec Spec(int table) const;
+  int Dim(int table) const;
   std::vector<std::string> TableNames() const;
 
   // out[i] = weights of keys[i]. train=true counts the sighting and creates
@@ -246,10 +274,17 @@ class Engine {
   }
 
  private:
-  // Table ids are never reused, so a stale id cannot reach another table.
-  static constexpr int kMaxTables = 1 << 14;
+  // An id is (generation << kSlotBits) | slot, a non-negative int.
+  static constexpr int kSlotBits = 14;
+  static constexpr int kMaxTables = 1 << kSlotBits;  // live at once
+  static constexpr int kGenerations = 1 << (31 - kSlotBits);
 
+  // The live table `table` names; throws UnknownTableError. The caller holds
+  // a read scope of grace_ (or create_mutex_) while it uses the result.
   details::TableDef* Def(int table) const;
+  // The live table called `name`, or null (same requirement).
+  details::TableDef* FindDef(const std::string& name) const;
+  std::vector<std::string> TableNamesInScope() const;
   // Splits keys by shard (counting sort); order lives in a thread-local buffer.
   void PlanBatch(const uint64_t* keys, size_t n, details::Plan* plan) const;
   void PlanPartitioned(const uint64_t* keys, size_t n, const int64_t* shard_offsets,
@@ -268,10 +303,16 @@ class Engine {
 
   int num_shards_;
   std::vector<std::unique_ptr<details::ShardWorker>> workers_;
+  // Live tables by slot; they own their defs. Slots [0, num_slots_) were
+  // ever used.
   std::array<std::atomic<details::TableDef*>, kMaxTables> tables_{};
-  std::atomic<int> next_table_id_{0};
-  std::vector<std::unique_ptr<details::TableDef>> all_defs_;  // owns defs
-  mutable std::mutex create_mutex_;                           // not on the data path
+  std::atomic<int> num_slots_{0};
+  std::unique_ptr<details::GracePeriod> grace_;  // frees dropped defs
+  mutable std::mutex create_mutex_;              // not on the data path
+  // Under create_mutex_: slots free for reuse (last freed first) and the id
+  // each slot issues next.
+  std::vector<int> free_slots_;
+  std::vector<int> next_id_;
   std::atomic<uint64_t> step_{0};
   std::atomic<uint64_t> version_{1};
 };
