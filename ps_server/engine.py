@@ -352,9 +352,9 @@ class Engine(ParameterServer):
         tid, spec = self._table(table)
         keys = as_keys(keys)
         out = np.empty((len(keys), spec.dim), np.float32)
-        found = np.empty(len(keys), np.bool_)
+        found = np.empty(len(keys), np.uint8)
         self.native.lookup(tid, keys, out, found, missing == "initial")
-        return out, found
+        return out, found.view(np.bool_)
 
     def apply_update(self, updates: Mapping[str, TableUpdate]) -> None:
         """See ``ParameterServer.apply_update``: every table staged in C++

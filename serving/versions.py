@@ -10,12 +10,13 @@ newest version's name, written last::
 
 Serving a version means applying its chain, base first: the full version it
 rests on, then each delta on top (``chain``, ``apply_chain``). A full
-version replaces its tables; a delta erases the keys it removed, then loads
-its rows. Each version's files are checked (sha256) before that version
-changes the engine.
+version replaces its tables; a delta replaces or adds its rows and removes
+the keys it removed, each table switched atomically for concurrent readers
+(``ParameterServer.apply_update``). Each version's files are checked
+(sha256) before that version changes the server.
 
 Design: this module only reads. It depends on the on-disk format
-(``wuliang.storage``) and the engine (``wuliang.ps_server``), never on the
+(``wuliang.storage``) and the parameter server (``wuliang.ps_server``), never on the
 export writer or TensorFlow, so an online server imports it alone; the
 writer (``wuliang.export``) imports it to find the newest version and to
 compact a chain, and re-exports its names.
@@ -26,8 +27,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from wuliang.ps_server import SGD, Engine, TableSpec, Zeros
-from wuliang.storage import CorruptVersionError, Version, load_args
+from wuliang.ps_server import SGD, ParameterServer, TableSpec, TableUpdate, Zeros
+from wuliang.storage import CorruptVersionError, Version
 
 __all__ = ["LATEST", "apply", "apply_chain", "chain", "latest", "versions"]
 
@@ -93,45 +94,47 @@ def chain(export_dir: str | os.PathLike, version: int | None = None) -> list[Ver
     return out[::-1]
 
 
-def apply(engine: Engine, version: Version) -> None:
-    """Applies one version to engine: a full one replaces each of its tables,
-    a delta removes its keys and loads its rows. Tables the engine lacks are
-    created (SGD, zero initializer: serving does not train). Every file is
-    checked before anything changes.
+def apply(ps: ParameterServer, version: Version) -> None:
+    """Applies one version to a parameter server, atomically per table for
+    concurrent readers (``ParameterServer.apply_update``): a full version
+    replaces each of its tables, a delta replaces or adds its rows and
+    removes its keys. Tables the server lacks are created (SGD, zero
+    initializer: serving does not train). Every file is checked before
+    anything changes.
 
     Raises:
         CorruptVersionError: a file of the version is missing or damaged.
-        ValueError: a table's dim differs from the engine's table of that name.
+        ValueError: a table's dim differs from the server's table of that name.
     """
     version.verify()
+    tables = ps.tables()
     for table, info in version.tables.items():
-        if table in engine.tables() and engine.spec(table).dim != info["dim"]:
+        if table in tables and ps.spec(table).dim != info["dim"]:
             raise ValueError(
                 f"{version.path}: table {table!r} has dim {info['dim']}, "
-                f"the engine's has {engine.spec(table).dim}"
+                f"the engine's has {ps.spec(table).dim}"
             )
-    for table, info in version.tables.items():
-        if version.kind == "full" and table in engine.tables():
-            spec = engine.spec(table)
-            engine.drop_table(table)
-            engine.create_table(spec)
-        elif table not in engine.tables():
-            engine.create_table(TableSpec(table, info["dim"], optimizer=SGD(), initializer=Zeros()))
-        gone = version.removed_keys(table, verified=True)
-        if len(gone):
-            engine.erase(table, gone)
-        for rows in version.read_rows(table, verified=True):
-            args = load_args(rows)
-            if engine.spec(table).state_dim == 0:
-                args["state"] = None
-            engine.load(table, **args)
+    full = version.kind == "full"
+    updates = {
+        table: TableUpdate(
+            ps.spec(table)
+            if table in tables
+            else TableSpec(table, info["dim"], optimizer=SGD(), initializer=Zeros()),
+            full=full,
+            rows=version.read_rows(table, verified=True),
+            removed=None if full else version.removed_keys(table, verified=True),
+        )
+        for table, info in version.tables.items()
+    }
+    ps.apply_update(updates)
 
 
 def apply_chain(
-    engine: Engine, export_dir: str | os.PathLike, version: int | None = None
+    ps: ParameterServer, export_dir: str | os.PathLike, version: int | None = None
 ) -> list[Version]:
-    """Applies the chain of ``version`` (default LATEST) to engine; returns it."""
+    """Applies the chain of ``version`` (default LATEST) to a parameter
+    server, version by version; returns it."""
     versions_ = chain(export_dir, version)
     for v in versions_:
-        apply(engine, v)
+        apply(ps, v)
     return versions_

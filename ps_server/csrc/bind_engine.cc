@@ -479,6 +479,63 @@ void BindEngine(py::module_& m) {
           "table"_a, "keys"_a, "weights"_a, "state"_a = py::none(), "counts"_a = py::none(),
           "steps"_a = py::none(), "times"_a = py::none(), "versions"_a = py::none(),
           "step"_a = py::none())
+      .def(
+          "lookup",
+          [](Engine& e, int table, const py::array& keys, const py::object& out,
+             const py::object& found, bool init_missing) {
+            const KeyArray k = Keys(keys);
+            float* dst = Column<float>(out, k.size, e.Dim(table), "out");
+            uint8_t* hit = Column<uint8_t>(found, k.size, 1, "found");
+            if (dst == nullptr || hit == nullptr)
+              throw py::type_error("out and found are required");
+            py::gil_scoped_release release;
+            e.Lookup(table, k.data, k.size, dst, hit, init_missing);
+          },
+          "table"_a, "keys"_a, "out"_a, "found"_a, "init_missing"_a = false)
+      .def(
+          "begin_apply",
+          [](Engine& e, const TableSpec& spec, int table, bool full) {
+            py::gil_scoped_release release;
+            return e.BeginApply(spec, table, full);
+          },
+          "spec"_a, "table"_a, "full"_a)
+      .def(
+          "stage_rows",
+          [](Engine& e, int staging, const py::array& keys, const py::object& weights,
+             const py::object& state, const py::object& counts, const py::object& steps,
+             const py::object& times, const py::object& versions) {
+            const KeyArray k = Keys(keys);
+            const TableSpec spec = e.StagedSpec(staging);
+            const size_t n = k.size;
+            RowColumns rows;
+            rows.keys = const_cast<uint64_t*>(k.data);
+            rows.weights = Column<float>(weights, n, spec.dim, "weights");
+            rows.state = Column<float>(state, n, StateDim(spec.optimizer.kind, spec.dim), "state");
+            rows.counts = Column<uint32_t>(counts, n, 1, "counts");
+            rows.steps = Column<uint64_t>(steps, n, 1, "steps");
+            rows.times = Column<uint32_t>(times, n, 1, "times");
+            rows.versions = Column<uint64_t>(versions, n, 1, "versions");
+            py::gil_scoped_release release;
+            e.StageRows(staging, n, rows);
+          },
+          "staging"_a, "keys"_a, "weights"_a, "state"_a = py::none(), "counts"_a = py::none(),
+          "steps"_a = py::none(), "times"_a = py::none(), "versions"_a = py::none())
+      .def(
+          "stage_removed",
+          [](Engine& e, int staging, const py::array& keys) {
+            const KeyArray k = Keys(keys);
+            py::gil_scoped_release release;
+            e.StageRemoved(staging, k.data, k.size);
+          },
+          "staging"_a, "keys"_a)
+      .def(
+          "commit_apply",
+          [](Engine& e, int staging) {
+            py::gil_scoped_release release;
+            return e.CommitApply(staging);
+          },
+          "staging"_a)
+      .def("abort_apply", &Engine::AbortApply, "staging"_a)
       .def_property("step", &Engine::step, &Engine::SetStep)
       .def_property_readonly("version", &Engine::version)
       .def("advance_version", &Engine::AdvanceVersion)

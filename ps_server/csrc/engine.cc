@@ -179,11 +179,44 @@ namespace {
 // Frees a table that no call can reach any more (unpublished, grace period
 // over): shards first, they refer to the def's spec and layout.
 void FreeTable(TableDef* def) {
-  for (TableShard* shard : def->shards) delete shard;
+  if (def->owns_shards) {
+    for (TableShard* shard : def->shards) delete shard;
+  }
   delete def;
 }
 
+// A table's definition and its shards, built on the calling thread (nothing
+// reserved: no memory to fault in on the owners).
+std::unique_ptr<TableDef> NewDef(const TableSpec& spec, int num_shards) {
+  auto def = std::make_unique<TableDef>();
+  def->spec = spec;
+  def->layout = details::RowLayout(spec.dim, StateDim(spec.optimizer.kind, spec.dim));
+  def->shards.assign(num_shards, nullptr);
+  try {
+    for (int s = 0; s < num_shards; ++s) def->shards[s] = new TableShard(*def, 0);
+  } catch (...) {
+    for (TableShard*& shard : def->shards) delete std::exchange(shard, nullptr);
+    throw;
+  }
+  return def;
+}
+
 }  // namespace
+
+namespace details {
+
+// A version being staged (Engine::BeginApply).
+struct Staging {
+  int table = -1;  // the live table's id, or -1: a new table
+  bool full = false;
+  std::unique_ptr<TableDef> def;               // full: the new table; delta: the overlay's rows
+  std::vector<std::vector<uint64_t>> removed;  // per shard (delta)
+  ~Staging() {
+    if (def) FreeTable(def.release());
+  }
+};
+
+}  // namespace details
 
 Engine::Engine(const EngineOptions& options)
     : num_shards_(options.num_shards), grace_(std::make_unique<GracePeriod>()) {
@@ -292,6 +325,15 @@ TableDef* Engine::Def(int table) const {
                           " (never created, or dropped)");
 }
 
+TableDef* Engine::WritableDef(int table) const {
+  TableDef* def = Def(table);
+  if (def->layered()) {
+    throw std::runtime_error("table '" + def->spec.name +
+                             "' is switching to a new version (apply); retry when it is done");
+  }
+  return def;
+}
+
 TableDef* Engine::FindDef(const std::string& name) const {
   const int n = num_slots_.load(std::memory_order_acquire);
   for (int slot = 0; slot < n; ++slot) {
@@ -360,6 +402,30 @@ int Engine::CreateTable(const TableSpec& spec) {
   if (FindDef(spec.name) != nullptr) {
     throw std::invalid_argument("table '" + spec.name + "' already exists");
   }
+  std::unique_ptr<TableDef> def;
+  if (spec.reserve_rows == 0) {
+    // Nothing to fault in: the shards are built here, without a hand-off
+    // to the workers (whose tasks reach them only after the publication).
+    def = NewDef(spec, num_shards_);
+  } else {
+    def = std::make_unique<TableDef>();
+    def->spec = spec;
+    def->layout = details::RowLayout(spec.dim, StateDim(spec.optimizer.kind, spec.dim));
+    CheckReserve(spec, def->layout);
+    def->shards.assign(num_shards_, nullptr);
+    try {
+      // Each owner thread builds its shard and faults in its reserved memory.
+      const uint64_t shard_reserve = (spec.reserve_rows + num_shards_ - 1) / num_shards_;
+      RunOnShards([&](int s) { def->shards[s] = new TableShard(*def, shard_reserve); });
+    } catch (...) {
+      for (TableShard*& shard : def->shards) delete std::exchange(shard, nullptr);
+      throw;
+    }
+  }
+  return Publish(std::move(def));
+}
+
+int Engine::Publish(std::unique_ptr<TableDef> def) {
   const int used = num_slots_.load(std::memory_order_relaxed);
   int slot = -1;
   if (!free_slots_.empty()) {
@@ -368,31 +434,13 @@ int Engine::CreateTable(const TableSpec& spec) {
     slot = used;
   } else {
     const size_t live = TableNamesInScope().size();
-    throw std::length_error("cannot create table '" + spec.name + "': " + std::to_string(live) +
-                            " tables live, at most " + std::to_string(kMaxTables) + " (and " +
+    throw std::length_error("cannot create table '" + def->spec.name +
+                            "': " + std::to_string(live) + " tables live, at most " +
+                            std::to_string(kMaxTables) + " (and " +
                             std::to_string(kMaxTables - live) + " ids retired after " +
                             std::to_string(kGenerations) + " creates each)");
   }
-  auto def = std::make_unique<TableDef>();
-  def->spec = spec;
-  def->layout = details::RowLayout(spec.dim, StateDim(spec.optimizer.kind, spec.dim));
-  CheckReserve(spec, def->layout);
   def->id = slot < used ? next_id_[slot] : slot;  // a new slot starts at generation 0
-  def->shards.assign(num_shards_, nullptr);
-  try {
-    if (spec.reserve_rows == 0) {
-      // Nothing to fault in: the shards are built here, without a hand-off
-      // to the workers (whose tasks reach them only after the publication).
-      for (int s = 0; s < num_shards_; ++s) def->shards[s] = new TableShard(*def, 0);
-    } else {
-      // Each owner thread builds its shard and faults in its reserved memory.
-      const uint64_t shard_reserve = (spec.reserve_rows + num_shards_ - 1) / num_shards_;
-      RunOnShards([&](int s) { def->shards[s] = new TableShard(*def, shard_reserve); });
-    }
-  } catch (...) {
-    for (TableShard*& shard : def->shards) delete std::exchange(shard, nullptr);
-    throw;
-  }
   const int id = def->id;
   tables_[slot].store(def.release(), std::memory_order_release);
   if (slot < used) {
@@ -497,14 +545,19 @@ void Engine::PullMany(const std::vector<TablePart>& parts, bool train, uint64_t 
   const GracePeriod::ReadScope scope(*grace_);
   std::vector<TableDef*> defs;
   defs.reserve(parts.size());
-  for (const TablePart& p : parts) defs.push_back(Def(p.table));
+  for (const TablePart& p : parts) defs.push_back(train ? WritableDef(p.table) : Def(p.table));
   std::vector<Plan> plans;
   const std::vector<int> active = PlanParts(parts, &plans);
   const Clock clock = ClockAt(step);
   RunOn(active, [&](int s) {
     for (size_t i = 0; i < parts.size(); ++i) {
       if (parts[i].n == 0) continue;
-      defs[i]->shards[s]->Pull(plans[i].For(s), parts[i].out, train, clock);
+      if (defs[i]->layered()) {  // a lookup while a version switches in
+        defs[i]->shards[s]->Lookup(plans[i].For(s), parts[i].out, nullptr, true,
+                                   &defs[i]->overlays[s]);
+      } else {
+        defs[i]->shards[s]->Pull(plans[i].For(s), parts[i].out, train, clock);
+      }
     }
   });
 }
@@ -542,7 +595,7 @@ PushResult Engine::PushMany(const std::vector<TablePart>& parts, bool keys_uniqu
   std::vector<TableDef*> defs;
   defs.reserve(parts.size());
   for (const TablePart& p : parts) {
-    defs.push_back(Def(p.table));
+    defs.push_back(WritableDef(p.table));
     CheckFinite(*defs.back(), p);
   }
   std::vector<Plan> plans;
@@ -569,7 +622,7 @@ PushResult Engine::PushMany(const std::vector<TablePart>& parts, bool keys_uniqu
 
 uint64_t Engine::Erase(int table, const uint64_t* keys, size_t n, uint64_t step) {
   const GracePeriod::ReadScope scope(*grace_);
-  TableDef* def = Def(table);
+  TableDef* def = WritableDef(table);
   Plan plan;
   PlanBatch(keys, n, &plan);
   const Clock clock = ClockAt(step);
@@ -585,12 +638,16 @@ void Engine::Contains(int table, const uint64_t* keys, size_t n, uint8_t* out) {
   TableDef* def = Def(table);
   Plan plan;
   PlanBatch(keys, n, &plan);
-  RunOnShards([&](int s) { def->shards[s]->Contains(plan.For(s), out); }, &plan);
+  RunOnShards(
+      [&](int s) {
+        def->shards[s]->Contains(plan.For(s), out, def->layered() ? &def->overlays[s] : nullptr);
+      },
+      &plan);
 }
 
 void Engine::Load(int table, size_t n, const RowColumns& rows, uint64_t step) {
   const GracePeriod::ReadScope scope(*grace_);
-  TableDef* def = Def(table);
+  TableDef* def = WritableDef(table);
   if (n > 0 && (rows.keys == nullptr || rows.weights == nullptr)) {
     throw std::invalid_argument("load into '" + def->spec.name + "' needs keys and weights");
   }
@@ -602,11 +659,11 @@ void Engine::Load(int table, size_t n, const RowColumns& rows, uint64_t step) {
 
 EvictResult Engine::Evict(int table, uint64_t step) {
   const GracePeriod::ReadScope scope(*grace_);
-  if (table >= 0) return EvictTable(Def(table), step);
+  if (table >= 0) return EvictTable(WritableDef(table), step);
   EvictResult total;
   for (int slot = 0; slot < num_slots_.load(std::memory_order_acquire); ++slot) {
     TableDef* def = tables_[slot].load(std::memory_order_seq_cst);
-    if (def == nullptr) continue;
+    if (def == nullptr || def->layered()) continue;  // a table switching versions: not now
     const EvictResult r = EvictTable(def, step);
     total.ttl += r.ttl;
     total.min_count += r.min_count;
@@ -691,7 +748,7 @@ TableStats Engine::Stats(int table) {
 size_t Engine::Export(int table, uint64_t since, size_t max_rows, ExportCursor* cursor,
                       const RowColumns& out) {
   const GracePeriod::ReadScope scope(*grace_);
-  TableDef* def = Def(table);
+  TableDef* def = WritableDef(table);
   size_t written = 0;
   while (!cursor->done && written < max_rows) {
     const int s = cursor->shard;
@@ -731,7 +788,7 @@ std::vector<std::pair<uint64_t, uint64_t>> Engine::RemovedLog(int table, uint64_
 
 void Engine::TrimRemoved(int table, uint64_t upto) {
   const GracePeriod::ReadScope scope(*grace_);
-  TableDef* def = Def(table);
+  TableDef* def = WritableDef(table);
   RunOnShards([&](int s) { def->shards[s]->TrimRemoved(upto); });
 }
 
@@ -742,7 +799,7 @@ void Engine::LoadRemoved(int table, const uint64_t* keys, const uint64_t* versio
       throw std::invalid_argument("removal records must be sorted by version");
   }
   const GracePeriod::ReadScope scope(*grace_);
-  TableDef* def = Def(table);
+  TableDef* def = WritableDef(table);
   const auto split = SplitByShard(keys, versions, n, num_shards_);
   RunOnShards([&](int s) {
     def->shards[s]->LoadRemoved(split.keys[s].data(), split.values[s].data(), split.keys[s].size(),
@@ -763,11 +820,142 @@ std::vector<std::pair<uint64_t, uint32_t>> Engine::PendingCounts(int table) {
 
 void Engine::LoadPending(int table, const uint64_t* keys, const uint32_t* counts, size_t n) {
   const GracePeriod::ReadScope scope(*grace_);
-  TableDef* def = Def(table);
+  TableDef* def = WritableDef(table);
   const auto split = SplitByShard(keys, counts, n, num_shards_);
   RunOnShards([&](int s) {
     def->shards[s]->LoadPending(split.keys[s].data(), split.values[s].data(), split.keys[s].size());
   });
+}
+
+void Engine::Lookup(int table, const uint64_t* keys, size_t n, float* out, uint8_t* found,
+                    bool init_missing) {
+  const GracePeriod::ReadScope scope(*grace_);
+  TableDef* def = Def(table);
+  Plan plan;
+  PlanBatch(keys, n, &plan);
+  RunOnShards(
+      [&](int s) {
+        def->shards[s]->Lookup(plan.For(s), out, found, init_missing,
+                               def->layered() ? &def->overlays[s] : nullptr);
+      },
+      &plan);
+}
+
+int Engine::BeginApply(const TableSpec& spec, int table, bool full) {
+  ValidateSpec(spec);
+  auto staging = std::make_unique<details::Staging>();
+  staging->table = table;
+  staging->full = full;
+  TableSpec own = spec;
+  own.reserve_rows = 0;
+  if (table >= 0) {
+    const GracePeriod::ReadScope scope(*grace_);
+    const TableDef* live = Def(table);
+    if (live->spec.dim != spec.dim || StateDim(live->spec.optimizer.kind, live->spec.dim) !=
+                                          StateDim(spec.optimizer.kind, spec.dim)) {
+      throw std::invalid_argument("a version of table '" + live->spec.name +
+                                  "' must keep its dim and optimizer state");
+    }
+    own = live->spec;  // the live table's settings (and its reserve, for a full version)
+    if (!full) own.reserve_rows = 0;
+  } else if (!full) {
+    throw std::invalid_argument("table '" + spec.name +
+                                "' does not exist: its first version must be full");
+  }
+  staging->def = NewDef(own, num_shards_);
+  staging->removed.resize(num_shards_);
+  std::lock_guard<std::mutex> lock(staging_mutex_);
+  const int handle = next_staging_++;
+  staging_.emplace_back(handle, std::move(staging));
+  return handle;
+}
+
+details::Staging& Engine::StagingOf(int staging) {
+  std::lock_guard<std::mutex> lock(staging_mutex_);
+  for (auto& [handle, s] : staging_) {
+    if (handle == staging) return *s;
+  }
+  throw std::invalid_argument("no staged version " + std::to_string(staging));
+}
+
+std::unique_ptr<details::Staging> Engine::TakeStaging(int staging) {
+  std::lock_guard<std::mutex> lock(staging_mutex_);
+  for (auto it = staging_.begin(); it != staging_.end(); ++it) {
+    if (it->first == staging) {
+      std::unique_ptr<details::Staging> taken = std::move(it->second);
+      staging_.erase(it);
+      return taken;
+    }
+  }
+  throw std::invalid_argument("no staged version " + std::to_string(staging));
+}
+
+TableSpec Engine::StagedSpec(int staging) { return StagingOf(staging).def->spec; }
+
+void Engine::StageRows(int staging, size_t n, const RowColumns& rows) {
+  details::Staging& st = StagingOf(staging);
+  if (n > 0 && (rows.keys == nullptr || rows.weights == nullptr)) {
+    throw std::invalid_argument("a staged version of '" + st.def->spec.name +
+                                "' needs keys and weights");
+  }
+  Plan plan;
+  PlanBatch(rows.keys, n, &plan);
+  const Clock clock = Now(step(), version());
+  TableDef* def = st.def.get();
+  RunOnShards([&](int s) { def->shards[s]->Load(plan.For(s), rows, clock); }, &plan);
+}
+
+void Engine::StageRemoved(int staging, const uint64_t* keys, size_t n) {
+  details::Staging& st = StagingOf(staging);
+  if (st.full) {
+    throw std::invalid_argument("a full version of '" + st.def->spec.name + "' removes no keys");
+  }
+  for (size_t i = 0; i < n; ++i) st.removed[ShardOf(keys[i], num_shards_)].push_back(keys[i]);
+}
+
+void Engine::AbortApply(int staging) { TakeStaging(staging); }
+
+int Engine::CommitApply(int staging) {
+  std::unique_ptr<details::Staging> st = TakeStaging(staging);
+  std::lock_guard<std::mutex> lock(create_mutex_);  // no create, drop or other commit meanwhile
+  if (st->table < 0) {                              // a new table
+    if (FindDef(st->def->spec.name) != nullptr) {
+      throw std::invalid_argument("table '" + st->def->spec.name +
+                                  "' was created while its version staged");
+    }
+    return Publish(std::move(st->def));
+  }
+  TableDef* live = Def(st->table);  // UnknownTableError if dropped meanwhile
+  const int slot = live->id & (kMaxTables - 1);
+  if (st->full) {
+    std::unique_ptr<TableDef> next = std::move(st->def);
+    next->id = live->id;
+    tables_[slot].store(next.release(), std::memory_order_seq_cst);
+    grace_->Wait();  // every call that found the old table has returned
+    FreeTable(live);
+    return st->table;
+  }
+  auto layered = std::make_unique<TableDef>();
+  layered->spec = live->spec;
+  layered->layout = live->layout;
+  layered->id = live->id;
+  layered->shards = live->shards;
+  layered->owns_shards = false;
+  layered->overlays.resize(num_shards_);
+  for (int s = 0; s < num_shards_; ++s) {
+    std::vector<uint64_t>& removed = st->removed[s];
+    std::sort(removed.begin(), removed.end());
+    removed.erase(std::unique(removed.begin(), removed.end()), removed.end());
+    layered->overlays[s].rows = st->def->shards[s];
+    layered->overlays[s].removed = std::move(removed);
+  }
+  tables_[slot].store(layered.get(), std::memory_order_seq_cst);
+  grace_->Wait();  // no call sees the live rows alone any more
+  const Clock clock = Now(step(), version());
+  RunOnShards([&](int s) { live->shards[s]->Merge(layered->overlays[s], clock); });
+  tables_[slot].store(live, std::memory_order_seq_cst);
+  grace_->Wait();    // no call sees the layered def any more
+  return st->table;  // the overlay's rows go with st
 }
 
 }  // namespace wuliang::ps

@@ -443,10 +443,19 @@ uint64_t TableShard::Erase(const ShardBatch& batch, const Clock& clock) {
   return erased;
 }
 
-void TableShard::Contains(const ShardBatch& batch, uint8_t* out) {
+void TableShard::Contains(const ShardBatch& batch, uint8_t* out, const Overlay* overlay) {
   const Slice s = Select(batch);
   for (size_t k = 0; k < s.size(); ++k) {
-    out[s.pos(k)] = index_.Find(s.key(k), hashes_[k]) != nullptr ? 1 : 0;
+    const uint64_t key = s.key(k);
+    bool found;
+    if (overlay != nullptr && overlay->rows->index_.Find(key, hashes_[k]) != nullptr) {
+      found = true;
+    } else if (overlay != nullptr && overlay->Removes(key)) {
+      found = false;
+    } else {
+      found = index_.Find(key, hashes_[k]) != nullptr;
+    }
+    out[s.pos(k)] = found ? 1 : 0;
   }
 }
 
@@ -520,7 +529,8 @@ void TableShard::Load(const ShardBatch& batch, const RowColumns& cols, const Clo
     }
     RowMeta* meta = RowLayout::Meta(cold);
     meta->count = cols.counts != nullptr ? cols.counts[p] : 0;
-    meta->update_step = (cols.steps != nullptr ? cols.steps[p] : clock.step) & ~RowMeta::kAdmittedBit;
+    meta->update_step =
+        (cols.steps != nullptr ? cols.steps[p] : clock.step) & ~RowMeta::kAdmittedBit;
     meta->update_time = cols.times != nullptr ? cols.times[p] : clock.now;
     if (cols.versions != nullptr) {
       meta->version = cols.versions[p];

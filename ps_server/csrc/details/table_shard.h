@@ -56,16 +56,9 @@ struct Clock {
   bool step_given = false;  // the caller's batch step, not the engine's
 };
 
-struct TableDef {
-  TableSpec spec;
-  RowLayout layout;
-  int id = -1;
-  std::vector<class TableShard*> shards;  // (S,) built at creation, freed with the def
-};
-
 class TableShard;
 
-// What a version being applied holds for one shard (Engine::ApplyVersion):
+// What a version being applied holds for one shard (Engine::CommitApply):
 // its rows (a shard of the staging table) and the keys it removes. While it
 // is published, lookups read it before the shard's own rows; Merge then
 // folds it into them.
@@ -75,6 +68,18 @@ struct Overlay {
   bool Removes(uint64_t key) const {
     return std::binary_search(removed.begin(), removed.end(), key);
   }
+};
+
+struct TableDef {
+  TableSpec spec;
+  RowLayout layout;
+  int id = -1;
+  std::vector<TableShard*> shards;  // (S,) built at creation, freed with the def
+  // A layered def (a delta being switched in): reads overlays[s] before
+  // shards[s], which the live def owns (owns_shards false).
+  std::vector<Overlay> overlays;
+  bool owns_shards = true;
+  bool layered() const { return !overlays.empty(); }
 };
 
 // Rows with count == kHistogramBuckets - 1 stand for all larger counts.
@@ -100,7 +105,8 @@ class alignas(128) TableShard {
             PushResult* result, float* updated = nullptr, const int32_t* updated_rows = nullptr,
             int only = 0);
   uint64_t Erase(const ShardBatch& batch, const Clock& clock);
-  void Contains(const ShardBatch& batch, uint8_t* out);
+  // With an overlay, as Lookup's found.
+  void Contains(const ShardBatch& batch, uint8_t* out, const Overlay* overlay = nullptr);
   // A pure lookup, no counter touched: a key's weights and found = 1, or for
   // a key without a row its initial vector (init_missing) or zeros and
   // found = 0. With an overlay, its rows come first and its removed keys

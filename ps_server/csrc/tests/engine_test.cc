@@ -529,6 +529,71 @@ void TestSpentSlotsAreRetired() {
   CHECK(engine.CreateTable(spec) == ((1 << 14) | 1));  // slot 1, generation 1
 }
 
+// Versions applied while readers look up: version v writes the value v to
+// every key (full, every 5th) or to all but one key in 16, which it removes
+// (delta): a lookup must see exactly one version's state.
+void TestApplyIsAtomicForReaders() {
+  constexpr int kDim = 4;
+  constexpr size_t kKeys = 2000;
+  Engine engine(EngineOptions{3});
+  TableSpec spec = SgdSpec("t", kDim);
+  std::vector<uint64_t> keys(kKeys);
+  for (size_t i = 0; i < kKeys; ++i) keys[i] = i * 7919 + 1;
+  // A version's rows: every key (full), or all but the removed ones (delta).
+  auto stage = [&](int handle, float v, bool full) {
+    std::vector<uint64_t> written;
+    for (size_t i = 0; i < kKeys; ++i) {
+      if (full || i % 16 != 0) written.push_back(keys[i]);
+    }
+    std::vector<float> weights(written.size() * kDim, v);
+    std::vector<uint64_t> versions(written.size(), static_cast<uint64_t>(v));
+    RowColumns rows;
+    rows.keys = written.data();
+    rows.weights = weights.data();
+    rows.versions = versions.data();
+    engine.StageRows(handle, written.size(), rows);
+  };
+  int id = engine.CommitApply([&] {
+    const int h = engine.BeginApply(spec, -1, true);
+    stage(h, 1.0f, true);
+    return h;
+  }());
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> reads{0};
+  std::vector<std::thread> readers;
+  for (int t = 0; t < 3; ++t) {
+    readers.emplace_back([&] {
+      std::vector<float> out(kKeys * kDim);
+      std::vector<uint8_t> found(kKeys);
+      while (!stop.load()) {
+        engine.Lookup(id, keys.data(), kKeys, out.data(), found.data(), false);
+        const float v = out[kDim];  // key 1: never removed
+        for (size_t i = 0; i < kKeys; ++i) {
+          const bool removed = i % 16 == 0 && static_cast<int>(v) % 5 != 1;  // by a delta
+          CHECK(found[i] == (removed ? 0 : 1));
+          for (int j = 0; j < kDim; ++j) CHECK(out[i * kDim + j] == (removed ? 0.0f : v));
+        }
+        CHECK(v >= 1.0f);
+        ++reads;
+      }
+    });
+  }
+  for (int v = 2; v <= 30; ++v) {
+    const bool full = v % 5 == 1;
+    const int h = engine.BeginApply(spec, id, full);
+    stage(h, static_cast<float>(v), full);
+    if (!full) {
+      std::vector<uint64_t> gone;
+      for (size_t i = 0; i < kKeys; i += 16) gone.push_back(keys[i]);
+      engine.StageRemoved(h, gone.data(), gone.size());
+    }
+    CHECK(engine.CommitApply(h) == id);
+  }
+  stop.store(true);
+  for (std::thread& r : readers) r.join();
+  CHECK(reads.load() > 0);
+}
+
 }  // namespace
 
 int main() {
@@ -548,6 +613,7 @@ int main() {
   TestTableIdsAreReusedSafely();
   TestDropAndRecreateUnderLoad();
   if (!kThreadSanitizer) TestSpentSlotsAreRetired();  // 2^17 creates: seconds under TSan
+  TestApplyIsAtomicForReaders();
   std::puts("engine_test: all passed");
   return 0;
 }

@@ -61,6 +61,7 @@ namespace wuliang::ps {
 namespace details {
 class ShardWorker;
 class GracePeriod;
+struct Staging;
 struct TableDef;
 struct Plan;
 struct Clock;
@@ -231,6 +232,49 @@ class Engine {
   EvictResult Evict(int table, uint64_t step = kCurrentStep);
   TableStats Stats(int table);
 
+  // A pure lookup for serving: out[i] = weights of keys[i] and found[i] = 1,
+  // or for a key without a row its initial vector (init_missing) or zeros
+  // and found[i] = 0. Nothing is counted. found may be null.
+  void Lookup(int table, const uint64_t* keys, size_t n,
+              float* out,      // (n, dim)
+              uint8_t* found,  // (n,)
+              bool init_missing);
+
+  // Versions applied atomically for concurrent readers
+  // -------------------------------------------------
+  // A serving engine applies a new version (full or delta) of a table while
+  // Lookup, Pull(train=false) and Contains run. They see the table wholly at
+  // the old version or wholly at the new one:
+  // 1. BeginApply stages, beside the live table (untouched, still writable):
+  //    a full version into a new table, a delta into an overlay table plus
+  //    its removed keys; StageRows / StageRemoved fill it (any number of
+  //    calls, from the thread that began it).
+  // 2. CommitApply switches over. Full: the new table is published in the
+  //    live one's slot (same id), the old one freed after a grace period.
+  //    Delta: a layered table that reads the overlay first (its removed keys
+  //    as missing) and the live rows second is published; after a grace
+  //    period no reader sees the live rows alone, so the overlay is merged
+  //    into them on the owner threads (layered readers see the same values
+  //    before and after), the live table is published again, and after a
+  //    second grace period the overlay is freed. Calls that write or export
+  //    the table while it is layered throw std::runtime_error naming it.
+  // A delta costs memory in proportion to its rows; a full version holds
+  // two copies of the table until its switch ends. AbortApply drops a
+  // staging. Commits are serialised with CreateTable/DropTable.
+  //
+  // table: the live table's id, or -1 for a new table (created at commit,
+  // full only). Returns a staging handle.
+  int BeginApply(const TableSpec& spec, int table, bool full);
+  // The spec a staging loads rows of (the live table's, for an existing one).
+  TableSpec StagedSpec(int staging);
+  // Rows with every column given (as Load; keys and weights required).
+  void StageRows(int staging, size_t n, const RowColumns& rows);
+  // Keys the delta removes.
+  void StageRemoved(int staging, const uint64_t* keys, size_t n);
+  // Returns the table's id.
+  int CommitApply(int staging);
+  void AbortApply(int staging);
+
   // Writes up to max_rows rows with version > since into `out` and advances
   // the cursor; returns the number written. A delta whose version the change
   // log still reaches visits the logged keys only; otherwise every row is
@@ -282,6 +326,13 @@ class Engine {
   // The live table `table` names; throws UnknownTableError. The caller holds
   // a read scope of grace_ (or create_mutex_) while it uses the result.
   details::TableDef* Def(int table) const;
+  // Def for a call that writes or exports: throws while a version is being
+  // switched in (the table is layered).
+  details::TableDef* WritableDef(int table) const;
+  // Publishes a new table in a free slot (create_mutex_ held); its id.
+  int Publish(std::unique_ptr<details::TableDef> def);
+  std::unique_ptr<details::Staging> TakeStaging(int staging);
+  details::Staging& StagingOf(int staging);
   // The live table called `name`, or null (same requirement).
   details::TableDef* FindDef(const std::string& name) const;
   std::vector<std::string> TableNamesInScope() const;
@@ -309,6 +360,10 @@ class Engine {
   std::atomic<int> num_slots_{0};
   std::unique_ptr<details::GracePeriod> grace_;  // frees dropped defs
   mutable std::mutex create_mutex_;              // not on the data path
+  // Versions being staged (BeginApply .. CommitApply / AbortApply).
+  std::mutex staging_mutex_;
+  std::vector<std::pair<int, std::unique_ptr<details::Staging>>> staging_;
+  int next_staging_ = 0;
   // Under create_mutex_: slots free for reuse (last freed first) and the id
   // each slot issues next.
   std::vector<int> free_slots_;

@@ -1,0 +1,214 @@
+"""Versions applied atomically for concurrent readers.
+
+Reader threads look keys up while full and delta versions are applied. Every
+row of version v carries v's signature (weights[0] = the version that last
+wrote it, the rest a function of key and that version), and the state after
+each version is known: a reader's answer for a table must equal exactly the
+state after one version (never a mix of two, never a torn row, never an
+empty table).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from wuliang.ps_server import (
+    SGD,
+    Engine,
+    ParameterServer,
+    RowChunk,
+    TableSpec,
+    TableUpdate,
+    Zeros,
+)
+
+DIM = 8
+KEYS = np.arange(1, 4001, dtype=np.uint64)
+
+
+def signed(keys: np.ndarray, version: int) -> np.ndarray:
+    """Rows of version ``version``: [v, f(key, v), ...]."""
+    rows = np.empty((len(keys), DIM), np.float32)
+    rows[:, 0] = version
+    for j in range(1, DIM):
+        rows[:, j] = ((keys.astype(np.float64) * (j + 3) + version * 7) % 1009).astype(np.float32)
+    return rows
+
+
+def chunk(keys: np.ndarray, version: int) -> RowChunk:
+    n = len(keys)
+    return RowChunk(
+        keys=keys,
+        weights=signed(keys, version),
+        state=np.zeros((n, 0), np.float32),
+        counts=np.ones(n, np.uint32),
+        steps=np.full(n, version, np.uint64),
+        times=np.zeros(n, np.uint32),
+        versions=np.full(n, version, np.uint64),
+    )
+
+
+SPEC = TableSpec("t", DIM, optimizer=SGD(), initializer=Zeros())
+
+
+def plan(versions: int, seed: int = 0) -> list[tuple[TableUpdate, dict[int, np.ndarray]]]:
+    """Updates to apply in turn (a full version every 5th, deltas between),
+    each with the expected rows of every key that has one after it."""
+    rng = np.random.default_rng(seed)
+    state: dict[int, np.ndarray] = {}
+    out = []
+    for v in range(1, versions + 1):
+        if v % 5 == 1:  # a full version: a random 90% of the keys
+            keys = np.sort(rng.choice(KEYS, int(len(KEYS) * 0.9), replace=False))
+            update = TableUpdate(SPEC, full=True, rows=[chunk(keys, v)])
+            state = {}
+        else:  # a delta: 10% rewritten, 1% removed
+            changed = np.sort(rng.choice(KEYS, len(KEYS) // 10, replace=False))
+            present = np.array(sorted(state), np.uint64)
+            gone = np.sort(rng.choice(present, len(present) // 100, replace=False))
+            gone = np.setdiff1d(gone, changed)
+            update = TableUpdate(
+                SPEC,
+                full=False,
+                rows=[chunk(changed[: len(changed) // 2], v), chunk(changed[len(changed) // 2 :], v)],
+                removed=gone,
+            )
+            keys = changed
+            for key in gone:
+                state.pop(int(key), None)
+        for key, row in zip(keys, signed(keys, v), strict=True):
+            state[int(key)] = row
+        out.append((update, dict(state)))
+    return out
+
+
+def expected_rows(state: dict[int, np.ndarray], keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    rows = np.zeros((len(keys), DIM), np.float32)
+    found = np.zeros(len(keys), bool)
+    for i, key in enumerate(keys):
+        row = state.get(int(key))
+        if row is not None:
+            rows[i], found[i] = row, True
+    return rows, found
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_readers_see_each_table_wholly_at_one_version(num_shards: int) -> None:
+    steps = plan(25)
+    with Engine(num_shards) as ps:
+        ps.apply_update({"t": steps[0][0]})
+        states = [expected_rows(state, KEYS) for _, state in steps]
+        applied = threading.Event()
+        errors: list[str] = []
+        seen: set[int] = set()
+        reads = [0]
+
+        def reader(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            while not applied.is_set() and not errors:
+                keys = KEYS if rng.random() < 0.3 else np.sort(rng.choice(KEYS, 500, replace=False))
+                rows, found = ps.lookup("t", keys)
+                # The version is the newest signature read; the whole answer
+                # must be that version's state.
+                version = int(rows[found, 0].max()) if found.any() else 0
+                if version < 1:
+                    errors.append("an empty table")
+                    return
+                index = np.searchsorted(KEYS, keys)
+                want_rows, want_found = states[version - 1]
+                if not np.array_equal(found, want_found[index]) or not np.array_equal(
+                    rows, want_rows[index]
+                ):
+                    bad = np.flatnonzero(
+                        (found != want_found[index]) | (rows != want_rows[index]).any(axis=1)
+                    )
+                    errors.append(f"not version {version}'s state at keys {keys[bad[:5]]}")
+                    return
+                seen.add(version)
+                reads[0] += 1
+
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            for update, _ in steps[1:]:
+                ps.apply_update({"t": update})
+                time.sleep(0.005)
+        finally:
+            applied.set()
+            for t in threads:
+                t.join(timeout=60)
+        assert not errors, errors[:3]
+        assert reads[0] > 50 and len(seen) > 5, (reads[0], sorted(seen))
+        rows, found = ps.lookup("t", KEYS)
+        want_rows, want_found = states[-1]
+        np.testing.assert_array_equal(found, want_found)
+        np.testing.assert_array_equal(rows, want_rows)
+
+
+def test_a_delta_costs_memory_in_proportion_to_it() -> None:
+    with Engine(2) as ps:
+        big = np.arange(1, 200_001, dtype=np.uint64)
+        ps.apply_update({"t": TableUpdate(SPEC, full=True, rows=[chunk(big, 1)])})
+        before = ps.stats("t")["bytes"]
+        small = big[:1000]
+        ps.apply_update({"t": TableUpdate(SPEC, full=False, rows=[chunk(small, 2)])})
+        assert ps.stats("t")["rows"] == 200_000
+        assert ps.stats("t")["bytes"] == before  # merged in place, staging freed
+        rows, found = ps.lookup("t", small)
+        assert found.all() and (rows[:, 0] == 2).all()
+
+
+def test_a_failed_apply_changes_nothing() -> None:
+    with Engine(2) as ps:
+        ps.apply_update({"t": TableUpdate(SPEC, full=True, rows=[chunk(KEYS, 1)])})
+
+        def broken() -> list[RowChunk]:
+            yield chunk(KEYS[:10], 2)
+            raise OSError("disk gone")
+
+        other = TableSpec("u", DIM, optimizer=SGD(), initializer=Zeros())
+        with pytest.raises(OSError, match="disk gone"):
+            ps.apply_update(
+                {
+                    "u": TableUpdate(other, full=True, rows=[chunk(KEYS, 2)]),
+                    "t": TableUpdate(SPEC, full=False, rows=broken()),
+                }
+            )
+        rows, found = ps.lookup("t", KEYS)
+        assert found.all() and (rows[:, 0] == 1).all()
+        assert "u" not in ps.tables()  # nothing of the failed version is visible
+
+
+def test_writes_while_a_version_stages_land_before_it() -> None:
+    with Engine(1) as ps:
+        ps.apply_update({"t": TableUpdate(SPEC, full=True, rows=[chunk(KEYS, 1)])})
+        release = threading.Event()
+
+        def slow() -> list[RowChunk]:
+            yield chunk(KEYS[:10], 2)
+            release.wait(10)
+
+        applying = threading.Thread(
+            target=ps.apply_update, args=({"t": TableUpdate(SPEC, full=False, rows=slow())},)
+        )
+        applying.start()
+        time.sleep(0.2)  # staging: the table is live and writable at version 1
+        ps.push("t", KEYS[:5], np.ones((5, DIM), np.float32))
+        release.set()
+        applying.join()
+        rows, _ = ps.lookup("t", KEYS[:10])
+        assert (rows[:, 0] == 2).all()
+
+
+def test_table_ids_survive_many_full_applies(ps_count: int = 300) -> None:
+    ps: ParameterServer
+    with Engine(2) as ps:
+        for v in range(1, ps_count + 1):
+            ps.apply_update({"t": TableUpdate(SPEC, full=True, rows=[chunk(KEYS[:100], v)])})
+        rows, found = ps.lookup("t", KEYS[:100])
+        assert found.all() and (rows[:, 0] == ps_count).all()
