@@ -74,7 +74,10 @@ def plan(versions: int, seed: int = 0) -> list[tuple[TableUpdate, dict[int, np.n
             update = TableUpdate(
                 SPEC,
                 full=False,
-                rows=[chunk(changed[: len(changed) // 2], v), chunk(changed[len(changed) // 2 :], v)],
+                rows=[
+                    chunk(changed[: len(changed) // 2], v),
+                    chunk(changed[len(changed) // 2 :], v),
+                ],
                 removed=gone,
             )
             keys = changed
