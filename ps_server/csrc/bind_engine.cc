@@ -85,6 +85,22 @@ T* Column(const py::object& obj, size_t rows, size_t width, const char* name) {
   return const_cast<T*>(static_cast<const T*>(arr.data()));
 }
 
+// The columns of rows of a table (Load, StageRows), checked against its spec.
+RowColumns Columns(const TableSpec& spec, const KeyArray& keys, const py::object& weights,
+                   const py::object& state, const py::object& counts, const py::object& steps,
+                   const py::object& times, const py::object& versions) {
+  const size_t n = keys.size;
+  RowColumns rows;
+  rows.keys = const_cast<uint64_t*>(keys.data);
+  rows.weights = Column<float>(weights, n, spec.dim, "weights");
+  rows.state = Column<float>(state, n, StateDim(spec.optimizer.kind, spec.dim), "state");
+  rows.counts = Column<uint32_t>(counts, n, 1, "counts");
+  rows.steps = Column<uint64_t>(steps, n, 1, "steps");
+  rows.times = Column<uint32_t>(times, n, 1, "times");
+  rows.versions = Column<uint64_t>(versions, n, 1, "versions");
+  return rows;
+}
+
 py::dict StatsDict(const TableStats& t) {
   return py::dict("rows"_a = t.rows, "bytes"_a = t.bytes(), "row_bytes"_a = t.row_bytes,
                   "index_bytes"_a = t.index_bytes, "pending_keys"_a = t.pending_keys,
@@ -463,18 +479,10 @@ void BindEngine(py::module_& m) {
              const py::object& times, const py::object& versions,
              const std::optional<uint64_t>& step) {
             const KeyArray k = Keys(keys);
-            const TableSpec spec = e.Spec(table);
-            const size_t n = k.size;
-            RowColumns rows;
-            rows.keys = const_cast<uint64_t*>(k.data);
-            rows.weights = Column<float>(weights, n, spec.dim, "weights");
-            rows.state = Column<float>(state, n, StateDim(spec.optimizer.kind, spec.dim), "state");
-            rows.counts = Column<uint32_t>(counts, n, 1, "counts");
-            rows.steps = Column<uint64_t>(steps, n, 1, "steps");
-            rows.times = Column<uint32_t>(times, n, 1, "times");
-            rows.versions = Column<uint64_t>(versions, n, 1, "versions");
+            const RowColumns rows =
+                Columns(e.Spec(table), k, weights, state, counts, steps, times, versions);
             py::gil_scoped_release release;
-            e.Load(table, n, rows, StepOr(step));
+            e.Load(table, k.size, rows, StepOr(step));
           },
           "table"_a, "keys"_a, "weights"_a, "state"_a = py::none(), "counts"_a = py::none(),
           "steps"_a = py::none(), "times"_a = py::none(), "versions"_a = py::none(),
@@ -505,18 +513,10 @@ void BindEngine(py::module_& m) {
              const py::object& state, const py::object& counts, const py::object& steps,
              const py::object& times, const py::object& versions) {
             const KeyArray k = Keys(keys);
-            const TableSpec spec = e.StagedSpec(staging);
-            const size_t n = k.size;
-            RowColumns rows;
-            rows.keys = const_cast<uint64_t*>(k.data);
-            rows.weights = Column<float>(weights, n, spec.dim, "weights");
-            rows.state = Column<float>(state, n, StateDim(spec.optimizer.kind, spec.dim), "state");
-            rows.counts = Column<uint32_t>(counts, n, 1, "counts");
-            rows.steps = Column<uint64_t>(steps, n, 1, "steps");
-            rows.times = Column<uint32_t>(times, n, 1, "times");
-            rows.versions = Column<uint64_t>(versions, n, 1, "versions");
+            const RowColumns rows =
+                Columns(e.StagedSpec(staging), k, weights, state, counts, steps, times, versions);
             py::gil_scoped_release release;
-            e.StageRows(staging, n, rows);
+            e.StageRows(staging, k.size, rows);
           },
           "staging"_a, "keys"_a, "weights"_a, "state"_a = py::none(), "counts"_a = py::none(),
           "steps"_a = py::none(), "times"_a = py::none(), "versions"_a = py::none())
@@ -544,6 +544,18 @@ void BindEngine(py::module_& m) {
 
 }  // namespace
 
+// Where each key goes among `count` shards or servers, by `batch`.
+py::array_t<uint32_t> Route(const py::array& keys, uint32_t count, const char* what,
+                            void (*batch)(const uint64_t*, size_t, uint32_t, uint32_t*)) {
+  const KeyArray k = Keys(keys);
+  if (count == 0) throw py::value_error(std::string(what) + " must be >= 1");
+  py::array_t<uint32_t> out(k.size);
+  uint32_t* dst = out.mutable_data();
+  py::gil_scoped_release release;
+  batch(k.data, k.size, count, dst);
+  return out;
+}
+
 PYBIND11_MODULE(_engine, m) {
   m.doc() = "wuliang parameter-server engine (C++)";
   BindSpecs(m);
@@ -551,13 +563,7 @@ PYBIND11_MODULE(_engine, m) {
   m.def(
       "shard_of",
       [](const py::array& keys, uint32_t num_shards) {
-        const KeyArray k = Keys(keys);
-        if (num_shards == 0) throw py::value_error("num_shards must be >= 1");
-        py::array_t<uint32_t> out(k.size);
-        uint32_t* dst = out.mutable_data();
-        py::gil_scoped_release release;
-        ShardOfBatch(k.data, k.size, num_shards, dst);
-        return out;
+        return Route(keys, num_shards, "num_shards", ShardOfBatch);
       },
       "keys"_a, "num_shards"_a,
       "Shard of each key in an engine of num_shards shards (uint32): ShardOf in "
@@ -565,13 +571,7 @@ PYBIND11_MODULE(_engine, m) {
   m.def(
       "server_of",
       [](const py::array& keys, uint32_t num_servers) {
-        const KeyArray k = Keys(keys);
-        if (num_servers == 0) throw py::value_error("num_servers must be >= 1");
-        py::array_t<uint32_t> out(k.size);
-        uint32_t* dst = out.mutable_data();
-        py::gil_scoped_release release;
-        ServerOfBatch(k.data, k.size, num_servers, dst);
-        return out;
+        return Route(keys, num_servers, "num_servers", ServerOfBatch);
       },
       "keys"_a, "num_servers"_a,
       "Parameter server of each key among num_servers (uint32): ServerOf in "
