@@ -53,18 +53,17 @@ def run_engine_demo(steps: int = 40, batch: int = 100_000, num_shards: int = 2) 
     keys_seen = 0
     delta_since = 0
     for step in range(steps):
-        engine.step = step
         if step == steps - 5:
             delta_since = engine.advance_version() - 1
         keys = np.unique(zipf_ids(rng, batch))
         keys_seen += len(keys)
         t0 = time.perf_counter()
-        rows = engine.pull("item", keys)
+        rows = engine.pull("item", keys, step=step)
         t1 = time.perf_counter()
         grads = (0.01 * rows + rng.standard_normal(rows.shape, dtype=np.float32) * 0.001).astype(
             np.float32
         )
-        engine.push("item", keys, grads, unique=True)
+        engine.push("item", keys, grads, unique=True, step=step)
         t2 = time.perf_counter()
         pull_s += t1 - t0
         push_s += t2 - t1
@@ -80,7 +79,7 @@ def run_engine_demo(steps: int = 40, batch: int = 100_000, num_shards: int = 2) 
     )
 
     before = stats["bytes"]
-    evicted = engine.evict("item")
+    evicted = engine.evict("item", step=steps)
     after = engine.stats("item")
     print(
         f"evict: {evicted['ttl']:,} by TTL ({steps // 2} steps), {evicted['lfu']:,} by max_rows; "

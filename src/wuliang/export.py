@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from wuliang.checkpoint import cut_version
-from wuliang.ps_server import Engine, RowChunk
+from wuliang.ps_server import RowChunk, parameter_server
 from wuliang.saved_model import SERVING
 from wuliang.serving.versions import LATEST, apply, apply_chain, chain, latest, versions
 from wuliang.storage import (
@@ -385,7 +385,7 @@ def _compact(root: Path) -> ExportResult:
     number = int(top["version"])
     if top.kind == "full":
         return ExportResult(top.path, number, "full", None, int(top["step"]), written=False)
-    with Engine(num_shards=2) as engine:
+    with parameter_server("embedded", num_shards=2) as engine:
         apply_chain(engine, root, number)
         result = ExportResult(root / str(number + 1), number + 1, "full", None, int(top["step"]))
         with VersionWriter(root, str(number + 1), "full") as writer:
