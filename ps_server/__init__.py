@@ -10,6 +10,7 @@ from wuliang.ps_server.engine import Engine, server_of, shard_of
 from wuliang.ps_server.factory import address_kind, parameter_server, register_backend
 from wuliang.ps_server.interface import (
     Handle,
+    LookupResult,
     ParameterServer,
     PullPart,
     PushPart,
@@ -47,6 +48,7 @@ __all__ = [
     "Eviction",
     "Handle",
     "Initializer",
+    "LookupResult",
     "Normal",
     "Optimizer",
     "ParameterServer",

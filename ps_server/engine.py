@@ -37,6 +37,7 @@ from wuliang.ps_server.interface import (
     MISSING,
     ONLY,
     KeyArray,
+    LookupResult,
     ParameterServer,
     PullPart,
     PushPart,
@@ -342,10 +343,8 @@ class Engine(ParameterServer):
             )
         return offsets
 
-    def lookup(
-        self, table: str, keys: KeyArray, *, missing: str = "zeros"
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """A pure lookup (rows, found) in one pass, atomic with
+    def lookup(self, table: str, keys: KeyArray, *, missing: str = "zeros") -> LookupResult:
+        """A pure lookup (rows, found, version) in one pass, atomic with
         ``apply_update`` (see ``ParameterServer.lookup``)."""
         if missing not in MISSING:
             raise ValueError(f"missing must be 'zeros' or 'initial', got {missing!r}")
@@ -353,20 +352,21 @@ class Engine(ParameterServer):
         keys = as_keys(keys)
         out = np.empty((len(keys), spec.dim), np.float32)
         found = np.empty(len(keys), np.uint8)
-        self.native.lookup(tid, keys, out, found, missing == "initial")
-        return out, found.view(np.bool_)
+        label = self.native.lookup(tid, keys, out, found, missing == "initial")
+        return LookupResult(out, found.view(np.bool_), label)
 
-    def apply_update(self, updates: Mapping[str, TableUpdate]) -> None:
+    def apply_update(self, updates: Mapping[str, TableUpdate], label: int = 0) -> None:
         """See ``ParameterServer.apply_update``: every table staged in C++
         (full: a new table beside the live one; delta: an overlay of its rows
         and removals), then each switched over in turn."""
+        label = _check_version(label, "label")
         staged: list[tuple[str, int, TableSpec]] = []
         native = self.native
         try:
             for name, update in updates.items():
                 spec = self._update_spec(name, update)
                 tid = self._tables[name][0] if name in self._tables else -1
-                handle = native.begin_apply(spec.to_native(), tid, bool(update.full))
+                handle = native.begin_apply(spec.to_native(), tid, bool(update.full), label)
                 staged.append((name, handle, spec))
                 for rows in update.rows:
                     state = rows.state if spec.state_dim and rows.state.size else None

@@ -49,7 +49,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -151,6 +151,15 @@ class TableUpdate:
     removed: np.ndarray | None = None  # uint64 keys (deltas)
 
 
+class LookupResult(NamedTuple):
+    """What ``lookup`` read: the rows, which keys had one, and the label of
+    the version they were read at."""
+
+    rows: np.ndarray  # float32 [n, dim]
+    found: np.ndarray  # bool [n]
+    version: int
+
+
 class Handle(Generic[T]):
     """A call in flight: ``wait()`` returns its result or raises its error."""
 
@@ -244,13 +253,12 @@ class ParameterServer(abc.ABC):
         """``push_many`` started now; ``wait()`` returns its ``PushResult``."""
         return self._start(lambda: self.push_many(parts, unique=unique, only=only, step=step))
 
-    def lookup(
-        self, table: str, keys: KeyArray, *, missing: str = "zeros"
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """A pure lookup for serving: (rows float32 ``[n, dim]``, found bool
-        ``[n]``); a key without a row reads as zeros (``missing="zeros"``) or
-        as its initial vector (``"initial"``). Seen wholly at one version
-        while ``apply_update`` runs."""
+    def lookup(self, table: str, keys: KeyArray, *, missing: str = "zeros") -> LookupResult:
+        """A pure lookup for serving: ``LookupResult(rows float32 [n, dim],
+        found bool [n], version)``; a key without a row reads as zeros
+        (``missing="zeros"``) or as its initial vector (``"initial"``). The
+        rows are wholly at one version while ``apply_update`` runs, and
+        ``version`` is that version's label (``apply_update(label=...)``)."""
         keys = as_keys(keys)
         if missing not in MISSING:
             raise ValueError(f"missing must be 'zeros' or 'initial', got {missing!r}")
@@ -258,7 +266,7 @@ class ParameterServer(abc.ABC):
         found = self.contains(table, keys)
         if missing == "zeros":
             rows[~found] = 0.0
-        return rows, found
+        return LookupResult(rows, found, 0)
 
     def pull(
         self,
@@ -391,9 +399,10 @@ class ParameterServer(abc.ABC):
         """Sets the sighting counts of keys waiting for admission."""
 
     @abc.abstractmethod
-    def apply_update(self, updates: Mapping[str, TableUpdate]) -> None:
+    def apply_update(self, updates: Mapping[str, TableUpdate], label: int = 0) -> None:
         """Applies a version (full or delta, per table) while readers look
-        keys up: a ``lookup`` or ``pull(train=False)`` sees each table wholly
+        keys up (``label``: what ``lookup`` reports as their version from
+        then on, e.g. the export's version number): a ``lookup`` or ``pull(train=False)`` sees each table wholly
         at the old version or wholly at the new one, never a mix, an empty
         table or a torn row. Every table is staged first (a failure while
         reading the rows changes nothing), then each is switched over.

@@ -96,7 +96,8 @@ def chain(export_dir: str | os.PathLike, version: int | None = None) -> list[Ver
 
 def apply(ps: ParameterServer, version: Version) -> None:
     """Applies one version to a parameter server, atomically per table for
-    concurrent readers (``ParameterServer.apply_update``): a full version
+    concurrent readers (``ParameterServer.apply_update``; lookups then report
+    the version's number): a full version
     replaces each of its tables, a delta replaces or adds its rows and
     removes its keys. Tables the server lacks are created (SGD, zero
     initializer: serving does not train). Every file is checked before
@@ -126,7 +127,7 @@ def apply(ps: ParameterServer, version: Version) -> None:
         )
         for table, info in version.tables.items()
     }
-    ps.apply_update(updates)
+    ps.apply_update(updates, label=int(version["version"]))
 
 
 def apply_chain(

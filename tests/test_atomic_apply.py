@@ -103,7 +103,7 @@ def expected_rows(state: dict[int, np.ndarray], keys: np.ndarray) -> tuple[np.nd
 def test_readers_see_each_table_wholly_at_one_version(num_shards: int) -> None:
     steps = plan(25)
     with Engine(num_shards) as ps:
-        ps.apply_update({"t": steps[0][0]})
+        ps.apply_update({"t": steps[0][0]}, label=1)
         states = [expected_rows(state, KEYS) for _, state in steps]
         applied = threading.Event()
         errors: list[str] = []
@@ -114,10 +114,13 @@ def test_readers_see_each_table_wholly_at_one_version(num_shards: int) -> None:
             rng = np.random.default_rng(seed)
             while not applied.is_set() and not errors:
                 keys = KEYS if rng.random() < 0.3 else np.sort(rng.choice(KEYS, 500, replace=False))
-                rows, found = ps.lookup("t", keys)
+                rows, found, label = ps.lookup("t", keys)
                 # The version is the newest signature read; the whole answer
-                # must be that version's state.
+                # must be that version's state, and the label must name it.
                 version = int(rows[found, 0].max()) if found.any() else 0
+                if label != version:
+                    errors.append(f"rows of version {version} labelled {label}")
+                    return
                 if version < 1:
                     errors.append("an empty table")
                     return
@@ -138,8 +141,8 @@ def test_readers_see_each_table_wholly_at_one_version(num_shards: int) -> None:
         for t in threads:
             t.start()
         try:
-            for update, _ in steps[1:]:
-                ps.apply_update({"t": update})
+            for v, (update, _) in enumerate(steps[1:], start=2):
+                ps.apply_update({"t": update}, label=v)
                 time.sleep(0.005)
         finally:
             applied.set()
@@ -147,7 +150,8 @@ def test_readers_see_each_table_wholly_at_one_version(num_shards: int) -> None:
                 t.join(timeout=60)
         assert not errors, errors[:3]
         assert reads[0] > 50 and len(seen) > 5, (reads[0], sorted(seen))
-        rows, found = ps.lookup("t", KEYS)
+        rows, found, label = ps.lookup("t", KEYS)
+        assert label == len(steps)
         want_rows, want_found = states[-1]
         np.testing.assert_array_equal(found, want_found)
         np.testing.assert_array_equal(rows, want_rows)
@@ -162,7 +166,7 @@ def test_a_delta_costs_memory_in_proportion_to_it() -> None:
         ps.apply_update({"t": TableUpdate(SPEC, full=False, rows=[chunk(small, 2)])})
         assert ps.stats("t")["rows"] == 200_000
         assert ps.stats("t")["bytes"] == before  # merged in place, staging freed
-        rows, found = ps.lookup("t", small)
+        rows, found, _ = ps.lookup("t", small)
         assert found.all() and (rows[:, 0] == 2).all()
 
 
@@ -182,7 +186,7 @@ def test_a_failed_apply_changes_nothing() -> None:
                     "t": TableUpdate(SPEC, full=False, rows=broken()),
                 }
             )
-        rows, found = ps.lookup("t", KEYS)
+        rows, found, _ = ps.lookup("t", KEYS)
         assert found.all() and (rows[:, 0] == 1).all()
         assert "u" not in ps.tables()  # nothing of the failed version is visible
 
@@ -204,7 +208,7 @@ def test_writes_while_a_version_stages_land_before_it() -> None:
         ps.push("t", KEYS[:5], np.ones((5, DIM), np.float32))
         release.set()
         applying.join()
-        rows, _ = ps.lookup("t", KEYS[:10])
+        rows = ps.lookup("t", KEYS[:10]).rows
         assert (rows[:, 0] == 2).all()
 
 
@@ -213,5 +217,5 @@ def test_table_ids_survive_many_full_applies(ps_count: int = 300) -> None:
     with Engine(2) as ps:
         for v in range(1, ps_count + 1):
             ps.apply_update({"t": TableUpdate(SPEC, full=True, rows=[chunk(KEYS[:100], v)])})
-        rows, found = ps.lookup("t", KEYS[:100])
+        rows, found, _ = ps.lookup("t", KEYS[:100])
         assert found.all() and (rows[:, 0] == ps_count).all()

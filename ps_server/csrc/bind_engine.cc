@@ -497,16 +497,16 @@ void BindEngine(py::module_& m) {
             if (dst == nullptr || hit == nullptr)
               throw py::type_error("out and found are required");
             py::gil_scoped_release release;
-            e.Lookup(table, k.data, k.size, dst, hit, init_missing);
+            return e.Lookup(table, k.data, k.size, dst, hit, init_missing);
           },
           "table"_a, "keys"_a, "out"_a, "found"_a, "init_missing"_a = false)
       .def(
           "begin_apply",
-          [](Engine& e, const TableSpec& spec, int table, bool full) {
+          [](Engine& e, const TableSpec& spec, int table, bool full, uint64_t label) {
             py::gil_scoped_release release;
-            return e.BeginApply(spec, table, full);
+            return e.BeginApply(spec, table, full, label);
           },
-          "spec"_a, "table"_a, "full"_a)
+          "spec"_a, "table"_a, "full"_a, "label"_a = 0)
       .def(
           "stage_rows",
           [](Engine& e, int staging, const py::array& keys, const py::object& weights,

@@ -827,10 +827,11 @@ void Engine::LoadPending(int table, const uint64_t* keys, const uint32_t* counts
   });
 }
 
-void Engine::Lookup(int table, const uint64_t* keys, size_t n, float* out, uint8_t* found,
-                    bool init_missing) {
+uint64_t Engine::Lookup(int table, const uint64_t* keys, size_t n, float* out, uint8_t* found,
+                        bool init_missing) {
   const GracePeriod::ReadScope scope(*grace_);
   TableDef* def = Def(table);
+  const uint64_t label = def->label;
   Plan plan;
   PlanBatch(keys, n, &plan);
   RunOnShards(
@@ -839,9 +840,10 @@ void Engine::Lookup(int table, const uint64_t* keys, size_t n, float* out, uint8
                                def->layered() ? &def->overlays[s] : nullptr);
       },
       &plan);
+  return label;
 }
 
-int Engine::BeginApply(const TableSpec& spec, int table, bool full) {
+int Engine::BeginApply(const TableSpec& spec, int table, bool full, uint64_t label) {
   ValidateSpec(spec);
   auto staging = std::make_unique<details::Staging>();
   staging->table = table;
@@ -863,6 +865,7 @@ int Engine::BeginApply(const TableSpec& spec, int table, bool full) {
                                 "' does not exist: its first version must be full");
   }
   staging->def = NewDef(own, num_shards_);
+  staging->def->label = label;
   staging->removed.resize(num_shards_);
   std::lock_guard<std::mutex> lock(staging_mutex_);
   const int handle = next_staging_++;
@@ -941,6 +944,7 @@ int Engine::CommitApply(int staging) {
   layered->id = live->id;
   layered->shards = live->shards;
   layered->owns_shards = false;
+  layered->label = st->def->label;
   layered->overlays.resize(num_shards_);
   for (int s = 0; s < num_shards_; ++s) {
     std::vector<uint64_t>& removed = st->removed[s];
@@ -950,7 +954,8 @@ int Engine::CommitApply(int staging) {
     layered->overlays[s].removed = std::move(removed);
   }
   tables_[slot].store(layered.get(), std::memory_order_seq_cst);
-  grace_->Wait();  // no call sees the live rows alone any more
+  grace_->Wait();                // no call sees the live rows alone any more
+  live->label = layered->label;  // unpublished: no reader holds it
   const Clock clock = Now(step(), version());
   RunOnShards([&](int s) { live->shards[s]->Merge(layered->overlays[s], clock); });
   tables_[slot].store(live, std::memory_order_seq_cst);

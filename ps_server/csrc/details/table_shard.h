@@ -79,6 +79,7 @@ struct TableDef {
   // shards[s], which the live def owns (owns_shards false).
   std::vector<Overlay> overlays;
   bool owns_shards = true;
+  uint64_t label = 0;  // the version applied last (Engine::CommitApply), for Lookup
   bool layered() const { return !overlays.empty(); }
 };
 

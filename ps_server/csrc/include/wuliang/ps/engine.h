@@ -234,11 +234,13 @@ class Engine {
 
   // A pure lookup for serving: out[i] = weights of keys[i] and found[i] = 1,
   // or for a key without a row its initial vector (init_missing) or zeros
-  // and found[i] = 0. Nothing is counted. found may be null.
-  void Lookup(int table, const uint64_t* keys, size_t n,
-              float* out,      // (n, dim)
-              uint8_t* found,  // (n,)
-              bool init_missing);
+  // and found[i] = 0. Nothing is counted. found may be null. Returns the
+  // label of the version the rows were read at (CommitApply's; 0 before
+  // any): the rows and the label come from one snapshot of the table.
+  uint64_t Lookup(int table, const uint64_t* keys, size_t n,
+                  float* out,      // (n, dim)
+                  uint8_t* found,  // (n,)
+                  bool init_missing);
 
   // Versions applied atomically for concurrent readers
   // -------------------------------------------------
@@ -263,8 +265,9 @@ class Engine {
   // staging. Commits are serialised with CreateTable/DropTable.
   //
   // table: the live table's id, or -1 for a new table (created at commit,
-  // full only). Returns a staging handle.
-  int BeginApply(const TableSpec& spec, int table, bool full);
+  // full only). label: what Lookup reports once the version is in (a serving
+  // process passes the export's version number). Returns a staging handle.
+  int BeginApply(const TableSpec& spec, int table, bool full, uint64_t label = 0);
   // The spec a staging loads rows of (the live table's, for an existing one).
   TableSpec StagedSpec(int staging);
   // Rows with every column given (as Load; keys and weights required).
