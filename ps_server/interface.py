@@ -404,8 +404,9 @@ class ParameterServer(abc.ABC):
         keys up (``label``: what ``lookup`` reports as their version from
         then on, e.g. the export's version number): a ``lookup`` or
         ``pull(train=False)`` sees each table wholly at the old version or
-        wholly at the new one, never a mix, an empty table or a torn row. Every table is staged first (a failure while
-        reading the rows changes nothing), then each is switched over.
+        wholly at the new one, never a mix, an empty table or a torn row.
+        Every table is staged first (a failure while reading the rows
+        changes nothing), then each is switched over.
         A delta costs memory in proportion to its rows; a full version holds
         two copies of its table during the switch. Writes to a table while
         its version stages land before the version; writes during the short
