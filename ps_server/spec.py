@@ -157,6 +157,27 @@ class Initializer:
     def _native(self, dim: int) -> _engine.InitSpec:
         raise NotImplementedError
 
+    def to_dict(self) -> dict[str, object]:
+        """JSON of the initializer (manifests): its kind and fields."""
+        return {
+            "kind": type(self).__name__,
+            **{f.name: getattr(self, f.name) for f in fields(self)},
+        }
+
+
+def initializer_from_dict(data: dict[str, object]) -> Initializer:
+    """The initializer ``Initializer.to_dict`` described; ValueError naming
+    an unknown kind or field."""
+    kinds = {k.__name__: k for k in (Normal, TruncatedNormal, Uniform, Constant, Zeros)}
+    values = dict(data)
+    kind = values.pop("kind", None)
+    if kind not in kinds:
+        raise ValueError(f"unknown initializer kind {kind!r} (kinds: {', '.join(kinds)})")
+    try:
+        return kinds[str(kind)](**values)  # type: ignore[arg-type]
+    except TypeError as error:
+        raise ValueError(f"initializer {kind}: {error}") from None
+
 
 @dataclass(frozen=True)
 class Normal(Initializer):

@@ -28,6 +28,7 @@ import os
 from pathlib import Path
 
 from wuliang.ps_server import SGD, ParameterServer, TableSpec, TableUpdate, Zeros
+from wuliang.ps_server.spec import initializer_from_dict
 from wuliang.storage import CorruptVersionError, Version
 
 __all__ = ["LATEST", "apply", "apply_chain", "chain", "latest", "versions"]
@@ -118,9 +119,7 @@ def apply(ps: ParameterServer, version: Version) -> None:
     full = version.kind == "full"
     updates = {
         table: TableUpdate(
-            ps.spec(table)
-            if table in tables
-            else TableSpec(table, info["dim"], optimizer=SGD(), initializer=Zeros()),
+            ps.spec(table) if table in tables else serving_spec(table, info),
             full=full,
             rows=version.read_rows(table, verified=True),
             removed=None if full else version.removed_keys(table, verified=True),
@@ -128,6 +127,19 @@ def apply(ps: ParameterServer, version: Version) -> None:
         for table, info in version.tables.items()
     }
     ps.apply_update(updates, label=int(version["version"]))
+
+
+def serving_spec(table: str, info: dict) -> TableSpec:
+    """The spec of a served table from its manifest entry: SGD (a server
+    does not train), and the training table's initializer and seed when the
+    version records them, so keys never trained can read as their initial
+    vectors (``lookup(missing="initial")``); zeros otherwise."""
+    initializer = Zeros()
+    if "initializer" in info:
+        initializer = initializer_from_dict(info["initializer"])
+    return TableSpec(
+        table, info["dim"], optimizer=SGD(), initializer=initializer, seed=int(info.get("seed", 0))
+    )
 
 
 def apply_chain(

@@ -51,7 +51,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from wuliang.saved_model import SERVING
-from wuliang.storage import TMP_PREFIX, Version, VersionWriter, crash_point, load_args
+from wuliang.storage import (
+    TMP_PREFIX,
+    Version,
+    VersionWriter,
+    crash_point,
+    load_args,
+    spec_info,
+)
 from wuliang.tower import DENSE_PREFIX, TowerState
 
 if TYPE_CHECKING:
@@ -134,9 +141,7 @@ def save(
     with VersionWriter(model_dir, final.name, "checkpoint") as writer:
         for name in context.tables:
             spec = ps.spec(name)
-            writer.write_table(
-                name, spec.dim, spec.state_dim, ps.export(name), optimizer=repr(spec.optimizer)
-            )
+            writer.write_table(name, spec.dim, spec.state_dim, ps.export(name), spec_info(spec))
             keys, versions = ps.removed_log(name)
             writer.write_removed(name, keys, versions, ps.stats(name)["removed_floor"])
             writer.write_pending(name, *ps.pending_counts(name))

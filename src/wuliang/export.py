@@ -71,11 +71,13 @@ from wuliang.ps_server import RowChunk, parameter_server
 from wuliang.saved_model import SERVING
 from wuliang.serving.versions import LATEST, apply, apply_chain, chain, latest, versions
 from wuliang.storage import (
+    SPEC_FIELDS,
     Version,
     VersionWriter,
     crash_point,
     remove_stale_temporaries,
     select_rows,
+    spec_info,
 )
 
 if TYPE_CHECKING:
@@ -133,8 +135,7 @@ class LiveSource:
         self.engine_version = cut_version(ps)
         self.step = context.global_step
         self.tables = {
-            name: {"dim": ps.spec(name).dim, "optimizer": repr(ps.spec(name).optimizer)}
-            for name in context.tables
+            name: {"dim": ps.spec(name).dim, **spec_info(ps.spec(name))} for name in context.tables
         }
         self.model = tower.model_description()
         self.origin = "session"
@@ -174,7 +175,7 @@ class CheckpointSource:
         self.engine_version = int(self.version["engine_version"])
         self.step = int(self.version["step"])
         self.tables = {
-            name: {"dim": t["dim"], "optimizer": t.get("optimizer", "")}
+            name: {"dim": t["dim"], **{k: t[k] for k in SPEC_FIELDS if k in t}}
             for name, t in self.version.tables.items()
         }
         self.model = self.version["model"]
@@ -272,9 +273,7 @@ def _export(source: ExportSource, root: Path, kind: str) -> ExportResult:
             chunks = source.rows(table, since if delta else 0)
             if delta:
                 chunks = _keys_into(chunks, written)
-            result.rows[table] = writer.write_table(
-                table, info["dim"], 0, chunks, optimizer=info["optimizer"]
-            )
+            result.rows[table] = writer.write_table(table, info["dim"], 0, chunks, _spec_of(info))
             if delta:
                 gone = removed[table]
                 if written and len(gone):  # removed, then back: the rows say so
@@ -335,6 +334,11 @@ def _exclusive(export_dir: str | os.PathLike) -> Iterator[Path]:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
+def _spec_of(info: dict[str, Any]) -> dict[str, Any]:
+    """The spec fields of a table's manifest entry (``storage.SPEC_FIELDS``)."""
+    return {k: info[k] for k in SPEC_FIELDS if k in info}
+
+
 def _keys_into(chunks: Iterable[RowChunk], keys: list[np.ndarray]) -> Iterator[RowChunk]:
     for chunk in chunks:
         keys.append(chunk.keys)
@@ -391,7 +395,7 @@ def _compact(root: Path) -> ExportResult:
         with VersionWriter(root, str(number + 1), "full") as writer:
             for table, info in top.tables.items():
                 result.rows[table] = writer.write_table(
-                    table, info["dim"], 0, engine.export(table), optimizer=info["optimizer"]
+                    table, info["dim"], 0, engine.export(table), _spec_of(info)
                 )
             top.link_tree(SERVING, writer)  # verified by apply_chain
             writer.commit(

@@ -68,14 +68,14 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from wuliang.ps_server import RowChunk
+from wuliang.ps_server import RowChunk, TableSpec
 
 FORMAT = "wuliang-version/1"
 MANIFEST = "manifest.json"
@@ -206,6 +206,20 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+SPEC_FIELDS = ("optimizer", "initializer", "seed")  # of a table, kept in manifests
+
+
+def spec_info(spec: TableSpec) -> dict[str, Any]:
+    """What a manifest keeps of a table's spec besides its dims: the
+    optimizer (for reading), the initializer and seed (so a server can give
+    keys never trained their initial vectors, as training did)."""
+    return {
+        "optimizer": repr(spec.optimizer),
+        "initializer": spec.initializer.to_dict(),
+        "seed": spec.seed,
+    }
+
+
 class VersionWriter:
     """Writes one version directory atomically (see the module docstring).
 
@@ -267,11 +281,12 @@ class VersionWriter:
         dim: int,
         state_dim: int,
         chunks: Iterable[RowChunk],
-        optimizer: str = "",
+        info: Mapping[str, Any] | None = None,
     ) -> int:
         """Writes a table's rows (``RowChunk`` s) in parts of at most
         ``PART_ROWS`` rows; returns the rows. ``state_dim`` 0 leaves the
-        optimizer state out."""
+        optimizer state out. ``info``: more of the table's manifest entry
+        (``spec_info``: optimizer, initializer, seed)."""
         schema = rows_schema(dim, state_dim)
         total = part = 0
         writer: pa.ipc.RecordBatchFileWriter | None = None
@@ -307,9 +322,9 @@ class VersionWriter:
                     close_part()
         close_part()
         self.tables[table] = {
+            **(info or {}),
             "dim": dim,
             "state_dim": state_dim,
-            "optimizer": optimizer,
             "rows": total,
             "parts": part,
         }
