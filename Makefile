@@ -11,7 +11,7 @@ CPP_SOURCES := $(shell find ps_server/csrc reader/csrc embedding/csrc benchmarks
 PY_SOURCES := $(shell find src ps_server reader embedding hooks serving -name '*.py' -o -name '*.pyi')
 SANITIZERS := thread address
 
-.PHONY: demo test install dev lint format cpp-test py-test bench bench-quick clean
+.PHONY: demo test install dev lint format cpp-test py-test bench bench-quick protos clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -84,6 +84,10 @@ bench-quick: $(VENV)/.bench
 	$(BIN)/python benchmarks/reader_bench.py --quick
 	$(BIN)/python benchmarks/export_bench.py --quick
 	$(BIN)/python benchmarks/train_bench.py --quick
+
+# After editing serving/serving.proto: rebuilds the descriptor in serving/proto.py.
+protos: install
+	$(BIN)/python tools/regen_proto.py
 
 clean:
 	rm -rf build $(VENV)

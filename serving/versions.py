@@ -95,7 +95,7 @@ def chain(export_dir: str | os.PathLike, version: int | None = None) -> list[Ver
     return out[::-1]
 
 
-def apply(ps: ParameterServer, version: Version) -> None:
+def apply(ps: ParameterServer, version: Version, precision: str = "fp32") -> None:
     """Applies one version to a parameter server, atomically per table for
     concurrent readers (``ParameterServer.apply_update``; lookups then report
     the version's number): a full version
@@ -119,7 +119,7 @@ def apply(ps: ParameterServer, version: Version) -> None:
     full = version.kind == "full"
     updates = {
         table: TableUpdate(
-            ps.spec(table) if table in tables else serving_spec(table, info),
+            ps.spec(table) if table in tables else serving_spec(table, info, precision),
             full=full,
             rows=version.read_rows(table, verified=True),
             removed=None if full else version.removed_keys(table, verified=True),
@@ -129,25 +129,35 @@ def apply(ps: ParameterServer, version: Version) -> None:
     ps.apply_update(updates, label=int(version["version"]))
 
 
-def serving_spec(table: str, info: dict) -> TableSpec:
+def serving_spec(table: str, info: dict, precision: str = "fp32") -> TableSpec:
     """The spec of a served table from its manifest entry: SGD (a server
     does not train), and the training table's initializer and seed when the
     version records them, so keys never trained can read as their initial
-    vectors (``lookup(missing="initial")``); zeros otherwise."""
+    vectors (``lookup(missing="initial")``); zeros otherwise. ``precision``:
+    how the served vectors are stored (``TableSpec.precision``)."""
     initializer = Zeros()
     if "initializer" in info:
         initializer = initializer_from_dict(info["initializer"])
+    stored = {} if precision == "fp32" else {"precision": precision}
     return TableSpec(
-        table, info["dim"], optimizer=SGD(), initializer=initializer, seed=int(info.get("seed", 0))
+        table,
+        info["dim"],
+        optimizer=SGD(),
+        initializer=initializer,
+        seed=int(info.get("seed", 0)),
+        **stored,
     )
 
 
 def apply_chain(
-    ps: ParameterServer, export_dir: str | os.PathLike, version: int | None = None
+    ps: ParameterServer,
+    export_dir: str | os.PathLike,
+    version: int | None = None,
+    precision: str = "fp32",
 ) -> list[Version]:
     """Applies the chain of ``version`` (default LATEST) to a parameter
     server, version by version; returns it."""
     versions_ = chain(export_dir, version)
     for v in versions_:
-        apply(ps, v)
+        apply(ps, v, precision)
     return versions_

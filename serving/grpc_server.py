@@ -1,0 +1,182 @@
+"""The gRPC transport: ``wuliang.serving.Serving`` (``serving.proto``) and the
+standard health service (``grpc.health.v1.Health``).
+
+Arrays arrive and leave as raw little-endian bytes (``serving.proto``); a
+request's token, when the service has one, is the ``authorization`` metadata
+``Bearer <token>``. Every error is a gRPC status (``errors.ServingError.code``)
+with a message naming the bad input; an unexpected exception is logged and
+answered INTERNAL, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from wuliang.serving import proto
+from wuliang.serving.errors import InvalidArgument, ServingError
+from wuliang.serving.predict import FeatureInput
+from wuliang.serving.service import Service
+
+log = logging.getLogger("wuliang.serving")
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+def _token(context: grpc.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata():
+        if key == "authorization":
+            return value.removeprefix("Bearer ").strip()
+    return None
+
+
+def _array(data: bytes, dtype: str, what: str) -> np.ndarray:
+    size = np.dtype(dtype).itemsize
+    if len(data) % size:
+        raise InvalidArgument(
+            f"{what}: {len(data)} bytes is not a whole number of {size}-byte values"
+        )
+    return np.frombuffer(data, dtype)
+
+
+class _Handlers:
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def call(
+        self, endpoint: str, body: Callable[[Any], Any]
+    ) -> Callable[[Any, grpc.ServicerContext], Any]:
+        def handle(request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                with self.service.observed("grpc", endpoint):
+                    self.service.authorize(_token(context))
+                    return body(request)
+            except ServingError as error:
+                context.abort(getattr(grpc.StatusCode, error.code), str(error))
+            except Exception:
+                log.exception("gRPC %s failed", endpoint)
+                context.abort(grpc.StatusCode.INTERNAL, f"{endpoint} failed inside the server")
+
+        return handle
+
+    def lookup(self, request: Any) -> Any:
+        keys = _array(request.keys, "<u8", "keys")
+        result = self.service.lookup(request.model, request.table, keys)
+        return proto.LookupResponse(
+            vectors=result.rows.astype("<f4", copy=False).tobytes(),
+            found=result.found.view(np.uint8).tobytes(),
+            dim=result.rows.shape[1],
+            version=result.version,
+        )
+
+    def predict(self, request: Any) -> Any:
+        store = self.service.store(request.model)
+        sparse = {f["name"] for f in store.served().model.get("sparse", [])}
+        features = {}
+        for f in request.features:
+            if f.name in features:
+                raise InvalidArgument(f"feature {f.name!r} is given twice")
+            if f.name in sparse:
+                features[f.name] = FeatureInput(
+                    _array(f.values, "<u8", f"feature {f.name!r} keys"),
+                    _array(f.offsets, "<i8", f"feature {f.name!r} offsets") if f.offsets else None,
+                    _array(f.weights, "<f4", f"feature {f.name!r} weights") if f.weights else None,
+                )
+            else:
+                features[f.name] = FeatureInput(_array(f.values, "<f4", f"feature {f.name!r}"))
+        answer = self.service.predict(store.name, features, int(request.rows))
+        outputs = [
+            proto.Output(
+                name=name,
+                values=values.astype("<f4", copy=False).tobytes(),
+                dim=1 if values.ndim == 1 else values.shape[1],
+            )
+            for name, values in sorted(answer.outputs.items())
+        ]
+        return proto.PredictResponse(outputs=outputs, version=answer.version)
+
+    def status(self, request: Any) -> Any:
+        models = [
+            proto.ModelStatus(
+                name=m["name"],
+                version=m["version"],
+                step=m["step"],
+                tables=[proto.TableStatus(**t) for t in m["tables"]],
+                missing_keys=m["missing_keys"],
+                precision=m["precision"],
+                applied=m["applied"],
+                refused=m["refused"],
+            )
+            for m in self.service.status(request.model)
+        ]
+        return proto.StatusResponse(models=models)
+
+
+def serving_handler(service: Service) -> grpc.GenericRpcHandler:
+    """The ``wuliang.serving.Serving`` methods over ``service``."""
+    handlers = _Handlers(service)
+    bodies = {"Lookup": handlers.lookup, "Predict": handlers.predict, "Status": handlers.status}
+    return grpc.method_handlers_generic_handler(
+        proto.SERVICE,
+        {
+            method: grpc.unary_unary_rpc_method_handler(
+                handlers.call(method, body),
+                request_deserializer=proto.REQUESTS[method].FromString,
+                response_serializer=proto.RESPONSES[method].SerializeToString,
+            )
+            for method, body in bodies.items()
+        },
+    )
+
+
+class GrpcServer:
+    """A started gRPC server (``port``: the bound port); ``stop()`` ends it."""
+
+    def __init__(
+        self,
+        service: Service,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tls: tuple[bytes, bytes] | None = None,
+        max_workers: int = 16,
+    ) -> None:
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+        self.server = grpc.server(ThreadPoolExecutor(max_workers), options=options)
+        self.server.add_generic_rpc_handlers((serving_handler(service),))
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        address = f"{host}:{port}"
+        if tls is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            key, cert = tls
+            self.port = self.server.add_secure_port(
+                address, grpc.ssl_server_credentials([(key, cert)])
+            )
+        if self.port == 0:
+            raise OSError(f"cannot listen on {address}")
+        self.service = service
+        for store in service.stores.values():
+            store.on_apply.append(lambda *_: self.update_health())
+        self.update_health()
+        self.server.start()
+
+    def update_health(self) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if self.service.healthy()
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        self.health.set("", status)
+        self.health.set(proto.SERVICE, status)
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self.server.stop(grace).wait()

@@ -1,0 +1,113 @@
+"""Prometheus metrics of a serving process (``/metrics``, text format).
+
+One registry per ``Service`` (never the global one, so several servers in
+one process, as in tests, keep their own counts):
+
+* ``wuliang_requests_total{transport, endpoint, code}``: requests answered,
+  by gRPC status name (``OK``, ``INVALID_ARGUMENT`` …);
+* ``wuliang_request_seconds{transport, endpoint}``: latency histogram;
+* ``wuliang_lookup_keys_total{model, table}``: keys looked up;
+* ``wuliang_served_version{model}``, ``wuliang_served_step{model}``;
+* ``wuliang_table_rows{model, table}``, ``wuliang_table_bytes{model, table}``
+  (read at scrape time);
+* ``wuliang_version_applies_total{model}``, ``wuliang_version_refusals_total
+  {model}``, ``wuliang_version_apply_seconds{model}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Metrics:
+    """The counters and histograms of one service."""
+
+    def __init__(self, stores: Callable[[], Iterable[Any]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "wuliang_requests_total",
+            "Requests answered, by transport, endpoint and status code.",
+            ["transport", "endpoint", "code"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "wuliang_request_seconds",
+            "Time to answer a request.",
+            ["transport", "endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.keys = Counter(
+            "wuliang_lookup_keys_total",
+            "Keys looked up, by model and table.",
+            ["model", "table"],
+            registry=self.registry,
+        )
+        self.applies = Counter(
+            "wuliang_version_applies_total",
+            "Versions applied while serving.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.refusals = Counter(
+            "wuliang_version_refusals_total",
+            "Versions refused (manifest, checksums or SavedModel failed).",
+            ["model"],
+            registry=self.registry,
+        )
+        self.apply_seconds = Histogram(
+            "wuliang_version_apply_seconds",
+            "Time to apply a version.",
+            ["model"],
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300),
+            registry=self.registry,
+        )
+        self.registry.register(_StoreCollector(stores))
+
+    def observe(self, transport: str, endpoint: str, code: str, seconds: float) -> None:
+        self.requests.labels(transport, endpoint, code).inc()
+        self.latency.labels(transport, endpoint).observe(seconds)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StoreCollector:
+    """Gauges read from the stores when scraped."""
+
+    def __init__(self, stores: Callable[[], Iterable[Any]]) -> None:
+        self.stores = stores
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterable[Any]:
+        version = GaugeMetricFamily(
+            "wuliang_served_version", "The export version served.", labels=["model"]
+        )
+        step = GaugeMetricFamily(
+            "wuliang_served_step", "The training step of the version served.", labels=["model"]
+        )
+        rows = GaugeMetricFamily(
+            "wuliang_table_rows", "Rows of a served table.", labels=["model", "table"]
+        )
+        size = GaugeMetricFamily(
+            "wuliang_table_bytes", "Memory of a served table.", labels=["model", "table"]
+        )
+        for store in self.stores():
+            version.add_metric([store.name], store.version)
+            try:
+                step.add_metric([store.name], store.served().step)
+            except Exception:  # nothing served yet
+                step.add_metric([store.name], 0)
+            for table, stats in store.table_stats().items():
+                rows.add_metric([store.name, table], stats["rows"])
+                size.add_metric([store.name, table], stats["bytes"])
+        yield from (version, step, rows, size)

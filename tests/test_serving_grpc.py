@@ -1,0 +1,179 @@
+"""The online server over gRPC: lookups and predictions of an export equal the
+trainer's, deltas are applied live, corrupt versions are refused, a restart
+comes back on the newest version, tokens are checked."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from small_model import make_session, reader, write_data
+
+from wuliang.serving.client import Client, ServingClientError
+from wuliang.serving.grpc_server import GrpcServer
+from wuliang.serving.service import Service
+from wuliang.serving.store import ModelStore
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A session trained 5 steps and exported (version 1), its files, a batch."""
+    root = tmp_path_factory.mktemp("serving")
+    files = write_data(root)
+    session = make_session()
+    session.train(reader(files, 0), steps=5)
+    exports = root / "exports"
+    session.export(exports)
+    batch = next(iter(reader(files, 0)))
+    yield {"session": session, "files": files, "exports": exports, "batch": batch, "root": root}
+    session.context.close()
+
+
+def serve(exports: Path, token: str | None = None, **store: Any) -> tuple[Service, GrpcServer]:
+    service = Service([ModelStore(exports, "m", poll_secs=0, **store).start()], token=token)
+    return service, GrpcServer(service, port=0)
+
+
+def batch_features(batch: Any) -> dict[str, Any]:
+    items = batch.sparse["items"]
+    return {
+        "user": batch.sparse["user"].values.astype(np.uint64),
+        "items": (items.values.astype(np.uint64), items.offsets),
+        "x": batch.dense_feature("x").astype(np.float32),
+    }
+
+
+def test_lookup_and_predict_equal_the_trainer(trained: dict[str, Any]) -> None:
+    session, batch = trained["session"], trained["batch"]
+    service, server = serve(trained["exports"])
+    try:
+        with Client(f"127.0.0.1:{server.port}") as client:
+            assert client.healthy()
+            keys = np.array([*range(0, 300, 7), 10**12], np.uint64)
+            rows, found, version = client.lookup("users", keys)
+            assert version == 1
+            want = session.context.ps.lookup("users", keys)
+            np.testing.assert_array_equal(found, want.found)
+            np.testing.assert_array_equal(rows, want.rows)
+            assert not found[-1] and (rows[-1] == 0).all()  # never trained: zeros
+            outputs, version = client.predict(batch_features(batch), rows=batch.size)
+            assert version == 1
+            expected = session.run(batch, "predictions", train=False)
+            np.testing.assert_allclose(outputs["predictions"], expected, rtol=1e-5, atol=1e-6)
+            (status,) = client.status()
+            assert status["version"] == 1 and status["missing_keys"] == "zeros"
+            assert {t["name"] for t in status["tables"]} == {"users", "items"}
+    finally:
+        server.stop()
+        service.close()
+
+
+def test_missing_keys_can_read_as_their_initial_vectors(trained: dict[str, Any]) -> None:
+    session = trained["session"]
+    service, server = serve(trained["exports"], missing="initial")
+    try:
+        with Client(f"127.0.0.1:{server.port}") as client:
+            keys = np.array([10**12, 10**12 + 1], np.uint64)
+            rows, found, _ = client.lookup("users", keys)
+            assert not found.any()
+            np.testing.assert_array_equal(rows, session.context.ps.pull("users", keys, train=False))
+            assert client.status()[0]["missing_keys"] == "initial"
+    finally:
+        server.stop()
+        service.close()
+
+
+def test_bad_requests_get_an_error_and_the_server_keeps_serving(trained: dict[str, Any]) -> None:
+    service, server = serve(trained["exports"], token="s3cret")
+    try:
+        address = f"127.0.0.1:{server.port}"
+        with Client(address) as anonymous:
+            with pytest.raises(ServingClientError) as info:
+                anonymous.lookup("users", np.array([1], np.uint64))
+            assert info.value.code == "UNAUTHENTICATED"
+        with Client(address, token="wrong") as wrong, pytest.raises(ServingClientError):
+            wrong.lookup("users", np.array([1], np.uint64))
+        with Client(address, token="s3cret") as client:
+            cases = {
+                "NOT_FOUND": lambda: client.lookup("nope", np.array([1], np.uint64)),
+                "NOT_FOUND ": lambda: client.lookup("users", np.array([1], np.uint64), model="x"),
+                "INVALID_ARGUMENT": lambda: client.predict({"user": np.array([1], np.uint64)}, 1),
+                "INVALID_ARGUMENT ": lambda: client.predict(
+                    {**batch_features(trained["batch"]), "x": np.zeros((3, 1), np.float32)},
+                    trained["batch"].size,
+                ),
+            }
+            for code, call in cases.items():
+                with pytest.raises(ServingClientError) as info:
+                    call()
+                assert info.value.code == code.strip(), info.value
+            assert client.lookup("users", np.array([1], np.uint64)).version == 1
+    finally:
+        server.stop()
+        service.close()
+
+
+def test_deltas_apply_live_and_corrupt_versions_are_refused(
+    trained: dict[str, Any], tmp_path: Path
+) -> None:
+    session, files = trained["session"], trained["files"]
+    exports = tmp_path / "exports"
+    session.export(exports, kind="full")
+    store = ModelStore(exports, "m", poll_secs=0).start()
+    service = Service([store])
+    server = GrpcServer(service, port=0)
+    errors: list[str] = []
+    stop = threading.Event()
+    keys = np.arange(0, 300, dtype=np.uint64)
+
+    def query() -> None:
+        with Client(f"127.0.0.1:{server.port}") as client:
+            while not stop.is_set():
+                try:
+                    _, _, version = client.lookup("users", keys)
+                    assert version >= 1
+                except Exception as error:  # any failure fails the test
+                    errors.append(repr(error))
+                    return
+
+    threads = [threading.Thread(target=query) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        base = store.version
+        session.train(reader(files, 0), steps=3)
+        session.export(exports)
+        assert store.refresh() == [base + 1]
+        assert store.version == base + 1
+        want = session.context.ps.lookup("users", keys)
+        got = store.lookup("users", keys)
+        np.testing.assert_array_equal(got.rows, want.rows)
+        # A corrupt version is refused; the previous one keeps serving.
+        session.train(reader(files, 0), steps=2)
+        result = session.export(exports)
+        part = next((result.path / "tables" / "users").glob("part-*.arrow"))
+        part.write_bytes(part.read_bytes()[:-10] + b"0123456789")
+        assert store.refresh() == []
+        assert store.version == base + 1 and store.counters.refused == 1
+        time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        server.stop()
+        service.close()
+    assert not errors, errors
+    # A restart comes back on the newest valid version.
+    with ModelStore(exports, "m", poll_secs=0, load_towers=False) as again:
+        assert again.version == base + 1 and again.counters.refused == 1
+
+
+def test_status_of_the_manifest_model(trained: dict[str, Any]) -> None:
+    manifest = json.loads((trained["exports"] / "1" / "manifest.json").read_text())
+    assert manifest["tables"]["users"]["initializer"]["kind"] == "TruncatedNormal"
