@@ -5,6 +5,11 @@ comes back on the newest version, tokens are checked."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +24,8 @@ from wuliang.serving.client import Client, ServingClientError
 from wuliang.serving.grpc_server import GrpcServer
 from wuliang.serving.service import Service
 from wuliang.serving.store import ModelStore
+
+SCRIPT = Path(sys.executable).parent / "wuliang"
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +184,43 @@ def test_deltas_apply_live_and_corrupt_versions_are_refused(
 def test_status_of_the_manifest_model(trained: dict[str, Any]) -> None:
     manifest = json.loads((trained["exports"] / "1" / "manifest.json").read_text())
     assert manifest["tables"]["users"]["initializer"]["kind"] == "TruncatedNormal"
+
+
+def test_wuliang_serve_runs_until_sigterm(trained: dict[str, Any]) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    args = [str(SCRIPT), "serve", "--exports", str(trained["exports"]), "--model", "m"]
+    args += ["--port", "0", "--http-port", "-1", "--poll-secs", "0.2"]
+    with subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    ) as child:
+        try:
+            line = child.stdout.readline() if child.stdout else ""
+            match = re.search(r"version (\d+) .* grpc 127\.0\.0\.1:(\d+)", line)
+            assert match, line + (child.stderr.read() if child.stderr else "")
+            assert match[1] == "1"
+            with Client(f"127.0.0.1:{match[2]}", model="m") as client:
+                assert client.lookup("users", np.array([1, 2], np.uint64)).version == 1
+            child.send_signal(signal.SIGTERM)
+            assert child.wait(timeout=30) == 0
+        finally:
+            if child.poll() is None:
+                child.kill()
+
+
+def test_wuliang_serve_errors(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [str(SCRIPT), "serve", "--exports", str(tmp_path / "none"), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "wuliang serve: error: export directory" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = subprocess.run(
+        [str(SCRIPT), "serve", "--exports", str(tmp_path), "--port", "70000"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "--port" in done.stderr

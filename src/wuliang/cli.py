@@ -21,7 +21,8 @@ from wuliang import __version__
 EXPECTED_ERRORS = (ValueError, OSError, KeyError)
 
 DESCRIPTION = """Training and serving for large-scale recommendation models: \
-the engine demo, synthetic data, data set converters and exports for serving."""
+the engine demo, synthetic data, data set converters, exports for serving and \
+the online server."""
 
 # -- option types: argparse reports their errors as usage errors -------------------
 
@@ -152,6 +153,46 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from wuliang.serving.run import ServeOptions, serve
+
+    def path(value: str | None) -> Path | None:
+        return None if value is None else Path(value)
+
+    return serve(
+        ServeOptions(
+            exports=Path(args.exports),
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            http_port=args.http_port,
+            poll_secs=args.poll_secs,
+            token_file=path(args.token_file),
+            tls_cert=path(args.tls_cert),
+            tls_key=path(args.tls_key),
+            precision=args.precision,
+            missing=args.missing,
+            max_keys=args.max_keys,
+            max_rows=args.max_rows,
+            shards=args.shards,
+            redis=args.redis,
+        )
+    )
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="wuliang", description=DESCRIPTION, formatter_class=HelpFormatter
@@ -235,6 +276,57 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument(
         "--compact", action="store_true", help="merge LATEST and its base into a full version"
     )
+    srv = command(
+        sub,
+        "serve",
+        _serve,
+        help="serve an export directory online (gRPC and HTTP/JSON)",
+        description="Loads the newest valid version of EXPORTS (a full export and its "
+        "deltas), serves lookups and predictions over gRPC and an HTTP/JSON API shaped like "
+        "TensorFlow Serving's, and applies each new version while serving. Prints one line "
+        "with the addresses once serving; runs until SIGINT or SIGTERM.",
+    )
+    srv.add_argument("--exports", required=True, help="the trainer's export directory")
+    srv.add_argument("--model", help="the model's name in requests (default: EXPORTS' name)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (both servers)")
+    srv.add_argument(
+        "--port", type=bounded_int(0, 65535), default=8500, help="gRPC port (0: any free one)"
+    )
+    srv.add_argument(
+        "--http-port",
+        type=bounded_int(-1, 65535),
+        default=8501,
+        help="HTTP port (0: any free one, -1: no HTTP server)",
+    )
+    srv.add_argument(
+        "--poll-secs",
+        type=non_negative_float,
+        default=10.0,
+        help="how often to look for new versions (0: only at start)",
+    )
+    srv.add_argument("--token-file", help="requests must carry the token in this file")
+    srv.add_argument("--tls-cert", help="PEM certificate: serve TLS (with --tls-key)")
+    srv.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    srv.add_argument(
+        "--precision",
+        choices=["fp32", "fp16", "int8"],
+        default="fp32",
+        help="how served vectors are stored (int8: one scale per row)",
+    )
+    srv.add_argument(
+        "--missing",
+        choices=["zeros", "initial"],
+        default="zeros",
+        help="what keys never trained read as (found=false either way)",
+    )
+    srv.add_argument(
+        "--max-keys", type=positive_int, default=100_000, help="keys one lookup may ask for"
+    )
+    srv.add_argument(
+        "--max-rows", type=positive_int, default=10_000, help="rows one prediction may ask for"
+    )
+    srv.add_argument("--shards", type=bounded_int(1, 1024), default=2, help="engine shard threads")
+    srv.add_argument("--redis", help="serve lookups from this Redis (wuliang publish)")
     return parser
 
 
