@@ -193,6 +193,16 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def _publish(args: argparse.Namespace) -> int:
+    from wuliang.serving.redis_store import publish
+
+    result = publish(
+        args.export_dir, args.redis, args.model, args.version, retention=args.retention
+    )
+    print(result.status())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="wuliang", description=DESCRIPTION, formatter_class=HelpFormatter
@@ -327,6 +337,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--shards", type=bounded_int(1, 1024), default=2, help="engine shard threads")
     srv.add_argument("--redis", help="serve lookups from this Redis (wuliang publish)")
+
+    pub = command(
+        sub,
+        "publish",
+        _publish,
+        help="publish an export version to Redis for a fleet of serving replicas",
+        description="Writes every row of a version of EXPORT_DIR (its chain applied) to Redis "
+        "under the model's versioned keys, then makes it current in one atomic step and "
+        "announces it to the replicas (wuliang.serving.redis_store); deletes the versions "
+        "beyond --retention that no replica reads. Publishing the current version again "
+        "writes nothing. Prints one status line, exits 1 with a message on failure.",
+    )
+    pub.add_argument("--export-dir", required=True, help="versions 1/, 2/, ... and LATEST")
+    pub.add_argument(
+        "--redis", required=True, metavar="URL", help="redis://[:password@]host:port/db"
+    )
+    pub.add_argument(
+        "--model", help="the model's name in Redis keys (default: the export directory's name)"
+    )
+    pub.add_argument(
+        "--version", type=positive_int, help="the version to publish (default: LATEST)"
+    )
+    pub.add_argument(
+        "--retention",
+        type=positive_int,
+        default=2,
+        help="versions kept in Redis, the new one included (and those replicas read)",
+    )
     return parser
 
 
