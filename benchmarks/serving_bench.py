@@ -1,0 +1,373 @@
+"""Online serving: lookups, predictions, and lookups while deltas land.
+
+Setup (not timed): a model shaped like the MovieLens example (``user_id``,
+``item_id``, ``genres`` (a list, mean) and ``age``; a Keras MLP 64-32-1)
+whose ``item`` table has ``--rows`` rows (default 2M) of dim 16, exported as
+a full version into a temporary folder and served by ``wuliang serve``
+(gRPC and HTTP, a subprocess polling every 0.2 s). Every row's first weight
+is the export version that last wrote it (1 in the base version).
+
+Phases, each ``--seconds`` long, ``--clients`` client processes (default 4)
+on loopback, each sending one request at a time:
+
+1. ``lookup``: gRPC ``Lookup`` of 1000 ``item`` keys drawn from Zipf(1.1)
+   over the table (``wuliang.serving.Client``);
+2. ``http_lookup``: the same over HTTP/JSON (``:lookup``, keep-alive);
+3. ``predict``: gRPC ``Predict`` of 100 rows;
+4. ``lookup_during_delta``: as 1, while this process writes a delta every
+   second (the first 50,000 item rows rewritten with the new version as
+   their first weight) and the server applies each. A response whose rows
+   do not all carry the version it names is a torn read;
+5. ``redis``: side by side, the same 1000-key draws as ``MGET`` from Redis
+   (``redis-server`` on loopback, the base version published with
+   ``wuliang publish``), with redis-py and its hiredis parser.
+
+The last line is one JSON object (see ``result`` below); targets:
+``lookup_vs_redis`` >= 2, lookup p99 <= 10 ms (also during deltas),
+predict p99 <= 20 ms at batch 100, no failed request, no torn read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DIM = 16
+KEYS_PER_LOOKUP = 1000
+PREDICT_ROWS = 100
+HOT = 50_000  # item rows every delta rewrites
+USERS = 100_000
+GENRES = 30
+TARGETS = {
+    "lookup_vs_redis": 2.0,
+    "lookup_p99_ms": 10.0,
+    "lookup_p99_during_delta_ms": 10.0,
+    "predict_p99_ms": 20.0,
+}
+
+
+# -- the model and its export --------------------------------------------------------
+
+
+def build_model(rows: int, export_dir: Path) -> Any:
+    """A session with the tables filled (row i of ``item``: [1, f(i), ...]),
+    exported as version 1; returns the session."""
+    import keras
+
+    import wuliang as wl
+
+    keras.utils.set_random_seed(0)
+    tables = {
+        "user": wl.EmbeddingTable("user", DIM, optimizer=wl.optimizers.SGD()),
+        "item": wl.EmbeddingTable("item", DIM, optimizer=wl.optimizers.SGD()),
+        "genre": wl.EmbeddingTable("genre", DIM, optimizer=wl.optimizers.SGD()),
+    }
+    features = [
+        wl.SparseFeature("user_id", tables["user"]),
+        wl.SparseFeature("item_id", tables["item"]),
+        wl.SparseFeature("genres", tables["genre"], combiner="mean"),
+        wl.DenseFeature("age"),
+    ]
+    tower = keras.Sequential(
+        [
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+    session = wl.Session(tower, features, wl.Context(num_shards=2))
+    ps = session.context.ps
+    for name, n in (("user", USERS), ("item", rows), ("genre", GENRES)):
+        for start in range(0, n, 500_000):
+            keys = np.arange(start, min(n, start + 500_000), dtype=np.uint64)
+            ps.load(name, keys, signed_rows(keys, 1))
+    session.export(export_dir, kind="full")
+    return session
+
+
+def signed_rows(keys: np.ndarray, version: int) -> np.ndarray:
+    """Rows whose first weight is ``version`` (the rest small, from the key)."""
+    rows = np.empty((len(keys), DIM), np.float32)
+    rows[:, 0] = version
+    rows[:, 1:] = ((keys[:, None] % 97).astype(np.float32) - 48.0) / 480.0
+    return rows
+
+
+def write_delta(session: Any, export_dir: Path, version: int) -> None:
+    keys = np.arange(HOT, dtype=np.uint64)
+    session.context.ps.load("item", keys, signed_rows(keys, version))
+    result = session.export(export_dir)
+    if result.version != version:
+        raise RuntimeError(f"wrote export {result.version}, expected {version}")
+
+
+# -- processes ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(export_dir: Path) -> tuple[subprocess.Popen, int, int]:
+    script = Path(sys.executable).parent / "wuliang"
+    args = [str(script), "serve", "--exports", str(export_dir), "--model", "bench"]
+    args += ["--port", "0", "--http-port", "0", "--poll-secs", "0.2"]
+    child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    match = re.search(r"grpc [\d.]+:(\d+), http [\d.]+:(\d+)", line)
+    if not match:
+        child.kill()
+        raise RuntimeError(f"wuliang serve did not start: {line!r}")
+    return child, int(match[1]), int(match[2])
+
+
+def zipf_keys(rng: np.random.Generator, rows: int, n: int) -> np.ndarray:
+    draws = rng.zipf(1.1, size=n * 2)
+    draws = draws[draws <= rows][:n]
+    while len(draws) < n:
+        more = rng.zipf(1.1, size=n)
+        draws = np.concatenate([draws, more[more <= rows]])[:n]
+    return (draws - 1).astype(np.uint64)
+
+
+def torn(rows: np.ndarray, found: np.ndarray, keys: np.ndarray, version: int) -> bool:
+    """Rows that do not all carry the version the answer names."""
+    want = np.where(keys < HOT, version, 1).astype(np.float32)
+    return bool((~found).any() or (rows[:, 0] != want).any())
+
+
+def client_process(kind: str, port: int, rows: int, seconds: float, seed: int, queue: Any) -> None:
+    """One client: requests of ``kind`` for ``seconds``; puts its latencies."""
+    rng = np.random.default_rng(seed)
+    draws = [zipf_keys(rng, rows, KEYS_PER_LOOKUP) for _ in range(64)]
+    latencies: list[float] = []
+    failed = torn_reads = 0
+    versions: set[int] = set()
+    if kind == "redis":
+        import redis
+
+        from wuliang.serving.redis_store import Keys, row_keys
+
+        db = redis.Redis(port=port)
+        prefix = Keys("bench").row_prefix(int(db.get(Keys("bench").current)), "item")
+        names = [row_keys(prefix, k) for k in draws]
+    elif kind == "http_lookup":
+        import http.client
+
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        bodies = [json.dumps({"keys": k.tolist()}) for k in draws]
+    else:
+        from wuliang.serving.client import Client
+
+        client = Client(f"127.0.0.1:{port}", model="bench", timeout=10)
+        batches = [predict_batch(rng, rows) for _ in range(16)]
+    end = time.perf_counter() + seconds
+    i = 0
+    while time.perf_counter() < end:
+        start = time.perf_counter()
+        try:
+            if kind == "redis":  # decoded into rows, as a client would
+                values = db.mget(names[i % 64])
+                if any(v is None for v in values):
+                    failed += 1
+                else:
+                    np.frombuffer(b"".join(values), "<f4").reshape(-1, DIM)
+            elif kind == "http_lookup":
+                conn.request(
+                    "POST", "/v1/models/bench/tables/item:lookup", bodies[i % 64],
+                    {"Content-Type": "application/json"},
+                )  # fmt: skip
+                answer = conn.getresponse()
+                payload = answer.read()
+                if answer.status != 200 or b"model_version" not in payload:
+                    failed += 1
+            elif kind == "predict":
+                outputs, version = client.predict(batches[i % 16], PREDICT_ROWS)
+                versions.add(version)
+                if outputs["predictions"].shape != (PREDICT_ROWS,):
+                    failed += 1
+            else:
+                keys = draws[i % 64]
+                answer = client.lookup("item", keys)
+                versions.add(answer.version)
+                torn_reads += torn(answer.rows, answer.found, keys, answer.version)
+        except Exception:
+            failed += 1
+        latencies.append(time.perf_counter() - start)
+        i += 1
+    queue.put(
+        {"latencies": latencies, "failed": failed, "torn": torn_reads, "versions": sorted(versions)}
+    )
+
+
+def predict_batch(rng: np.random.Generator, rows: int) -> dict[str, Any]:
+    lengths = rng.integers(1, 4, PREDICT_ROWS)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return {
+        "user_id": rng.integers(0, USERS, PREDICT_ROWS).astype(np.uint64),
+        "item_id": zipf_keys(rng, rows, PREDICT_ROWS),
+        "genres": (rng.integers(0, GENRES, offsets[-1]).astype(np.uint64), offsets),
+        "age": rng.random((PREDICT_ROWS, 1), dtype=np.float32),
+    }
+
+
+def run_phase(kind: str, port: int, args: argparse.Namespace) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=client_process, args=(kind, port, args.rows, args.seconds, s, queue))
+        for s in range(args.clients)
+    ]
+    for p in procs:
+        p.start()
+    parts = [queue.get(timeout=args.seconds + 300) for _ in procs]
+    for p in procs:
+        p.join()
+    latencies = np.concatenate([np.array(p["latencies"]) for p in parts])
+    return {
+        "qps": len(latencies) / args.seconds,
+        "p50_ms": float(np.percentile(latencies, 50) * 1e3),
+        "p99_ms": float(np.percentile(latencies, 99) * 1e3),
+        "failed": sum(p["failed"] for p in parts),
+        "torn": sum(p["torn"] for p in parts),
+        "versions": sorted({v for p in parts for v in p["versions"]}),
+    }
+
+
+def start_redis() -> tuple[subprocess.Popen, int]:
+    import redis
+
+    port = free_port()
+    child = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    db = redis.Redis(port=port)
+    for _ in range(100):
+        try:
+            db.ping()
+            return child, port
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    child.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=2_000_000, help="rows of the item table")
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of each phase")
+    parser.add_argument("--clients", type=int, default=4, help="client processes")
+    parser.add_argument("--quick", action="store_true", help="200K rows, 3 s phases")
+    parser.add_argument("--skip-redis", action="store_true", help="no Redis baseline")
+    args = parser.parse_args()
+    if args.quick:
+        args.rows, args.seconds = 200_000, 3.0
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    work = Path(tempfile.mkdtemp(prefix="serving_bench_"))
+    exports = work / "bench"
+    server = redis_server = None
+    try:
+        t0 = time.perf_counter()
+        session = build_model(args.rows, exports)
+        setup_s = time.perf_counter() - t0
+        server, grpc_port, http_port = start_server(exports)
+        result: dict[str, Any] = {"rows": args.rows, "dim": DIM, "clients": args.clients}
+        result["cores"] = os.cpu_count()
+        result["setup_s"] = round(setup_s, 1)
+        phases = {
+            "lookup": run_phase("lookup", grpc_port, args),
+            "http_lookup": run_phase("http_lookup", http_port, args),
+            "predict": run_phase("predict", grpc_port, args),
+        }
+        stop = threading.Event()
+        written: list[int] = []
+
+        def deltas() -> None:
+            version = 2
+            while not stop.wait(1.0):
+                write_delta(session, exports, version)
+                written.append(version)
+                version += 1
+
+        writer = threading.Thread(target=deltas)
+        writer.start()
+        try:
+            phases["lookup_during_delta"] = run_phase("lookup", grpc_port, args)
+        finally:
+            stop.set()
+            writer.join()
+        if not args.skip_redis:
+            from wuliang.serving.redis_store import publish
+
+            redis_server, redis_port = start_redis()
+            url = f"redis://127.0.0.1:{redis_port}/0"
+            publish(exports, url, model="bench", version=1)
+            phases["redis"] = run_phase("redis", redis_port, args)
+        lookup, during = phases["lookup"], phases["lookup_during_delta"]
+        redis_qps = phases["redis"]["qps"] if "redis" in phases else None
+        result.update(
+            lookup_qps=round(lookup["qps"], 1),
+            lookup_p50_ms=round(lookup["p50_ms"], 3),
+            lookup_p99_ms=round(lookup["p99_ms"], 3),
+            lookup_keys_per_s=round(lookup["qps"] * KEYS_PER_LOOKUP),
+            http_lookup_qps=round(phases["http_lookup"]["qps"], 1),
+            http_lookup_p99_ms=round(phases["http_lookup"]["p99_ms"], 3),
+            predict_qps=round(phases["predict"]["qps"], 1),
+            predict_p50_ms=round(phases["predict"]["p50_ms"], 3),
+            predict_p99_ms=round(phases["predict"]["p99_ms"], 3),
+            redis_mget_qps=None if redis_qps is None else round(redis_qps, 1),
+            redis_mget_p99_ms=None
+            if "redis" not in phases
+            else round(phases["redis"]["p99_ms"], 3),
+            lookup_vs_redis=None if not redis_qps else round(lookup["qps"] / redis_qps, 2),
+            lookup_qps_during_delta=round(during["qps"], 1),
+            lookup_p99_during_delta_ms=round(during["p99_ms"], 3),
+            deltas_written=len(written),
+            versions_seen_during_delta=during["versions"],
+            failed_requests=sum(p["failed"] for p in phases.values()),
+            torn_reads=sum(p["torn"] for p in phases.values()),
+        )
+        result["targets"] = TARGETS
+        result["targets_met"] = {
+            "lookup_vs_redis": (result["lookup_vs_redis"] or 0) >= TARGETS["lookup_vs_redis"],
+            "lookup_p99_ms": result["lookup_p99_ms"] <= TARGETS["lookup_p99_ms"],
+            "lookup_p99_during_delta_ms": result["lookup_p99_during_delta_ms"]
+            <= TARGETS["lookup_p99_during_delta_ms"],
+            "predict_p99_ms": result["predict_p99_ms"] <= TARGETS["predict_p99_ms"],
+            "no_failures": result["failed_requests"] == 0 and result["torn_reads"] == 0,
+        }
+        session.context.close()
+    finally:
+        for child in (server, redis_server):
+            if child is not None:
+                child.send_signal(signal.SIGTERM)
+                try:
+                    child.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
