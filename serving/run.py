@@ -16,6 +16,7 @@ import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from wuliang.serving.grpc_server import GrpcServer
 from wuliang.serving.service import Service
@@ -24,7 +25,7 @@ from wuliang.serving.store import ModelStore
 
 @dataclass
 class ServeOptions:
-    exports: Path
+    exports: Path | None
     model: str | None = None
     host: str = "127.0.0.1"
     port: int = 8500
@@ -64,23 +65,42 @@ def read_token(path: Path) -> str:
     return token
 
 
+def open_store(options: ServeOptions) -> Any:
+    """The served model: an export directory in an embedded engine, or (with
+    ``--redis``) the published copy in Redis, towers from the export
+    directory when there is one."""
+    exports = options.exports
+    if options.redis is None:
+        if exports is None:
+            raise ValueError("--exports is required (or --redis)")
+        if not exports.is_dir():
+            raise FileNotFoundError(f"export directory {exports} does not exist")
+        return ModelStore(
+            exports,
+            options.model,
+            missing=options.missing,
+            precision=options.precision,
+            poll_secs=options.poll_secs,
+            num_shards=options.shards,
+        ).start()
+    from wuliang.serving.redis_model import RedisModelStore
+
+    if options.missing != "zeros" or options.precision != "fp32":
+        raise ValueError("with --redis, keys without a row read as zeros and vectors are fp32")
+    name = options.model or (exports.resolve().name if exports is not None else None)
+    if name is None:
+        raise ValueError("--redis needs --model (or --exports, whose name it is)")
+    if exports is not None and not exports.is_dir():
+        raise FileNotFoundError(f"export directory {exports} does not exist")
+    return RedisModelStore(options.redis, name, exports, poll_secs=options.poll_secs).start()
+
+
 def start(options: ServeOptions) -> Running:
     """Loads the model and starts both servers."""
     if (options.tls_cert is None) != (options.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
-    if options.redis is not None:
-        raise ValueError("--redis is not available in this version of wuliang serve")
-    if not options.exports.is_dir():
-        raise FileNotFoundError(f"export directory {options.exports} does not exist")
     token = read_token(options.token_file) if options.token_file is not None else None
-    store = ModelStore(
-        options.exports,
-        options.model,
-        missing=options.missing,
-        precision=options.precision,
-        poll_secs=options.poll_secs,
-        num_shards=options.shards,
-    ).start()
+    store = open_store(options)
     service = Service([store], token=token, max_keys=options.max_keys, max_rows=options.max_rows)
     tls = None
     if options.tls_cert is not None and options.tls_key is not None:
@@ -113,7 +133,8 @@ def serve(options: ServeOptions) -> int:
     store = next(iter(running.service.stores.values()))
     http = f", http {options.host}:{running.http.port}" if running.http is not None else ""  # type: ignore[attr-defined]
     print(
-        f"serving model {store.name!r} version {store.version} from {options.exports}: "
+        f"serving model {store.name!r} version {store.version} from "
+        f"{options.redis or options.exports}: "
         f"grpc {options.host}:{running.grpc.port}{http}",
         flush=True,
     )

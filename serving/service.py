@@ -27,7 +27,6 @@ from wuliang.serving.errors import (
 )
 from wuliang.serving.metrics import Metrics
 from wuliang.serving.predict import FeatureInput, PredictAnswer, predict
-from wuliang.serving.store import ModelStore
 
 MAX_KEYS = 100_000  # per lookup, by default
 MAX_ROWS = 10_000  # per prediction, by default
@@ -45,12 +44,12 @@ class Service:
 
     def __init__(
         self,
-        stores: Sequence[ModelStore],
+        stores: Sequence[Any],
         token: str | None = None,
         max_keys: int = MAX_KEYS,
         max_rows: int = MAX_ROWS,
     ) -> None:
-        self.stores: dict[str, ModelStore] = {}
+        self.stores: dict[str, Any] = {}  # ModelStore or RedisModelStore, by name
         for store in stores:
             if store.name in self.stores:
                 raise ValueError(f"two models are named {store.name!r}")
@@ -101,7 +100,7 @@ class Service:
         finally:
             self.metrics.observe(transport, endpoint, code, time.perf_counter() - start)
 
-    def store(self, model: str) -> ModelStore:
+    def store(self, model: str) -> Any:
         """The model named ``model`` (empty: the only one, when there is one)."""
         if not model and len(self.stores) == 1:
             return next(iter(self.stores.values()))
@@ -129,6 +128,7 @@ class Service:
         out = []
         for store in stores:
             stats = store.table_stats() if store.version else {}
+            dims = store.tables() if store.version else {}
             step = store.served().step if store.version else 0
             out.append(
                 {
@@ -138,7 +138,7 @@ class Service:
                     "tables": [
                         {
                             "name": name,
-                            "dim": store.ps.spec(name).dim,
+                            "dim": dims.get(name, 0),
                             "rows": s["rows"],
                             "bytes": s["bytes"],
                         }

@@ -262,14 +262,7 @@ class ModelStore:
         return True
 
     def _load_tower(self, version: Version) -> Any:
-        if not self.load_towers:
-            return None
-        import tensorflow as tf
-
-        try:
-            return tf.saved_model.load(str(version.checked("serving/saved_model.pb").parent))
-        except (OSError, ValueError, tf.errors.OpError) as error:
-            raise ValueError(f"the SavedModel of {version.path} does not load: {error}") from None
+        return load_tower(version) if self.load_towers else None
 
     def _refuse(self, number: int, error: object) -> None:
         if number in self._refused:
@@ -279,3 +272,13 @@ class ModelStore:
         log.error("model %s: version %d refused: %s", self.name, number, error)
         for callback in self.on_refuse:
             callback(number, str(error))
+
+
+def load_tower(version: Version) -> Any:
+    """A version's SavedModel (its tower), its files checked first."""
+    import tensorflow as tf
+
+    try:
+        return tf.saved_model.load(str(version.checked("serving/saved_model.pb").parent))
+    except (OSError, ValueError, tf.errors.OpError) as error:
+        raise ValueError(f"the SavedModel of {version.path} does not load: {error}") from None

@@ -9,7 +9,6 @@ and retired (each answer exactly one version's rows); the command line."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -40,45 +39,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A redis-server of our own on a free loopback port, no persistence."""
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.fail("redis-server is not installed (apt-get install redis-server; .ci/run does)")
-    log = tmp_path_factory.mktemp("redis") / "redis.log"
-    for _ in range(3):  # the free port may be taken between the probe and the start
-        port = free_port()
-        args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        with open(log, "w") as out:
-            proc = subprocess.Popen([server, *args], stdout=out, stderr=subprocess.STDOUT)
-        url = f"redis://127.0.0.1:{port}/0"
-        client = redis.Redis.from_url(url)
-        deadline = time.monotonic() + 10
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        else:
-            proc.kill()
-            proc.wait(timeout=10)
-            continue
-        client.close()
-        try:
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-        return
-    pytest.fail(f"redis-server did not start: {log.read_text()[-2000:]}")
 
 
 @pytest.fixture

@@ -129,7 +129,9 @@ def test_bad_requests_get_an_error_and_the_server_keeps_serving(trained: dict[st
 def test_deltas_apply_live_and_corrupt_versions_are_refused(
     trained: dict[str, Any], tmp_path: Path
 ) -> None:
-    session, files = trained["session"], trained["files"]
+    files = trained["files"]
+    session = make_session()  # its own: the module's session stays as exported
+    session.train(reader(files, 0), steps=5)
     exports = tmp_path / "exports"
     session.export(exports, kind="full")
     store = ModelStore(exports, "m", poll_secs=0).start()
@@ -179,6 +181,7 @@ def test_deltas_apply_live_and_corrupt_versions_are_refused(
     # A restart comes back on the newest valid version.
     with ModelStore(exports, "m", poll_secs=0, load_towers=False) as again:
         assert again.version == base + 1 and again.counters.refused == 1
+    session.context.close()
 
 
 def test_status_of_the_manifest_model(trained: dict[str, Any]) -> None:
@@ -224,3 +227,39 @@ def test_wuliang_serve_errors(tmp_path: Path) -> None:
         timeout=60,
     )
     assert done.returncode == 2 and "--port" in done.stderr
+
+
+def test_serving_from_redis_equals_the_export(trained: dict[str, Any], redis_url: str) -> None:
+    from wuliang.ps_server import parameter_server
+    from wuliang.serving.redis_model import RedisModelStore
+    from wuliang.serving.redis_store import publish
+    from wuliang.serving.versions import apply_chain
+
+    exports = trained["exports"]
+    publish(exports, redis_url, model="m")
+    store = RedisModelStore(redis_url, "m", exports, poll_secs=0.2).start()
+    service = Service([store])
+    server = GrpcServer(service, port=0)
+    try:
+        with (
+            parameter_server("embedded", 2) as engine,
+            Client(f"127.0.0.1:{server.port}") as client,
+        ):
+            apply_chain(engine, exports)
+            for table in ("users", "items"):
+                keys = np.arange(0, 600, dtype=np.uint64)
+                rows, found, version = client.lookup(table, keys)
+                want = engine.lookup(table, keys)
+                assert version == store.version
+                np.testing.assert_array_equal(found, want.found)
+                np.testing.assert_array_equal(rows, want.rows)
+            batch = trained["batch"]
+            outputs, _ = client.predict(batch_features(batch), rows=batch.size)
+            expected = trained["session"].run(batch, "predictions", train=False)
+            np.testing.assert_allclose(outputs["predictions"], expected, rtol=1e-5, atol=1e-6)
+            with pytest.raises(ServingClientError) as info:
+                client.lookup("nope", np.array([1], np.uint64))
+            assert info.value.code == "NOT_FOUND"
+    finally:
+        server.stop()
+        service.close()

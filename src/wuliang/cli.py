@@ -163,7 +163,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     return serve(
         ServeOptions(
-            exports=Path(args.exports),
+            exports=path(args.exports),
             model=args.model,
             host=args.host,
             port=args.port,
@@ -296,7 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
         "TensorFlow Serving's, and applies each new version while serving. Prints one line "
         "with the addresses once serving; runs until SIGINT or SIGTERM.",
     )
-    srv.add_argument("--exports", required=True, help="the trainer's export directory")
+    srv.add_argument(
+        "--exports", help="the trainer's export directory (with --redis: for the towers)"
+    )
     srv.add_argument("--model", help="the model's name in requests (default: EXPORTS' name)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (both servers)")
     srv.add_argument(
@@ -336,7 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-rows", type=positive_int, default=10_000, help="rows one prediction may ask for"
     )
     srv.add_argument("--shards", type=bounded_int(1, 1024), default=2, help="engine shard threads")
-    srv.add_argument("--redis", help="serve lookups from this Redis (wuliang publish)")
+    srv.add_argument(
+        "--redis",
+        metavar="URL",
+        help="serve the version wuliang publish made current in this Redis, through a local "
+        "hot cache, switching on each announcement",
+    )
 
     pub = command(
         sub,
