@@ -5,7 +5,10 @@ Arrays arrive and leave as raw little-endian bytes (``serving.proto``); a
 request's token, when the service has one, is the ``authorization`` metadata
 ``Bearer <token>``. Every error is a gRPC status (``errors.ServingError.code``)
 with a message naming the bad input; an unexpected exception is logged and
-answered INTERNAL, and the server keeps serving.
+answered INTERNAL, and the server keeps serving. Requests arrive as bytes and
+are parsed inside the handler, so bytes that are not the request message
+(truncated, garbled) are INVALID_ARGUMENT and counted in the metrics, where
+grpcio's own deserializer would answer INTERNAL and log a traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from wuliang.serving import proto
@@ -26,6 +30,7 @@ from wuliang.serving.service import Service
 
 log = logging.getLogger("wuliang.serving")
 MAX_MESSAGE_BYTES = 64 << 20
+MAX_DETAILS_BYTES = 2000  # of an error's message (see details())
 
 
 def _token(context: grpc.ServicerContext) -> str | None:
@@ -44,20 +49,45 @@ def _array(data: bytes, dtype: str, what: str) -> np.ndarray:
     return np.frombuffer(data, dtype)
 
 
+def details(error: ServingError) -> str:
+    """The error's message as a status' details: cut to ``MAX_DETAILS_BYTES``
+    of UTF-8, so that a message quoting a huge input (a model name of 10,000
+    characters) still fits the trailers' 8 KiB (percent-encoded, a byte may
+    take 3); a longer one would reach the client as RESOURCE_EXHAUSTED."""
+    message = str(error)
+    data = message.encode()
+    if len(data) <= MAX_DETAILS_BYTES:
+        return message
+    return data[: MAX_DETAILS_BYTES - 3].decode(errors="ignore") + "..."
+
+
+def _parse(message: Any, data: bytes) -> Any:
+    """The request message of ``data``; INVALID_ARGUMENT (not grpcio's
+    INTERNAL) when the bytes are not one."""
+    try:
+        return message.FromString(data)
+    except DecodeError as error:
+        raise InvalidArgument(
+            f"the request is not a valid {message.DESCRIPTOR.name} ({len(data)} bytes): {error}"
+        ) from None
+
+
 class _Handlers:
     def __init__(self, service: Service) -> None:
         self.service = service
 
     def call(
         self, endpoint: str, body: Callable[[Any], Any]
-    ) -> Callable[[Any, grpc.ServicerContext], Any]:
-        def handle(request: Any, context: grpc.ServicerContext) -> Any:
+    ) -> Callable[[bytes, grpc.ServicerContext], Any]:
+        message = proto.REQUESTS[endpoint]
+
+        def handle(request: bytes, context: grpc.ServicerContext) -> Any:
             try:
                 with self.service.observed("grpc", endpoint):
                     self.service.authorize(_token(context))
-                    return body(request)
+                    return body(_parse(message, request))
             except ServingError as error:
-                context.abort(getattr(grpc.StatusCode, error.code), str(error))
+                context.abort(getattr(grpc.StatusCode, error.code), details(error))
             except Exception:
                 log.exception("gRPC %s failed", endpoint)
                 context.abort(grpc.StatusCode.INTERNAL, f"{endpoint} failed inside the server")
@@ -126,7 +156,7 @@ def serving_handler(service: Service) -> grpc.GenericRpcHandler:
         {
             method: grpc.unary_unary_rpc_method_handler(
                 handlers.call(method, body),
-                request_deserializer=proto.REQUESTS[method].FromString,
+                request_deserializer=None,  # bytes: parsed by the handler (_parse)
                 response_serializer=proto.RESPONSES[method].SerializeToString,
             )
             for method, body in bodies.items()

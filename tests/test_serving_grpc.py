@@ -16,10 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 from small_model import make_session, reader, write_data
 
+from wuliang.serving import proto
 from wuliang.serving.client import Client, ServingClientError
 from wuliang.serving.grpc_server import GrpcServer
 from wuliang.serving.service import Service
@@ -260,6 +262,33 @@ def test_serving_from_redis_equals_the_export(trained: dict[str, Any], redis_url
             with pytest.raises(ServingClientError) as info:
                 client.lookup("nope", np.array([1], np.uint64))
             assert info.value.code == "NOT_FOUND"
+    finally:
+        server.stop()
+        service.close()
+
+
+def test_bytes_that_are_no_request_are_invalid_argument(trained: dict[str, Any]) -> None:
+    """Garbled bytes are INVALID_ARGUMENT (not grpcio's INTERNAL), counted in
+    the metrics; a huge name in an error message is cut to fit the trailers."""
+    service, server = serve(trained["exports"])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            lookup = channel.unary_unary(proto.method_path("Lookup"))  # bytes in and out
+            for garbage in (b"\xff\xff\xff", b"\x0a\x02\xff\xfe", b"\x1a\xff\xff\xff\xff\x0f"):
+                with pytest.raises(grpc.RpcError) as info:
+                    lookup(garbage, timeout=5)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "not a valid LookupRequest" in info.value.details()
+        with Client(f"127.0.0.1:{server.port}") as client:
+            with pytest.raises(ServingClientError) as error:
+                client.status(model="é" * 20_000)
+            assert error.value.code == "NOT_FOUND" and error.value.message.endswith("...")
+            assert len(error.value.message.encode()) <= 2000
+        text = service.metrics.text().decode()
+        assert (
+            'wuliang_requests_total{code="INVALID_ARGUMENT",endpoint="Lookup",transport="grpc"} 3.0'
+            in text
+        )
     finally:
         server.stop()
         service.close()
