@@ -372,6 +372,11 @@ class TableSpec:
             (on some virtual machines a large part of a step, see
             docs/performance.md); a reserve pays them before. 0: grow from
             empty.
+        serving: only version applies (``apply_update``) change the table;
+            pushes, training pulls, loads, erases and evictions are refused
+            (ValueError naming it), and lookups read on the calling thread,
+            without a hand-off to the shard workers: what a serving process
+            needs. ``wuliang.serving`` creates its tables so.
     """
 
     name: str
@@ -383,6 +388,7 @@ class TableSpec:
     eviction: Eviction = field(default_factory=Eviction)
     nan_policy: NanPolicy = "drop"
     reserve_rows: int = 0
+    serving: bool = False
 
     def __post_init__(self) -> None:
         _check(
@@ -410,6 +416,9 @@ class TableSpec:
         _check(
             isinstance(self.reserve_rows, int) and 0 <= self.reserve_rows < 2**63,
             f"{who}: reserve_rows must be an int >= 0, got {self.reserve_rows!r}",
+        )
+        _check(
+            isinstance(self.serving, bool), f"{who}: serving must be a bool, got {self.serving!r}"
         )
         _check(
             self.nan_policy in ("drop", "raise"),
@@ -445,4 +454,5 @@ class TableSpec:
             _engine.NanPolicy.RAISE if self.nan_policy == "raise" else _engine.NanPolicy.DROP
         )
         spec.reserve_rows = self.reserve_rows
+        spec.serving = self.serving
         return spec

@@ -130,8 +130,9 @@ def apply(ps: ParameterServer, version: Version, precision: str = "fp32") -> Non
 
 
 def serving_spec(table: str, info: dict, precision: str = "fp32") -> TableSpec:
-    """The spec of a served table from its manifest entry: SGD (a server
-    does not train), and the training table's initializer and seed when the
+    """The spec of a served table from its manifest entry: a serving table
+    (``TableSpec.serving``: changed by version applies only, lookups on the
+    caller's thread), SGD, and the training table's initializer and seed when the
     version records them, so keys never trained can read as their initial
     vectors (``lookup(missing="initial")``); zeros otherwise. ``precision``:
     how the served vectors are stored (``TableSpec.precision``)."""
@@ -145,6 +146,7 @@ def serving_spec(table: str, info: dict, precision: str = "fp32") -> TableSpec:
         optimizer=SGD(),
         initializer=initializer,
         seed=int(info.get("seed", 0)),
+        serving=True,
         **stored,
     )
 

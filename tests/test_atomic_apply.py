@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -55,7 +56,9 @@ def chunk(keys: np.ndarray, version: int) -> RowChunk:
 SPEC = TableSpec("t", DIM, optimizer=SGD(), initializer=Zeros())
 
 
-def plan(versions: int, seed: int = 0) -> list[tuple[TableUpdate, dict[int, np.ndarray]]]:
+def plan(
+    versions: int, seed: int = 0, spec: TableSpec = SPEC
+) -> list[tuple[TableUpdate, dict[int, np.ndarray]]]:
     """Updates to apply in turn (a full version every 5th, deltas between),
     each with the expected rows of every key that has one after it."""
     rng = np.random.default_rng(seed)
@@ -64,7 +67,7 @@ def plan(versions: int, seed: int = 0) -> list[tuple[TableUpdate, dict[int, np.n
     for v in range(1, versions + 1):
         if v % 5 == 1:  # a full version: a random 90% of the keys
             keys = np.sort(rng.choice(KEYS, int(len(KEYS) * 0.9), replace=False))
-            update = TableUpdate(SPEC, full=True, rows=[chunk(keys, v)])
+            update = TableUpdate(spec, full=True, rows=[chunk(keys, v)])
             state = {}
         else:  # a delta: 10% rewritten, 1% removed
             changed = np.sort(rng.choice(KEYS, len(KEYS) // 10, replace=False))
@@ -72,7 +75,7 @@ def plan(versions: int, seed: int = 0) -> list[tuple[TableUpdate, dict[int, np.n
             gone = np.sort(rng.choice(present, len(present) // 100, replace=False))
             gone = np.setdiff1d(gone, changed)
             update = TableUpdate(
-                SPEC,
+                spec,
                 full=False,
                 rows=[
                     chunk(changed[: len(changed) // 2], v),
@@ -99,9 +102,12 @@ def expected_rows(state: dict[int, np.ndarray], keys: np.ndarray) -> tuple[np.nd
     return rows, found
 
 
+@pytest.mark.parametrize("serving", [False, True], ids=["tasks", "serving-inline"])
 @pytest.mark.parametrize("num_shards", [1, 3])
-def test_readers_see_each_table_wholly_at_one_version(num_shards: int) -> None:
-    steps = plan(25)
+def test_readers_see_each_table_wholly_at_one_version(num_shards: int, serving: bool) -> None:
+    """Plain tables are read by the shard workers; serving tables on the
+    readers' own threads."""
+    steps = plan(25, spec=replace(SPEC, serving=True) if serving else SPEC)
     with Engine(num_shards) as ps:
         ps.apply_update({"t": steps[0][0]}, label=1)
         states = [expected_rows(state, KEYS) for _, state in steps]
@@ -219,3 +225,24 @@ def test_table_ids_survive_many_full_applies(ps_count: int = 300) -> None:
             ps.apply_update({"t": TableUpdate(SPEC, full=True, rows=[chunk(KEYS[:100], v)])})
         rows, found, _ = ps.lookup("t", KEYS[:100])
         assert found.all() and (rows[:, 0] == ps_count).all()
+
+
+def test_a_serving_table_changes_only_by_applies() -> None:
+    spec = replace(SPEC, serving=True)
+    with Engine(2) as ps:
+        ps.apply_update({"t": TableUpdate(spec, full=True, rows=[chunk(KEYS, 1)])}, label=1)
+        keys = KEYS[:5]
+        for call in (
+            lambda: ps.push("t", keys, np.ones((5, DIM), np.float32)),
+            lambda: ps.pull("t", keys),  # a training pull creates rows
+            lambda: ps.load("t", keys, np.ones((5, DIM), np.float32)),
+            lambda: ps.erase("t", keys),
+            lambda: ps.evict("t"),
+        ):
+            with pytest.raises(ValueError, match="'t' is a serving table"):
+                call()
+        rows, found, label = ps.lookup("t", np.concatenate([keys, [10**9]]).astype(np.uint64))
+        assert label == 1 and found[:5].all() and not found[5]
+        np.testing.assert_array_equal(rows[:5], signed(keys, 1))
+        np.testing.assert_array_equal(ps.pull("t", keys, train=False), signed(keys, 1))
+        assert ps.stats("t")["rows"] == len(KEYS)

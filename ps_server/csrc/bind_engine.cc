@@ -249,7 +249,8 @@ void BindSpecs(py::module_& m) {
       .def_readwrite("admission", &TableSpec::admission)
       .def_readwrite("eviction", &TableSpec::eviction)
       .def_readwrite("nan_policy", &TableSpec::nan_policy)
-      .def_readwrite("reserve_rows", &TableSpec::reserve_rows);
+      .def_readwrite("reserve_rows", &TableSpec::reserve_rows)
+      .def_readwrite("serving", &TableSpec::serving);
   m.def("state_dim", &StateDim, "kind"_a, "dim"_a);
 }
 

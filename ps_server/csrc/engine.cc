@@ -334,6 +334,15 @@ TableDef* Engine::WritableDef(int table) const {
   return def;
 }
 
+TableDef* Engine::MutableDef(int table) const {
+  TableDef* def = WritableDef(table);
+  if (def->spec.serving) {
+    throw std::invalid_argument("table '" + def->spec.name +
+                                "' is a serving table: only a version apply changes it");
+  }
+  return def;
+}
+
 TableDef* Engine::FindDef(const std::string& name) const {
   const int n = num_slots_.load(std::memory_order_acquire);
   for (int slot = 0; slot < n; ++slot) {
@@ -545,7 +554,7 @@ void Engine::PullMany(const std::vector<TablePart>& parts, bool train, uint64_t 
   const GracePeriod::ReadScope scope(*grace_);
   std::vector<TableDef*> defs;
   defs.reserve(parts.size());
-  for (const TablePart& p : parts) defs.push_back(train ? WritableDef(p.table) : Def(p.table));
+  for (const TablePart& p : parts) defs.push_back(train ? MutableDef(p.table) : Def(p.table));
   std::vector<Plan> plans;
   const std::vector<int> active = PlanParts(parts, &plans);
   const Clock clock = ClockAt(step);
@@ -595,7 +604,7 @@ PushResult Engine::PushMany(const std::vector<TablePart>& parts, bool keys_uniqu
   std::vector<TableDef*> defs;
   defs.reserve(parts.size());
   for (const TablePart& p : parts) {
-    defs.push_back(WritableDef(p.table));
+    defs.push_back(MutableDef(p.table));
     CheckFinite(*defs.back(), p);
   }
   std::vector<Plan> plans;
@@ -622,7 +631,7 @@ PushResult Engine::PushMany(const std::vector<TablePart>& parts, bool keys_uniqu
 
 uint64_t Engine::Erase(int table, const uint64_t* keys, size_t n, uint64_t step) {
   const GracePeriod::ReadScope scope(*grace_);
-  TableDef* def = WritableDef(table);
+  TableDef* def = MutableDef(table);
   Plan plan;
   PlanBatch(keys, n, &plan);
   const Clock clock = ClockAt(step);
@@ -647,7 +656,7 @@ void Engine::Contains(int table, const uint64_t* keys, size_t n, uint8_t* out) {
 
 void Engine::Load(int table, size_t n, const RowColumns& rows, uint64_t step) {
   const GracePeriod::ReadScope scope(*grace_);
-  TableDef* def = WritableDef(table);
+  TableDef* def = MutableDef(table);
   if (n > 0 && (rows.keys == nullptr || rows.weights == nullptr)) {
     throw std::invalid_argument("load into '" + def->spec.name + "' needs keys and weights");
   }
@@ -659,7 +668,7 @@ void Engine::Load(int table, size_t n, const RowColumns& rows, uint64_t step) {
 
 EvictResult Engine::Evict(int table, uint64_t step) {
   const GracePeriod::ReadScope scope(*grace_);
-  if (table >= 0) return EvictTable(WritableDef(table), step);
+  if (table >= 0) return EvictTable(MutableDef(table), step);
   EvictResult total;
   for (int slot = 0; slot < num_slots_.load(std::memory_order_acquire); ++slot) {
     TableDef* def = tables_[slot].load(std::memory_order_seq_cst);
@@ -788,7 +797,7 @@ std::vector<std::pair<uint64_t, uint64_t>> Engine::RemovedLog(int table, uint64_
 
 void Engine::TrimRemoved(int table, uint64_t upto) {
   const GracePeriod::ReadScope scope(*grace_);
-  TableDef* def = WritableDef(table);
+  TableDef* def = MutableDef(table);
   RunOnShards([&](int s) { def->shards[s]->TrimRemoved(upto); });
 }
 
@@ -799,7 +808,7 @@ void Engine::LoadRemoved(int table, const uint64_t* keys, const uint64_t* versio
       throw std::invalid_argument("removal records must be sorted by version");
   }
   const GracePeriod::ReadScope scope(*grace_);
-  TableDef* def = WritableDef(table);
+  TableDef* def = MutableDef(table);
   const auto split = SplitByShard(keys, versions, n, num_shards_);
   RunOnShards([&](int s) {
     def->shards[s]->LoadRemoved(split.keys[s].data(), split.values[s].data(), split.keys[s].size(),
@@ -820,7 +829,7 @@ std::vector<std::pair<uint64_t, uint32_t>> Engine::PendingCounts(int table) {
 
 void Engine::LoadPending(int table, const uint64_t* keys, const uint32_t* counts, size_t n) {
   const GracePeriod::ReadScope scope(*grace_);
-  TableDef* def = WritableDef(table);
+  TableDef* def = MutableDef(table);
   const auto split = SplitByShard(keys, counts, n, num_shards_);
   RunOnShards([&](int s) {
     def->shards[s]->LoadPending(split.keys[s].data(), split.values[s].data(), split.keys[s].size());
@@ -832,6 +841,13 @@ uint64_t Engine::Lookup(int table, const uint64_t* keys, size_t n, float* out, u
   const GracePeriod::ReadScope scope(*grace_);
   TableDef* def = Def(table);
   const uint64_t label = def->label;
+  if (def->spec.serving && !def->layered()) {
+    // Only a version switch writes a serving table's shards, and never
+    // while a reader can hold its unlayered def (see CommitApply): read on
+    // this thread, no hand-off to the owners.
+    LookupInline(*def, keys, n, out, found, init_missing);
+    return label;
+  }
   Plan plan;
   PlanBatch(keys, n, &plan);
   RunOnShards(
@@ -841,6 +857,26 @@ uint64_t Engine::Lookup(int table, const uint64_t* keys, size_t n, float* out, u
       },
       &plan);
   return label;
+}
+
+void Engine::LookupInline(const TableDef& def, const uint64_t* keys, size_t n, float* out,
+                          uint8_t* found, bool init_missing) const {
+  constexpr size_t kAhead = 16;  // index slots prefetched ahead of their probe
+  thread_local std::vector<uint64_t> hashes;
+  hashes.resize(n);
+  for (size_t i = 0; i < n; ++i) hashes[i] = Mix64(keys[i]);
+  const auto shards = static_cast<uint32_t>(num_shards_);
+  const int dim = def.spec.dim;
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      const uint64_t h = hashes[i + kAhead];
+      def.shards[ShardOfHash(h, shards)]->PrefetchSlot(h);
+    }
+    const uint64_t h = hashes[i];
+    const bool hit =
+        def.shards[ShardOfHash(h, shards)]->ReadRow(keys[i], h, out + i * dim, init_missing);
+    if (found != nullptr) found[i] = hit ? 1 : 0;
+  }
 }
 
 int Engine::BeginApply(const TableSpec& spec, int table, bool full, uint64_t label) {

@@ -494,6 +494,21 @@ void TableShard::Lookup(const ShardBatch& batch, float* out, uint8_t* found, boo
   }
 }
 
+bool TableShard::ReadRow(uint64_t key, uint64_t hash, float* dst, bool init_missing) const {
+  const int dim = layout_.dim;
+  char* const* row = index_.Find(key, hash);
+  if (row != nullptr) {
+    CopyFloats(dst, RowLayout::Weights(*row), dim);
+    return true;
+  }
+  if (init_missing) {
+    InitializeWeights(spec_.initializer, spec_.seed, key, dim, dst);
+  } else {
+    std::fill(dst, dst + dim, 0.0f);
+  }
+  return false;
+}
+
 void TableShard::Merge(const Overlay& overlay, const Clock& clock) {
   const int dim = layout_.dim;
   const size_t cold_bytes = layout_.cold_stride;

@@ -116,6 +116,11 @@ class alignas(128) TableShard {
               float* out,      // (n, dim)
               uint8_t* found,  // (n,)
               bool init_missing, const Overlay* overlay);
+  // One key of a lookup from any thread (a serving table, whose rows no
+  // other thread changes meanwhile): its weights into dst, true; or its
+  // initial vector (init_missing) or zeros, false.
+  bool ReadRow(uint64_t key, uint64_t hash, float* dst, bool init_missing) const;
+  void PrefetchSlot(uint64_t hash) const { index_.Prefetch(hash); }
   // Folds an overlay in: its rows replace or join this shard's (every
   // column), then its removed keys go (logged with clock's version).
   void Merge(const Overlay& overlay, const Clock& clock);

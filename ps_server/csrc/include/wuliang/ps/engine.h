@@ -237,6 +237,8 @@ class Engine {
   // and found[i] = 0. Nothing is counted. found may be null. Returns the
   // label of the version the rows were read at (CommitApply's; 0 before
   // any): the rows and the label come from one snapshot of the table.
+  // A serving table (TableSpec.serving) is read on the calling thread,
+  // without a hand-off to the shard workers, by any number of threads.
   uint64_t Lookup(int table, const uint64_t* keys, size_t n,
                   float* out,      // (n, dim)
                   uint8_t* found,  // (n,)
@@ -332,6 +334,11 @@ class Engine {
   // Def for a call that writes or exports: throws while a version is being
   // switched in (the table is layered).
   details::TableDef* WritableDef(int table) const;
+  // Def for a call that changes rows: WritableDef, and not a serving table.
+  details::TableDef* MutableDef(int table) const;
+  // Lookup of a serving table on the calling thread.
+  void LookupInline(const details::TableDef& def, const uint64_t* keys, size_t n, float* out,
+                    uint8_t* found, bool init_missing) const;
   // Publishes a new table in a free slot (create_mutex_ held); its id.
   int Publish(std::unique_ptr<details::TableDef> def);
   std::unique_ptr<details::Staging> TakeStaging(int staging);

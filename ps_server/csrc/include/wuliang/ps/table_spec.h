@@ -74,6 +74,10 @@ struct TableSpec {
   // in, split over the shards); the table grows past it as usual, and its
   // memory never shrinks below it. 0: grow from empty.
   uint64_t reserve_rows = 0;
+  // A serving table: only version applies (Engine::BeginApply ..
+  // CommitApply) change it; pushes, training pulls, loads, erases and
+  // evictions are refused, and lookups run on the caller's thread.
+  bool serving = false;
 };
 
 // Throws std::invalid_argument naming the bad field.
