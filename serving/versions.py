@@ -28,6 +28,7 @@ import os
 from pathlib import Path
 
 from wuliang.ps_server import SGD, ParameterServer, TableSpec, TableUpdate, Zeros
+from wuliang.ps_server.spec import Precision
 from wuliang.storage import CorruptVersionError, Version
 
 __all__ = ["LATEST", "apply", "apply_chain", "chain", "latest", "versions"]
@@ -94,14 +95,15 @@ def chain(export_dir: str | os.PathLike, version: int | None = None) -> list[Ver
     return out[::-1]
 
 
-def apply(ps: ParameterServer, version: Version) -> None:
+def apply(ps: ParameterServer, version: Version, precision: Precision = "fp32") -> None:
     """Applies one version to a parameter server, atomically per table for
     concurrent readers (``ParameterServer.apply_update``; lookups then report
     the version's number): a full version
     replaces each of its tables, a delta replaces or adds its rows and
     removes its keys. Tables the server lacks are created (SGD, zero
-    initializer: serving does not train). Every file is checked before
-    anything changes.
+    initializer: serving does not train) with ``precision`` (``"fp32"``,
+    ``"fp16"`` or ``"int8"``, see ``TableSpec``); existing tables keep
+    theirs. Every file is checked before anything changes.
 
     Raises:
         CorruptVersionError: a file of the version is missing or damaged.
@@ -120,7 +122,9 @@ def apply(ps: ParameterServer, version: Version) -> None:
         table: TableUpdate(
             ps.spec(table)
             if table in tables
-            else TableSpec(table, info["dim"], optimizer=SGD(), initializer=Zeros()),
+            else TableSpec(
+                table, info["dim"], optimizer=SGD(), initializer=Zeros(), precision=precision
+            ),
             full=full,
             rows=version.read_rows(table, verified=True),
             removed=None if full else version.removed_keys(table, verified=True),
@@ -131,11 +135,15 @@ def apply(ps: ParameterServer, version: Version) -> None:
 
 
 def apply_chain(
-    ps: ParameterServer, export_dir: str | os.PathLike, version: int | None = None
+    ps: ParameterServer,
+    export_dir: str | os.PathLike,
+    version: int | None = None,
+    precision: Precision = "fp32",
 ) -> list[Version]:
     """Applies the chain of ``version`` (default LATEST) to a parameter
-    server, version by version; returns it."""
+    server, version by version; returns it. ``precision``: of the tables it
+    creates (see ``apply``)."""
     versions_ = chain(export_dir, version)
     for v in versions_:
-        apply(ps, v)
+        apply(ps, v, precision)
     return versions_

@@ -2,7 +2,8 @@
 
 Reader threads look keys up while full and delta versions are applied. Every
 row of version v carries v's signature (weights[0] = the version that last
-wrote it, the rest a function of key and that version), and the state after
+wrote it, the rest a function of key and that version), exact in every
+storage precision (``TableSpec.precision``), and the state after
 each version is known: a reader's answer for a table must equal exactly the
 state after one version (never a mix of two, never a torn row, never an
 empty table).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -31,11 +33,14 @@ KEYS = np.arange(1, 4001, dtype=np.uint64)
 
 
 def signed(keys: np.ndarray, version: int) -> np.ndarray:
-    """Rows of version ``version``: [v, f(key, v), ...]."""
+    """Rows of version ``version``: [v, 127, f(key, v), ...], integers in
+    [0, 127] led by the largest: float32, fp16 and int8 (scale 1) all store
+    them exactly."""
     rows = np.empty((len(keys), DIM), np.float32)
     rows[:, 0] = version
-    for j in range(1, DIM):
-        rows[:, j] = ((keys.astype(np.float64) * (j + 3) + version * 7) % 1009).astype(np.float32)
+    rows[:, 1] = 127
+    for j in range(2, DIM):
+        rows[:, j] = ((keys.astype(np.float64) * (j + 3) + version * 7) % 127).astype(np.float32)
     return rows
 
 
@@ -55,7 +60,9 @@ def chunk(keys: np.ndarray, version: int) -> RowChunk:
 SPEC = TableSpec("t", DIM, optimizer=SGD(), initializer=Zeros())
 
 
-def plan(versions: int, seed: int = 0) -> list[tuple[TableUpdate, dict[int, np.ndarray]]]:
+def plan(
+    versions: int, seed: int = 0, spec: TableSpec = SPEC
+) -> list[tuple[TableUpdate, dict[int, np.ndarray]]]:
     """Updates to apply in turn (a full version every 5th, deltas between),
     each with the expected rows of every key that has one after it."""
     rng = np.random.default_rng(seed)
@@ -64,7 +71,7 @@ def plan(versions: int, seed: int = 0) -> list[tuple[TableUpdate, dict[int, np.n
     for v in range(1, versions + 1):
         if v % 5 == 1:  # a full version: a random 90% of the keys
             keys = np.sort(rng.choice(KEYS, int(len(KEYS) * 0.9), replace=False))
-            update = TableUpdate(SPEC, full=True, rows=[chunk(keys, v)])
+            update = TableUpdate(spec, full=True, rows=[chunk(keys, v)])
             state = {}
         else:  # a delta: 10% rewritten, 1% removed
             changed = np.sort(rng.choice(KEYS, len(KEYS) // 10, replace=False))
@@ -72,7 +79,7 @@ def plan(versions: int, seed: int = 0) -> list[tuple[TableUpdate, dict[int, np.n
             gone = np.sort(rng.choice(present, len(present) // 100, replace=False))
             gone = np.setdiff1d(gone, changed)
             update = TableUpdate(
-                SPEC,
+                spec,
                 full=False,
                 rows=[
                     chunk(changed[: len(changed) // 2], v),
@@ -99,11 +106,14 @@ def expected_rows(state: dict[int, np.ndarray], keys: np.ndarray) -> tuple[np.nd
     return rows, found
 
 
-@pytest.mark.parametrize("num_shards", [1, 3])
-def test_readers_see_each_table_wholly_at_one_version(num_shards: int) -> None:
-    steps = plan(25)
+@pytest.mark.parametrize(
+    ("num_shards", "precision"), [(1, "fp32"), (3, "fp32"), (3, "fp16"), (3, "int8")]
+)
+def test_readers_see_each_table_wholly_at_one_version(num_shards: int, precision: str) -> None:
+    steps = plan(25, spec=replace(SPEC, precision=precision))
     with Engine(num_shards) as ps:
         ps.apply_update({"t": steps[0][0]}, label=1)
+        assert ps.spec("t").precision == precision
         states = [expected_rows(state, KEYS) for _, state in steps]
         applied = threading.Event()
         errors: list[str] = []
