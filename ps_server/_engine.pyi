@@ -21,6 +21,11 @@ class NanPolicy(enum.Enum):
     DROP = ...
     RAISE = ...
 
+class Precision(enum.Enum):
+    FP32 = ...
+    FP16 = ...
+    INT8 = ...
+
 class OptimizerSpec:
     kind: OptimizerKind
     learning_rate: float
@@ -61,6 +66,7 @@ class TableSpec:
     eviction: EvictionSpec
     nan_policy: NanPolicy
     reserve_rows: int
+    precision: Precision
 
 class UnknownTableError(KeyError): ...
 

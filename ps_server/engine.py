@@ -17,6 +17,9 @@ Semantics in one place:
   gradient rows are dropped and counted (or raise, per table). Pushes to keys
   still waiting for admission are dropped and counted.
 * Keys are uint64; int64 arrays are reinterpreted (-1 is 2**64 - 1).
+* Rows are float32 whatever a table's ``precision``; a compressed table
+  (``"fp16"``, ``"int8"``) serves only: training calls on it raise
+  ``ValueError`` (see ``TableSpec``).
 * Tables may be dropped and created while other threads call: a call on a
   table name resolves it once, to the table of that name at that moment, and
   either runs on that table or raises ``UnknownTableError`` (the table was

@@ -345,6 +345,12 @@ class Eviction:
 # --- the table --------------------------------------------------------------
 
 NanPolicy = Literal["drop", "raise"]
+Precision = Literal["fp32", "fp16", "int8"]
+_PRECISIONS = {
+    "fp32": _engine.Precision.FP32,
+    "fp16": _engine.Precision.FP16,
+    "int8": _engine.Precision.INT8,
+}
 
 
 @dataclass(frozen=True)
@@ -372,6 +378,15 @@ class TableSpec:
             (on some virtual machines a large part of a step, see
             docs/performance.md); a reserve pays them before. 0: grow from
             empty.
+        precision: how the weights are stored: ``"fp32"`` (exact, the
+            default), ``"fp16"`` (IEEE half, round to nearest even,
+            saturating at +-65504) or ``"int8"`` (int8 with a float32 scale
+            per row, ``max|w| / 127``). Rows go in and out as float32
+            either way. A compressed table is for serving: it loads
+            (``load``, ``apply_update``) and answers ``lookup``,
+            ``pull(train=False)``, ``contains`` and ``export``; training
+            calls on it (``pull`` with ``train=True``, ``push``) raise
+            ValueError. See docs/ps_engine.md, "Precision".
         serving: only version applies (``apply_update``) change the table;
             pushes, training pulls, loads, erases and evictions are refused
             (ValueError naming it), and lookups read on the calling thread,
@@ -388,6 +403,7 @@ class TableSpec:
     eviction: Eviction = field(default_factory=Eviction)
     nan_policy: NanPolicy = "drop"
     reserve_rows: int = 0
+    precision: Precision = "fp32"
     serving: bool = False
 
     def __post_init__(self) -> None:
@@ -424,6 +440,10 @@ class TableSpec:
             self.nan_policy in ("drop", "raise"),
             f"{who}: nan_policy must be 'drop' or 'raise', got {self.nan_policy!r}",
         )
+        _check(
+            isinstance(self.precision, str) and self.precision in _PRECISIONS,
+            f"{who}: precision must be 'fp32', 'fp16' or 'int8', got {self.precision!r}",
+        )
 
     @property
     def state_dim(self) -> int:
@@ -455,4 +475,5 @@ class TableSpec:
         )
         spec.reserve_rows = self.reserve_rows
         spec.serving = self.serving
+        spec.precision = _PRECISIONS[self.precision]
         return spec

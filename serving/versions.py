@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 
 from wuliang.ps_server import SGD, ParameterServer, TableSpec, TableUpdate, Zeros
-from wuliang.ps_server.spec import initializer_from_dict
+from wuliang.ps_server.spec import Precision, initializer_from_dict
 from wuliang.storage import CorruptVersionError, Version
 
 __all__ = ["LATEST", "apply", "apply_chain", "chain", "latest", "versions"]
@@ -95,14 +95,15 @@ def chain(export_dir: str | os.PathLike, version: int | None = None) -> list[Ver
     return out[::-1]
 
 
-def apply(ps: ParameterServer, version: Version, precision: str = "fp32") -> None:
+def apply(ps: ParameterServer, version: Version, precision: Precision = "fp32") -> None:
     """Applies one version to a parameter server, atomically per table for
     concurrent readers (``ParameterServer.apply_update``; lookups then report
     the version's number): a full version
     replaces each of its tables, a delta replaces or adds its rows and
     removes its keys. Tables the server lacks are created (SGD, zero
-    initializer: serving does not train). Every file is checked before
-    anything changes.
+    initializer: serving does not train) with ``precision`` (``"fp32"``,
+    ``"fp16"`` or ``"int8"``, see ``TableSpec``); existing tables keep
+    theirs. Every file is checked before anything changes.
 
     Raises:
         CorruptVersionError: a file of the version is missing or damaged.
@@ -129,7 +130,7 @@ def apply(ps: ParameterServer, version: Version, precision: str = "fp32") -> Non
     ps.apply_update(updates, label=int(version["version"]))
 
 
-def serving_spec(table: str, info: dict, precision: str = "fp32") -> TableSpec:
+def serving_spec(table: str, info: dict, precision: Precision = "fp32") -> TableSpec:
     """The spec of a served table from its manifest entry: a serving table
     (``TableSpec.serving``: changed by version applies only, lookups on the
     caller's thread), SGD, and the training table's initializer and seed when the
@@ -139,7 +140,6 @@ def serving_spec(table: str, info: dict, precision: str = "fp32") -> TableSpec:
     initializer = Zeros()
     if "initializer" in info:
         initializer = initializer_from_dict(info["initializer"])
-    stored = {} if precision == "fp32" else {"precision": precision}
     return TableSpec(
         table,
         info["dim"],
@@ -147,7 +147,7 @@ def serving_spec(table: str, info: dict, precision: str = "fp32") -> TableSpec:
         initializer=initializer,
         seed=int(info.get("seed", 0)),
         serving=True,
-        **stored,
+        precision=precision,
     )
 
 
@@ -155,10 +155,11 @@ def apply_chain(
     ps: ParameterServer,
     export_dir: str | os.PathLike,
     version: int | None = None,
-    precision: str = "fp32",
+    precision: Precision = "fp32",
 ) -> list[Version]:
     """Applies the chain of ``version`` (default LATEST) to a parameter
-    server, version by version; returns it."""
+    server, version by version; returns it. ``precision``: of the tables it
+    creates (see ``apply``)."""
     versions_ = chain(export_dir, version)
     for v in versions_:
         apply(ps, v, precision)

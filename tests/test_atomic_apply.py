@@ -2,7 +2,8 @@
 
 Reader threads look keys up while full and delta versions are applied. Every
 row of version v carries v's signature (weights[0] = the version that last
-wrote it, the rest a function of key and that version), and the state after
+wrote it, the rest a function of key and that version), exact in every
+storage precision (``TableSpec.precision``), and the state after
 each version is known: a reader's answer for a table must equal exactly the
 state after one version (never a mix of two, never a torn row, never an
 empty table).
@@ -32,11 +33,14 @@ KEYS = np.arange(1, 4001, dtype=np.uint64)
 
 
 def signed(keys: np.ndarray, version: int) -> np.ndarray:
-    """Rows of version ``version``: [v, f(key, v), ...]."""
+    """Rows of version ``version``: [v, 127, f(key, v), ...], integers in
+    [0, 127] led by the largest: float32, fp16 and int8 (scale 1) all store
+    them exactly."""
     rows = np.empty((len(keys), DIM), np.float32)
     rows[:, 0] = version
-    for j in range(1, DIM):
-        rows[:, j] = ((keys.astype(np.float64) * (j + 3) + version * 7) % 1009).astype(np.float32)
+    rows[:, 1] = 127
+    for j in range(2, DIM):
+        rows[:, j] = ((keys.astype(np.float64) * (j + 3) + version * 7) % 127).astype(np.float32)
     return rows
 
 
@@ -102,14 +106,26 @@ def expected_rows(state: dict[int, np.ndarray], keys: np.ndarray) -> tuple[np.nd
     return rows, found
 
 
-@pytest.mark.parametrize("serving", [False, True], ids=["tasks", "serving-inline"])
-@pytest.mark.parametrize("num_shards", [1, 3])
-def test_readers_see_each_table_wholly_at_one_version(num_shards: int, serving: bool) -> None:
+@pytest.mark.parametrize(
+    ("num_shards", "precision", "serving"),
+    [
+        (1, "fp32", False),
+        (3, "fp32", False),
+        (1, "fp32", True),
+        (3, "fp32", True),
+        (3, "fp16", True),
+        (3, "int8", True),
+    ],
+)
+def test_readers_see_each_table_wholly_at_one_version(
+    num_shards: int, precision: str, serving: bool
+) -> None:
     """Plain tables are read by the shard workers; serving tables on the
-    readers' own threads."""
-    steps = plan(25, spec=replace(SPEC, serving=True) if serving else SPEC)
+    readers' own threads; compressed ones decode."""
+    steps = plan(25, spec=replace(SPEC, precision=precision, serving=serving))
     with Engine(num_shards) as ps:
         ps.apply_update({"t": steps[0][0]}, label=1)
+        assert ps.spec("t").precision == precision
         states = [expected_rows(state, KEYS) for _, state in steps]
         applied = threading.Event()
         errors: list[str] = []

@@ -208,6 +208,10 @@ void BindSpecs(py::module_& m) {
   py::enum_<NanPolicy>(m, "NanPolicy")
       .value("DROP", NanPolicy::kDrop)
       .value("RAISE", NanPolicy::kRaise);
+  py::enum_<Precision>(m, "Precision")
+      .value("FP32", Precision::kFp32)
+      .value("FP16", Precision::kFp16)
+      .value("INT8", Precision::kInt8);
 
   py::class_<OptimizerSpec>(m, "OptimizerSpec")
       .def(py::init<>())
@@ -250,7 +254,8 @@ void BindSpecs(py::module_& m) {
       .def_readwrite("eviction", &TableSpec::eviction)
       .def_readwrite("nan_policy", &TableSpec::nan_policy)
       .def_readwrite("reserve_rows", &TableSpec::reserve_rows)
-      .def_readwrite("serving", &TableSpec::serving);
+      .def_readwrite("serving", &TableSpec::serving)
+      .def_readwrite("precision", &TableSpec::precision);
   m.def("state_dim", &StateDim, "kind"_a, "dim"_a);
 }
 

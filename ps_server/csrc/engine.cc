@@ -94,6 +94,18 @@ TableStats& TableStats::operator+=(const TableStats& o) {
   return *this;
 }
 
+const char* PrecisionName(Precision precision) {
+  switch (precision) {
+    case Precision::kFp32:
+      return "fp32";
+    case Precision::kFp16:
+      return "fp16";
+    case Precision::kInt8:
+      return "int8";
+  }
+  return "unknown";
+}
+
 int StateDim(OptimizerKind kind, int dim) {
   switch (kind) {
     case OptimizerKind::kSgd:
@@ -115,6 +127,15 @@ void Require(bool ok, const TableSpec& spec, const std::string& what) {
 }
 
 bool Finite(float x) { return std::isfinite(x); }
+
+// Training calls need float32 weights: a compressed table only serves.
+void RequireTrainable(const TableDef& def) {
+  if (def.spec.precision == Precision::kFp32) return;
+  const std::string p = PrecisionName(def.spec.precision);
+  throw std::invalid_argument("table '" + def.spec.name + "' has precision '" + p +
+                              "' (compressed, for serving): training calls (pull with "
+                              "train=true, push) need precision 'fp32'");
+}
 
 // A reserve is faulted in at once: refuse one larger than the machine's
 // memory rather than let the kernel's OOM killer answer.
@@ -164,6 +185,11 @@ void ValidateSpec(const TableSpec& spec) {
   Require(Finite(i.value), spec, "initializer value must be finite");
   Require(spec.admission.min_count >= 1, spec, "admission min_count must be >= 1");
   Require(spec.admission.pending_capacity >= 1, spec, "admission pending_capacity must be >= 1");
+  Require(spec.precision == Precision::kFp32 || spec.precision == Precision::kFp16 ||
+              spec.precision == Precision::kInt8,
+          spec,
+          "precision must be fp32, fp16 or int8, got " +
+              std::to_string(static_cast<int>(spec.precision)));
 }
 
 void ShardOfBatch(const uint64_t* keys, size_t n, uint32_t num_shards, uint32_t* shards) {
@@ -190,7 +216,8 @@ void FreeTable(TableDef* def) {
 std::unique_ptr<TableDef> NewDef(const TableSpec& spec, int num_shards) {
   auto def = std::make_unique<TableDef>();
   def->spec = spec;
-  def->layout = details::RowLayout(spec.dim, StateDim(spec.optimizer.kind, spec.dim));
+  def->layout =
+      details::RowLayout(spec.dim, StateDim(spec.optimizer.kind, spec.dim), spec.precision);
   def->shards.assign(num_shards, nullptr);
   try {
     for (int s = 0; s < num_shards; ++s) def->shards[s] = new TableShard(*def, 0);
@@ -419,7 +446,8 @@ int Engine::CreateTable(const TableSpec& spec) {
   } else {
     def = std::make_unique<TableDef>();
     def->spec = spec;
-    def->layout = details::RowLayout(spec.dim, StateDim(spec.optimizer.kind, spec.dim));
+    def->layout =
+        details::RowLayout(spec.dim, StateDim(spec.optimizer.kind, spec.dim), spec.precision);
     CheckReserve(spec, def->layout);
     def->shards.assign(num_shards_, nullptr);
     try {
@@ -554,7 +582,10 @@ void Engine::PullMany(const std::vector<TablePart>& parts, bool train, uint64_t 
   const GracePeriod::ReadScope scope(*grace_);
   std::vector<TableDef*> defs;
   defs.reserve(parts.size());
-  for (const TablePart& p : parts) defs.push_back(train ? MutableDef(p.table) : Def(p.table));
+  for (const TablePart& p : parts) {
+    defs.push_back(train ? MutableDef(p.table) : Def(p.table));
+    if (train) RequireTrainable(*defs.back());
+  }
   std::vector<Plan> plans;
   const std::vector<int> active = PlanParts(parts, &plans);
   const Clock clock = ClockAt(step);
@@ -605,6 +636,7 @@ PushResult Engine::PushMany(const std::vector<TablePart>& parts, bool keys_uniqu
   defs.reserve(parts.size());
   for (const TablePart& p : parts) {
     defs.push_back(MutableDef(p.table));
+    RequireTrainable(*defs.back());
     CheckFinite(*defs.back(), p);
   }
   std::vector<Plan> plans;

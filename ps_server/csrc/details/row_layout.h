@@ -1,7 +1,9 @@
 // Row layout. A row is split in two parts kept in the same pool chunk (see
 // memory_pool.h):
 //
-//   hot:  weights float[dim]                          read by every pull
+//   hot:  weights, encoded per the table's precision  read by every pull
+//           fp32: float[dim]   fp16: uint16[dim]   int8: float scale | int8[dim]
+//           (details/precision.h)
 //   cold: RowMeta (24 B) | state float[state_dim]     touched by updates only
 //
 // A row is named by its hot pointer (what the hash map stores); rows do not
@@ -10,6 +12,9 @@
 
 #include <cstddef>
 #include <cstdint>
+
+#include "details/precision.h"
+#include "wuliang/ps/table_spec.h"
 
 namespace wuliang::ps::details {
 
@@ -31,23 +36,41 @@ static_assert(sizeof(RowMeta) == 24);
 struct RowLayout {
   int dim = 0;
   int state_dim = 0;
-  size_t hot_stride = 0;   // weights bytes, padded so a vector spans as few lines as possible
-  size_t cold_stride = 0;  // meta + state bytes, a multiple of 8
+  Precision precision = Precision::kFp32;
+  size_t hot_bytes = 0;    // encoded weights (EncodedBytes)
+  size_t hot_stride = 0;   // hot_bytes padded so a row spans as few lines as possible
+  size_t cold_stride = 0;  // meta + state bytes, a multiple of 32
 
   RowLayout() = default;
-  RowLayout(int dim, int state_dim)
+  RowLayout(int dim, int state_dim, Precision precision = Precision::kFp32)
       : dim(dim),
         state_dim(state_dim),
-        hot_stride(HotStride(sizeof(float) * dim)),
+        precision(precision),
+        hot_bytes(EncodedBytes(precision, dim)),
+        hot_stride(precision == Precision::kFp32 ? HotStride(hot_bytes)
+                                                 : PackedHotStride(hot_bytes)),
         cold_stride((sizeof(RowMeta) + sizeof(float) * state_dim + 31) / 32 * 32) {}
 
-  // Up to a line: the next power of two (never straddles); beyond: whole
-  // 32-byte units (straddles at most one extra line).
+  // float32 rows. Up to a line: the next power of two (never straddles);
+  // beyond: whole 32-byte units (straddles at most one extra line).
   static size_t HotStride(size_t bytes) {
     if (bytes > 64) return (bytes + 31) / 32 * 32;
     size_t stride = 4;
     while (stride < bytes) stride *= 2;
     return stride;
+  }
+  // Compressed rows: whole lines plus a power-of-two tail of at least 4
+  // bytes (up to a line, as HotStride). Row offsets within a line are then
+  // multiples of the tail, so a row of 64q + r bytes (0 < r <= 64) always
+  // spans exactly q + 1 lines, the fewest it can, with less padding than
+  // 32-byte units (int8 dim 64: 68 bytes, not 96). Strides stay multiples
+  // of 4: an int8 row's float scale is aligned. (float32 rows keep
+  // HotStride, so their layout is as before.)
+  static size_t PackedHotStride(size_t bytes) {
+    const size_t lines = bytes > 64 ? (bytes - 1) / 64 : 0;
+    size_t tail = 4;
+    while (tail < bytes - 64 * lines) tail *= 2;
+    return 64 * lines + tail;
   }
 
   static float* Weights(char* hot) { return reinterpret_cast<float*>(hot); }

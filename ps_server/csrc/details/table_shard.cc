@@ -5,9 +5,11 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "details/initializer.h"
 #include "details/optimizers.h"
+#include "details/precision.h"
 #include "wuliang/ps/hash.h"
 
 namespace wuliang::ps::details {
@@ -62,6 +64,34 @@ template <bool kWrite>
   }
 }
 
+// A row's weights as float32: dst (dim,) from the hot part. Always inlined
+// into the per-precision instances of a lookup's visit; fp32 is the plain
+// copy it always was.
+template <Precision kPrecision>
+[[gnu::always_inline]] inline void ReadWeights(const char* hot, int dim, float* dst) {
+  if constexpr (kPrecision == Precision::kFp32) {
+    CopyFloats(dst, reinterpret_cast<const float*>(hot), dim);
+  } else if constexpr (kPrecision == Precision::kFp16) {
+    DecodeHalf(reinterpret_cast<const uint16_t*>(hot), dim, dst);
+  } else {
+    DecodeInt8(hot, dim, dst);
+  }
+}
+
+// fn(std::integral_constant<Precision, p>) for the table's precision p: a
+// loop over rows is compiled once per precision, no branch per row.
+template <class Fn>
+void WithPrecision(Precision precision, Fn&& fn) {
+  switch (precision) {
+    case Precision::kFp32:
+      return fn(std::integral_constant<Precision, Precision::kFp32>{});
+    case Precision::kFp16:
+      return fn(std::integral_constant<Precision, Precision::kFp16>{});
+    case Precision::kInt8:
+      return fn(std::integral_constant<Precision, Precision::kInt8>{});
+  }
+}
+
 }  // namespace
 
 TableShard::TableShard(const TableDef& def, size_t reserve_rows)
@@ -111,6 +141,7 @@ Slice TableShard::Select(const ShardBatch& b) {
 
 char* TableShard::CreateRow(uint64_t key, uint64_t hash, const Clock& clock, uint32_t count,
                             bool blank) {
+  if (!blank) RequireFp32("a new row's initial weights");
   char* row = pool_.Allocate();
   char* cold = pool_.Cold(row);
   RowMeta* meta = RowLayout::Meta(cold);
@@ -259,22 +290,32 @@ void TableShard::FlushInit() {
   num_pending_init_ = 0;
 }
 
+void TableShard::RequireFp32(const char* what) const {
+  if (layout_.precision == Precision::kFp32) return;
+  throw std::invalid_argument("table '" + spec_.name + "' has precision '" +
+                              PrecisionName(layout_.precision) + "': " + what +
+                              " needs float32 weights");
+}
+
 void TableShard::Pull(const ShardBatch& batch, float* out, bool train, const Clock& clock) {
   const Slice s = Select(batch);
   const int dim = layout_.dim;
   uint64_t misses = 0;
   // Read-only for existing rows (counts advance on push), so pulled rows
   // stay clean in cache and cost no write-back.
-  Pipeline</*kCold=*/false>(
-      s, train ? Create::kAdmit : Create::kNever, clock, [&](size_t k, char* row) {
-        float* dst = out + s.pos(k) * dim;
-        if (row != nullptr) {
-          CopyFloats(dst, RowLayout::Weights(row), dim);
-        } else {
-          InitializeWeights(spec_.initializer, spec_.seed, s.key(k), dim, dst);
-          ++misses;
-        }
-      });
+  if (train) RequireFp32("a training pull");
+  WithPrecision(layout_.precision, [&](auto precision) {
+    Pipeline</*kCold=*/false>(
+        s, train ? Create::kAdmit : Create::kNever, clock, [&](size_t k, char* row) {
+          float* dst = out + s.pos(k) * dim;
+          if (row != nullptr) {
+            ReadWeights<decltype(precision)::value>(row, dim, dst);
+          } else {
+            InitializeWeights(spec_.initializer, spec_.seed, s.key(k), dim, dst);
+            ++misses;
+          }
+        });
+  });
   counters_.pulled_keys += s.size();
   counters_.pull_misses += misses;
 }
@@ -325,6 +366,7 @@ const std::vector<int32_t>& TableShard::GroupDuplicates(const Slice& s, const fl
 
 void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, const Clock& clock,
                       PushResult* result, float* updated, const int32_t* updated_rows, int only) {
+  RequireFp32("a push");
   Slice s = Select(batch);
   if (only != 0) {  // keep the keys asked for (hashes_ compacted alike)
     only_.resize(s.size());
@@ -471,34 +513,47 @@ void TableShard::Lookup(const ShardBatch& batch, float* out, uint8_t* found, boo
     }
     if (found != nullptr) found[s.pos(k)] = 0;
   };
-  if (overlay == nullptr) {
-    Pipeline</*kCold=*/false>(s, Create::kNever, Clock{}, [&](size_t k, char* row) {
-      float* dst = out + s.pos(k) * dim;
-      if (row == nullptr) return missing(k, dst);
-      CopyFloats(dst, RowLayout::Weights(row), dim);
-      if (found != nullptr) found[s.pos(k)] = 1;
-    });
-    return;
-  }
-  // Only while a version is applied: no prefetching pipeline.
-  for (size_t k = 0; k < s.size(); ++k) {
-    float* dst = out + s.pos(k) * dim;
-    char* const* row = overlay->rows->index_.Find(s.key(k), hashes_[k]);
-    if (row == nullptr && !overlay->Removes(s.key(k))) row = index_.Find(s.key(k), hashes_[k]);
-    if (row == nullptr) {
-      missing(k, dst);
-      continue;
+  WithPrecision(layout_.precision, [&](auto precision) {
+    constexpr Precision kPrecision = decltype(precision)::value;
+    if (overlay == nullptr) {
+      Pipeline</*kCold=*/false>(s, Create::kNever, Clock{}, [&](size_t k, char* row) {
+        float* dst = out + s.pos(k) * dim;
+        if (row == nullptr) return missing(k, dst);
+        ReadWeights<kPrecision>(row, dim, dst);
+        if (found != nullptr) found[s.pos(k)] = 1;
+      });
+      return;
     }
-    CopyFloats(dst, RowLayout::Weights(*row), dim);
-    if (found != nullptr) found[s.pos(k)] = 1;
-  }
+    // Only while a version is applied: no prefetching pipeline.
+    for (size_t k = 0; k < s.size(); ++k) {
+      float* dst = out + s.pos(k) * dim;
+      char* const* row = overlay->rows->index_.Find(s.key(k), hashes_[k]);
+      if (row == nullptr && !overlay->Removes(s.key(k))) row = index_.Find(s.key(k), hashes_[k]);
+      if (row == nullptr) {
+        missing(k, dst);
+        continue;
+      }
+      ReadWeights<kPrecision>(*row, dim, dst);
+      if (found != nullptr) found[s.pos(k)] = 1;
+    }
+  });
 }
 
 bool TableShard::ReadRow(uint64_t key, uint64_t hash, float* dst, bool init_missing) const {
   const int dim = layout_.dim;
   char* const* row = index_.Find(key, hash);
   if (row != nullptr) {
-    CopyFloats(dst, RowLayout::Weights(*row), dim);
+    switch (layout_.precision) {
+      case Precision::kFp32:
+        ReadWeights<Precision::kFp32>(*row, dim, dst);
+        break;
+      case Precision::kFp16:
+        ReadWeights<Precision::kFp16>(*row, dim, dst);
+        break;
+      case Precision::kInt8:
+        ReadWeights<Precision::kInt8>(*row, dim, dst);
+        break;
+    }
     return true;
   }
   if (init_missing) {
@@ -518,7 +573,11 @@ void TableShard::Merge(const Overlay& overlay, const Clock& clock) {
     const uint64_t hash = Mix64(key);
     char** slot = index_.Find(key, hash);
     char* row = slot != nullptr ? *slot : CreateRow(key, hash, clock, 0, /*blank=*/true);
-    CopyFloats(RowLayout::Weights(row), RowLayout::Weights(src), dim);
+    if (layout_.precision == Precision::kFp32) {
+      CopyFloats(RowLayout::Weights(row), RowLayout::Weights(src), dim);
+    } else {  // same precision (the overlay has the live spec): encoded as is
+      std::memcpy(row, src, layout_.hot_bytes);
+    }
     std::memcpy(pool_.Cold(row), from.pool_.Cold(src), cold_bytes);
     newest = std::max(newest, RowLayout::Meta(pool_.Cold(row))->version);
   });
@@ -536,7 +595,11 @@ void TableShard::Load(const ShardBatch& batch, const RowColumns& cols, const Clo
   Pipeline</*kCold=*/true>(s, Create::kBlank, clock, [&](size_t k, char* row) {
     const size_t p = s.pos(k);
     char* cold = pool_.Cold(row);
-    CopyFloats(RowLayout::Weights(row), cols.weights + p * dim, dim);
+    if (layout_.precision == Precision::kFp32) {
+      CopyFloats(RowLayout::Weights(row), cols.weights + p * dim, dim);
+    } else {
+      EncodeRow(layout_.precision, cols.weights + p * dim, dim, row);
+    }
     if (cols.state != nullptr) {
       CopyFloats(RowLayout::State(cold), cols.state + p * state_dim, state_dim);
     } else {
@@ -653,7 +716,13 @@ size_t TableShard::Export(uint64_t since, size_t max_rows, ExportCursor* cursor,
     if (meta->version <= since) return;
     const size_t o = offset + written;
     if (out.keys != nullptr) out.keys[o] = key;
-    if (out.weights != nullptr) CopyFloats(out.weights + o * dim, RowLayout::Weights(row), dim);
+    if (out.weights != nullptr) {
+      if (layout_.precision == Precision::kFp32) {
+        CopyFloats(out.weights + o * dim, RowLayout::Weights(row), dim);
+      } else {
+        DecodeRow(layout_.precision, row, dim, out.weights + o * dim);
+      }
+    }
     if (out.state != nullptr)
       CopyFloats(out.state + o * state_dim, RowLayout::State(cold), state_dim);
     if (out.counts != nullptr) out.counts[o] = meta->count;

@@ -98,6 +98,9 @@ class alignas(128) TableShard {
   TableShard(const TableShard&) = delete;
   TableShard& operator=(const TableShard&) = delete;
 
+  // Rows are read as float32 whatever the precision. Training (train,
+  // Push, rows created with initial weights) needs Precision::kFp32: the
+  // engine refuses it on compressed tables first; here it throws too.
   void Pull(const ShardBatch& batch, float* out, bool train, const Clock& clock);
   // updated (optional): each key's weights after the push, at row pos, or
   // at row updated_rows[pos] when given (none where -1). only (Engine::Only):
@@ -162,6 +165,8 @@ class alignas(128) TableShard {
   size_t rows() const { return index_.size(); }
 
  private:
+  // Throws std::invalid_argument unless the table stores float32 weights.
+  void RequireFp32(const char* what) const;
   char* CreateRow(uint64_t key, uint64_t hash, const Clock& clock, uint32_t count,
                   bool blank = false);
   // Records a change in the change log, keeping the log bounded.

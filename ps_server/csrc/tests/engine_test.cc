@@ -8,7 +8,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -19,6 +22,8 @@
 #include "details/hash_map.h"
 #include "details/memory_pool.h"
 #include "details/pending_counter.h"
+#include "details/precision.h"
+#include "details/row_layout.h"
 #include "wuliang/ps/hash.h"
 
 using namespace wuliang::ps;
@@ -594,6 +599,227 @@ void TestApplyIsAtomicForReaders() {
   CHECK(reads.load() > 0);
 }
 
+// The value of half bits h, computed independently of the converters.
+float HalfValue(uint16_t h) {
+  const int exp = (h >> 10) & 0x1F;
+  const int mant = h & 0x3FF;
+  const float sign = (h & 0x8000) != 0 ? -1.0f : 1.0f;
+  if (exp == 31) return mant == 0 ? sign * INFINITY : NAN;
+  if (exp == 0) return sign * std::ldexp(static_cast<float>(mant), -24);
+  return sign * std::ldexp(static_cast<float>(1024 + mant), exp - 25);
+}
+
+bool SameHalf(uint16_t a, uint16_t b) {
+  const auto is_nan = [](uint16_t h) { return (h & 0x7C00) == 0x7C00 && (h & 0x3FF) != 0; };
+  return is_nan(a) || is_nan(b) ? is_nan(a) && is_nan(b) : a == b;
+}
+
+bool SameFloat(float a, float b) {
+  return std::isnan(a) || std::isnan(b) ? std::isnan(a) && std::isnan(b)
+                                        : details::BitsOf(a) == details::BitsOf(b);
+}
+
+// Every half decodes exactly, and every converter the compiler offers
+// encodes as IEEE round-to-nearest-even with saturation: each half itself,
+// the midpoints between neighbours (ties to the even one) and one float
+// either side of them, saturation at 65504 (infinities too), NaN.
+void TestHalfConversions() {
+  std::vector<uint16_t> all(1 << 16);
+  for (size_t h = 0; h < all.size(); ++h) all[h] = static_cast<uint16_t>(h);
+  std::vector<float> decoded(all.size());
+  details::DecodeHalf(all.data(), static_cast<int>(all.size()), decoded.data());
+  for (size_t h = 0; h < all.size(); ++h) {
+    const float want = HalfValue(all[h]);
+    CHECK(SameFloat(decoded[h], want));
+    CHECK(SameFloat(details::FloatFromHalfPortable(all[h]), want));
+#if WL_HAVE_FLOAT16
+    CHECK(SameFloat(details::FloatFromHalfNative(all[h]), want));
+#endif
+    float one;  // the scalar tail of the block decoders
+    details::DecodeHalf(&all[h], 1, &one);
+    CHECK(SameFloat(one, want));
+  }
+  std::vector<float> in;
+  std::vector<uint16_t> want;
+  const auto add = [&](float x, uint16_t h) {
+    in.push_back(x);
+    want.push_back(h);
+    in.push_back(-x);
+    want.push_back(static_cast<uint16_t>(h ^ 0x8000));
+  };
+  for (uint16_t h = 0; h < 0x7BFF; ++h) {  // finite non-negative halves and the next one
+    const float lo = HalfValue(h);
+    const float hi = HalfValue(static_cast<uint16_t>(h + 1));
+    const float mid = (lo + hi) / 2;  // 12 significant bits: exact
+    add(lo, h);
+    add(mid, (h & 1) == 0 ? h : static_cast<uint16_t>(h + 1));
+    add(std::nextafter(mid, 0.0f), h);
+    add(std::nextafter(mid, INFINITY), static_cast<uint16_t>(h + 1));
+  }
+  const float max = 65504.0f;
+  for (float x : {max, std::nextafter(65520.0f, 0.0f), 65520.0f, 1e6f, 3.4e38f, INFINITY}) {
+    add(x, details::kHalfMaxBits);
+  }
+  add(NAN, 0x7E00);
+  in.push_back(std::numeric_limits<float>::signaling_NaN());
+  want.push_back(0x7E00);
+  const int n = static_cast<int>(in.size());
+  std::vector<uint16_t> got(in.size());
+  details::EncodeHalf(in.data(), n, got.data());  // blocks, as rows are encoded
+  for (int i = 0; i < n; ++i) CHECK(SameHalf(got[i], want[i]));
+  for (int i = 0; i < n; ++i) {
+    uint16_t one;
+    details::EncodeHalf(&in[i], 1, &one);  // the scalar tail
+    CHECK(SameHalf(one, want[i]));
+    CHECK(SameHalf(details::HalfFromFloatPortable(in[i]), want[i]));
+#if WL_HAVE_FLOAT16
+    CHECK(SameHalf(details::HalfFromFloatNative(in[i]), want[i]));
+#endif
+  }
+  // Normal values: relative error at most 2^-11.
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> exponent(-14.0f, 15.9f);
+  for (int i = 0; i < 100000; ++i) {
+    const float x = std::exp2(exponent(rng)) * (rng() % 2 != 0 ? 1.0f : -1.0f);
+    uint16_t h;
+    details::EncodeHalf(&x, 1, &h);
+    CHECK(std::fabs(HalfValue(h) - x) <= std::ldexp(std::fabs(x), -11));
+  }
+}
+
+// int8: |w - decoded| <= scale / 2 (up to float rounding), zero rows decode
+// to zeros, NaN stays NaN, infinities saturate to the row's largest value;
+// the vector decoder matches the scalar one for every code.
+void TestInt8Conversions() {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int dim = 1; dim <= 70; ++dim) {
+    for (int trial = 0; trial < 50; ++trial) {
+      std::vector<float> w(dim);
+      const float spread = std::exp2(static_cast<float>(static_cast<int>(rng() % 40) - 20));
+      for (float& x : w) x = normal(rng) * spread;
+      std::vector<char> hot(details::EncodedBytes(Precision::kInt8, dim));
+      details::EncodeInt8(w.data(), dim, hot.data());
+      float scale;
+      std::memcpy(&scale, hot.data(), sizeof(scale));
+      float m = 0.0f;
+      for (float x : w) m = std::max(m, std::fabs(x));
+      CHECK(scale == m / 127.0f);
+      std::vector<float> back(dim);
+      details::DecodeInt8(hot.data(), dim, back.data());
+      for (int j = 0; j < dim; ++j) {
+        const float slack = 1e-6f * scale + std::ldexp(std::fabs(w[j]), -23);
+        CHECK(std::fabs(back[j] - w[j]) <= scale / 2 + slack);
+        const auto q = static_cast<int8_t>(hot[sizeof(float) + j]);
+        CHECK(q >= -127 && q <= 127);
+        CHECK(back[j] == static_cast<float>(q) * scale);
+      }
+    }
+  }
+  std::vector<char> hot(details::EncodedBytes(Precision::kInt8, 19));
+  std::vector<float> back(19);
+  std::vector<float> zeros(19, 0.0f);
+  zeros[3] = -0.0f;
+  details::EncodeInt8(zeros.data(), 19, hot.data());
+  details::DecodeInt8(hot.data(), 19, back.data());
+  for (float x : back) CHECK(details::BitsOf(x) == 0);
+  float scale;
+  std::memcpy(&scale, hot.data(), sizeof(scale));
+  CHECK(scale == 0.0f);
+  std::vector<float> odd(19, 0.5f);
+  odd[0] = NAN;
+  odd[9] = INFINITY;
+  odd[17] = -INFINITY;
+  odd[18] = -2.0f;
+  details::EncodeInt8(odd.data(), 19, hot.data());
+  details::DecodeInt8(hot.data(), 19, back.data());
+  CHECK(std::isnan(back[0]));
+  CHECK(back[9] == -back[17] && back[17] == back[18]);  // 127 * scale
+  CHECK(std::fabs(back[18] + 2.0f) <= 1e-6f);
+  CHECK(std::fabs(back[1] - 0.5f) <= 1.0f / 127);
+  // Every code, through the vector blocks and the scalar tail.
+  std::vector<char> codes(sizeof(float) + 256);
+  for (float s : {0.0f, 1.0f, 0.37f, 1e-30f, 1e30f}) {
+    std::memcpy(codes.data(), &s, sizeof(s));
+    for (int c = 0; c < 256; ++c) codes[sizeof(float) + c] = static_cast<char>(c - 128);
+    std::vector<float> out(256);
+    details::DecodeInt8(codes.data(), 256, out.data());
+    for (int c = 0; c < 256; ++c) {
+      const auto q = static_cast<int8_t>(c - 128);
+      CHECK(SameFloat(out[c], details::Int8Value(q, s)));
+      CHECK(q == details::kInt8Nan ? std::isnan(out[c]) : out[c] == static_cast<float>(q) * s);
+    }
+  }
+}
+
+// Hot strides: float32 as before; compressed rows packed, each on the
+// fewest cache lines its bytes need, every stride a multiple of 4.
+void TestRowStrides() {
+  using details::RowLayout;
+  CHECK(RowLayout(16, 0, Precision::kFp32).hot_stride == 64);
+  CHECK(RowLayout(16, 0, Precision::kFp16).hot_stride == 32);
+  CHECK(RowLayout(16, 0, Precision::kInt8).hot_stride == 32);  // 20 bytes
+  CHECK(RowLayout(64, 0, Precision::kFp32).hot_stride == 256);
+  CHECK(RowLayout(64, 0, Precision::kFp16).hot_stride == 128);
+  CHECK(RowLayout(64, 0, Precision::kInt8).hot_stride == 68);
+  CHECK(RowLayout(17, 0).hot_stride == 96);  // float32: 32-byte units, unchanged
+  for (size_t bytes = 1; bytes <= 400; ++bytes) {
+    const size_t stride = RowLayout::PackedHotStride(bytes);
+    CHECK(stride >= bytes && stride % 4 == 0 && stride < bytes + 64);
+    const size_t fewest = (bytes + 63) / 64;
+    for (size_t i = 0; i < 64; ++i) {  // offsets repeat after 64 rows
+      const size_t first = i * stride / 64;
+      const size_t last = (i * stride + bytes - 1) / 64;
+      CHECK(last - first + 1 == fewest);
+    }
+  }
+}
+
+// A compressed table loads and answers lookups within its precision, and
+// refuses training calls, naming the table and its precision.
+void TestCompressedTables() {
+  Engine engine(EngineOptions{2});
+  constexpr int kDim = 16;
+  constexpr size_t kRows = 1000;
+  std::vector<uint64_t> keys(kRows);
+  std::vector<float> weights(kRows * kDim);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 0.1f);
+  for (size_t i = 0; i < kRows; ++i) keys[i] = i * 104729 + 3;
+  for (float& w : weights) w = normal(rng);
+  for (Precision precision : {Precision::kFp16, Precision::kInt8}) {
+    TableSpec spec = SgdSpec(std::string("t_") + PrecisionName(precision), kDim);
+    spec.precision = precision;
+    const int id = engine.CreateTable(spec);
+    RowColumns rows;
+    rows.keys = keys.data();
+    rows.weights = weights.data();
+    engine.Load(id, kRows, rows);
+    std::vector<float> out(kRows * kDim);
+    std::vector<uint8_t> found(kRows);
+    engine.Lookup(id, keys.data(), kRows, out.data(), found.data(), false);
+    for (size_t i = 0; i < kRows * kDim; ++i) {
+      CHECK(std::fabs(out[i] - weights[i]) <= (precision == Precision::kFp16 ? 1e-3f : 4e-3f));
+    }
+    std::vector<float> pulled(kRows * kDim);
+    engine.Pull(id, keys.data(), kRows, pulled.data(), /*train=*/false);
+    CHECK(pulled == out);
+    const auto refused = [&](auto&& call) {
+      try {
+        call();
+      } catch (const std::invalid_argument& e) {
+        const std::string what = e.what();
+        return what.find(spec.name) != std::string::npos &&
+               what.find(PrecisionName(precision)) != std::string::npos;
+      }
+      return false;
+    };
+    CHECK(refused([&] { engine.Pull(id, keys.data(), kRows, pulled.data(), true); }));
+    CHECK(refused([&] { engine.Push(id, keys.data(), kRows, weights.data()); }));
+    CHECK(engine.Stats(id).pushed_keys == 0 && engine.Stats(id).rows == kRows);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -614,6 +840,10 @@ int main() {
   TestDropAndRecreateUnderLoad();
   if (!kThreadSanitizer) TestSpentSlotsAreRetired();  // 2^17 creates: seconds under TSan
   TestApplyIsAtomicForReaders();
+  TestHalfConversions();
+  TestInt8Conversions();
+  TestRowStrides();
+  TestCompressedTables();
   std::puts("engine_test: all passed");
   return 0;
 }

@@ -40,6 +40,15 @@
 // Calls that stamp rows (PullMany, PushMany, Load, Evict's TTL) take the
 // training step as an argument; kCurrentStep falls back to SetStep's value,
 // for users of the engine alone. Rows also carry the wall time.
+//
+// Precision
+// ---------
+// Weights go in and out as float32 whatever the table's
+// TableSpec::precision: Load and StageRows encode, Pull(train=false),
+// Lookup and Export decode. On a compressed table (fp16, int8) the calls
+// that train (Pull or PullMany with train, Push, PushMany) throw
+// std::invalid_argument naming the table and its precision, before any
+// part of the call runs.
 #pragma once
 
 #include <array>

@@ -61,6 +61,20 @@ struct EvictionSpec {
 
 enum class NanPolicy : uint8_t { kDrop, kRaise };
 
+// How a table stores its weights (details/precision.h has the encodings).
+// Rows go in and out as float32 whatever the precision: Load and StageRows
+// encode, Lookup, Pull(train=false), Export decode. A compressed table
+// (kFp16, kInt8) is for serving: training calls on it (Pull with train,
+// Push, PullMany with train, PushMany) throw std::invalid_argument.
+enum class Precision : uint8_t {
+  kFp32,  // float32, exact
+  kFp16,  // IEEE half: round to nearest even, saturating at +-65504
+  kInt8,  // int8 with a float32 scale per row: scale = max|w| / 127
+};
+
+// "fp32", "fp16" or "int8".
+const char* PrecisionName(Precision precision);
+
 struct TableSpec {
   std::string name;
   int dim = 0;
@@ -78,6 +92,7 @@ struct TableSpec {
   // CommitApply) change it; pushes, training pulls, loads, erases and
   // evictions are refused, and lookups run on the caller's thread.
   bool serving = false;
+  Precision precision = Precision::kFp32;
 };
 
 // Throws std::invalid_argument naming the bad field.
