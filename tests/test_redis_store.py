@@ -82,7 +82,8 @@ def write_version(
     full when parent is None, else a delta of parent; LATEST names it."""
     with VersionWriter(root, str(number), "full" if parent is None else "delta") as writer:
         for table, keys in tables.items():
-            writer.write_table(table, DIMS[table], 0, [signed_rows(number, table, keys)], "SGD")
+            info = {"optimizer": "SGD"}
+            writer.write_table(table, DIMS[table], 0, [signed_rows(number, table, keys)], info)
             if parent is not None:
                 gone = (removed or {}).get(table, np.zeros(0, np.uint64))
                 writer.write_removed(table, np.asarray(gone, np.uint64))
