@@ -292,3 +292,72 @@ def test_bytes_that_are_no_request_are_invalid_argument(trained: dict[str, Any])
     finally:
         server.stop()
         service.close()
+
+
+def test_every_answer_belongs_to_the_version_it_names(tmp_path: Path) -> None:
+    """Clients query over gRPC while deltas land: each answer's rows carry the
+    signature of the version it reports (first weight = the export version
+    that last wrote the row), and no request fails."""
+    import keras
+
+    import wuliang as wl
+
+    table = wl.EmbeddingTable("t", 4, optimizer=wl.optimizers.SGD())
+    session = wl.Session(
+        keras.Sequential([keras.layers.Dense(1)]),
+        [wl.SparseFeature("k", table)],
+        wl.Context(num_shards=2),
+    )
+    ps = session.context.ps
+    keys = np.arange(2000, dtype=np.uint64)
+    hot = keys[:500]  # every delta rewrites these
+
+    def rows(version: int, which: np.ndarray) -> np.ndarray:
+        out = np.full((len(which), 4), float(version), np.float32)
+        out[:, 1] = which.astype(np.float32)
+        return out
+
+    ps.load("t", keys, rows(1, keys))
+    exports = tmp_path / "exports"
+    session.export(exports, kind="full")
+    store = ModelStore(exports, "m", poll_secs=0.05, load_towers=False).start()
+    service = Service([store])
+    server = GrpcServer(service, port=0)
+    stop = threading.Event()
+    problems: list[str] = []
+    seen: set[int] = set()
+
+    def query() -> None:
+        with Client(f"127.0.0.1:{server.port}", timeout=10) as client:
+            while not stop.is_set():
+                try:
+                    got, found, version = client.lookup("t", keys)
+                except ServingClientError as error:
+                    problems.append(repr(error))
+                    return
+                want = np.where(keys < len(hot), version, 1).astype(np.float32)
+                if not found.all() or (got[:, 0] != want).any() or (got[:, 1] != keys).any():
+                    problems.append(f"rows not of version {version}")
+                    return
+                seen.add(version)
+
+    threads = [threading.Thread(target=query) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for version in range(2, 8):
+            ps.load("t", hot, rows(version, hot))
+            assert session.export(exports).version == version
+            deadline = time.monotonic() + 30
+            while store.version != version and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert store.version == version
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        server.stop()
+        service.close()
+        session.context.close()
+    assert not problems, problems[:3]
+    assert len(seen) >= 3, seen
