@@ -106,3 +106,15 @@ def reader(files: list[str], shuffle: int) -> ParquetReader:
         seed=1,
         epochs=3,
     )
+
+
+def trained_export(root: Path) -> dict[str, Any]:
+    """A session trained 5 steps and exported (version 1) under root: the
+    session, its data files, the export directory and a batch of the data."""
+    files = write_data(root)
+    session = make_session()
+    session.train(reader(files, 0), steps=5)
+    exports = root / "exports"
+    session.export(exports)
+    batch = next(iter(reader(files, 0)))
+    return {"session": session, "files": files, "exports": exports, "batch": batch, "root": root}

@@ -62,7 +62,7 @@ import grpc
 import numpy as np
 import pytest
 import yarl
-from small_model import make_session, reader, write_data
+from small_model import trained_export
 
 from wuliang.serving import proto
 from wuliang.serving.errors import ServingError
@@ -92,15 +92,10 @@ JSON_TYPE = "application/json"
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    root = tmp_path_factory.mktemp("serving-fuzz")
-    files = write_data(root)
-    session = make_session()
-    session.train(reader(files, 0), steps=5)
-    exports = root / "exports"
-    session.export(exports)
-    batch = next(iter(reader(files, 0)))
-    yield {"session": session, "exports": exports, "batch": batch, "root": root}
-    session.context.close()
+    """A session trained 5 steps and exported (version 1), its files, a batch."""
+    trained = trained_export(tmp_path_factory.mktemp("serving-fuzz"))
+    yield trained
+    trained["session"].context.close()
 
 
 @pytest.fixture(scope="module")

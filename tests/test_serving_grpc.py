@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from small_model import make_session, reader, write_data
+from small_model import make_session, reader, trained_export
 
 from wuliang.serving import proto
 from wuliang.serving.client import Client, ServingClientError
@@ -33,15 +33,9 @@ SCRIPT = Path(sys.executable).parent / "wuliang"
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A session trained 5 steps and exported (version 1), its files, a batch."""
-    root = tmp_path_factory.mktemp("serving")
-    files = write_data(root)
-    session = make_session()
-    session.train(reader(files, 0), steps=5)
-    exports = root / "exports"
-    session.export(exports)
-    batch = next(iter(reader(files, 0)))
-    yield {"session": session, "files": files, "exports": exports, "batch": batch, "root": root}
-    session.context.close()
+    trained = trained_export(tmp_path_factory.mktemp("serving"))
+    yield trained
+    trained["session"].context.close()
 
 
 def serve(exports: Path, token: str | None = None, **store: Any) -> tuple[Service, GrpcServer]:

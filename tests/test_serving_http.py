@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from small_model import make_session, reader, write_data
+from small_model import trained_export
 
 from wuliang.serving.http_server import HttpServer
 from wuliang.serving.predict import FeatureInput, PredictAnswer
@@ -33,15 +33,9 @@ MAX_KEYS = 1000
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A session trained 5 steps and exported (version 1), its files, a batch."""
-    root = tmp_path_factory.mktemp("serving-http")
-    files = write_data(root)
-    session = make_session()
-    session.train(reader(files, 0), steps=5)
-    exports = root / "exports"
-    session.export(exports)
-    batch = next(iter(reader(files, 0)))
-    yield {"session": session, "files": files, "exports": exports, "batch": batch, "root": root}
-    session.context.close()
+    trained = trained_export(tmp_path_factory.mktemp("serving-http"))
+    yield trained
+    trained["session"].context.close()
 
 
 @pytest.fixture(scope="module")
