@@ -227,6 +227,7 @@ class ModelStore:
     def _apply_chain(self, path: list[Version]) -> bool:
         for version in path:
             number = int(version["version"])
+            previous = self.version
             start = time.perf_counter()
             try:
                 version.verify()
@@ -237,11 +238,19 @@ class ModelStore:
                     self._load_tower(version),
                     version.path,
                 )
+                # Held before any table switches: an answer whose rows are of
+                # the new version finds its tower, and one still on the
+                # previous version (tables switch one by one) finds that one.
+                self._served = {
+                    **{n: v for n, v in self._served.items() if n == previous},
+                    number: served,
+                }
                 apply(self.ps, version, precision=self.precision)
                 if version.kind == "full":  # tables the new base no longer has
                     for gone in set(self.ps.tables()) - set(version.tables):
                         self.ps.drop_table(gone)
             except (CorruptVersionError, OSError, ValueError) as error:
+                self._served.pop(number, None)
                 self._refuse(number, error)
                 return False
             took = time.perf_counter() - start
@@ -249,10 +258,6 @@ class ModelStore:
                 self._chain = [number]
             else:
                 self._chain.append(number)
-            previous = self._served.get(self._chain[-2]) if len(self._chain) > 1 else None
-            self._served = {number: served}
-            if previous is not None:
-                self._served[previous.number] = previous
             self.counters.applied += 1
             self.counters.apply_seconds = [*self.counters.apply_seconds[-99:], took]
             log.info("model %s: version %d applied (%s) in %.3f s", self.name, number,

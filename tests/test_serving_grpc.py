@@ -137,24 +137,35 @@ def test_deltas_apply_live_and_corrupt_versions_are_refused(
     stop = threading.Event()
     keys = np.arange(0, 300, dtype=np.uint64)
 
-    def query() -> None:
+    features = batch_features(trained["batch"])
+
+    def query(predicting: bool) -> None:
         with Client(f"127.0.0.1:{server.port}") as client:
             while not stop.is_set():
                 try:
-                    _, _, version = client.lookup("users", keys)
+                    if predicting:  # every table and the tower at one version
+                        outputs, version = client.predict(features, rows=trained["batch"].size)
+                        assert np.isfinite(outputs["predictions"]).all()
+                    else:
+                        _, _, version = client.lookup("users", keys)
                     assert version >= 1
                 except Exception as error:  # any failure fails the test
                     errors.append(repr(error))
                     return
 
-    threads = [threading.Thread(target=query) for _ in range(2)]
+    threads = [threading.Thread(target=query, args=(p,)) for p in (False, True)]
     for t in threads:
         t.start()
     try:
         base = store.version
+        for _ in range(3):  # deltas while both query
+            session.train(reader(files, 0), steps=1)
+            session.export(exports)
+            store.refresh()
         session.train(reader(files, 0), steps=3)
-        session.export(exports)
-        assert store.refresh() == [base + 1]
+        session.export(exports, kind="full")  # a new base: every table replaced
+        assert store.refresh() == [base + 4]
+        base += 3
         assert store.version == base + 1
         want = session.context.ps.lookup("users", keys)
         got = store.lookup("users", keys)
