@@ -30,15 +30,23 @@ What this example shows:
    ``model.fit`` and Adam 1e-3 on the same train split and scored with the
    same exact AUC function (``wuliang.metrics.auc``) on the same test split.
 
-5. Export for serving, as the hourly job would (skip with ``--no-export``):
-   a checkpoint of the trained model, ``wuliang export`` (a full version,
-   there being none yet), one more day of training (the first day of the
-   test split), another checkpoint and ``wuliang export --incremental`` (a
-   delta: the rows that day changed); both manifests' row counts are
-   printed. ``WORK/model`` and ``WORK/exports`` are rewritten on each run.
+5. Export and serve, as the hourly job and the online server would (skip
+   with ``--no-export``): a checkpoint of the trained model and ``wuliang
+   export`` (a full version, there being none yet); ``wuliang serve`` on free
+   loopback ports, asked over its REST API for a lookup (the ``movie`` rows of
+   two movies rated the next day) and a prediction (two of that day's
+   ratings), both responses printed; one more day of training (the first
+   day of the test split), another checkpoint and ``wuliang export
+   --incremental`` (a delta: the rows that day changed), which the server
+   picks up while running; the same two requests again, now answered from
+   the delta's version with the day's changes; then the server is stopped
+   (SIGTERM) and must exit cleanly. Both manifests' row counts are printed.
+   ``WORK/model`` and ``WORK/exports`` are rewritten on each run.
 
 The last line printed is one JSON object: auc, logloss, samples_per_s,
-train_examples, test_examples, export_rows (rows per export version) (and
+train_examples, test_examples, export_rows (rows per export version),
+served_versions (of the answers before and after the delta),
+served_rows_changed (and
 baseline_auc, baseline_logloss, baseline_samples_per_s with ``--baseline``)::
 
     .venv/bin/python examples/movielens.py --baseline
@@ -49,10 +57,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -269,22 +280,97 @@ def first_day(split: Path, out: Path) -> Path:
     return out
 
 
-def wuliang_export(*args: str, cwd: Path) -> str:
-    """Runs the ``wuliang export`` job as cron would; returns its status line."""
+def wuliang_cli(*args: str, cwd: Path) -> str:
+    """Runs a ``wuliang`` command (the export job, as cron would); returns its output."""
     proc = subprocess.run(
-        [sys.executable, "-m", "wuliang", "export", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
+        [sys.executable, "-m", "wuliang", *args], capture_output=True, text=True, cwd=cwd
     )
     if proc.returncode != 0:
-        raise SystemExit(f"wuliang export failed:\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"wuliang {args[0]} failed:\n{proc.stderr[-3000:]}")
     return proc.stdout.strip()
 
 
-def export_demo(args: argparse.Namespace, estimator: Any, test: Path) -> dict[str, int]:
-    """Checkpoint + full export, one more day of training, checkpoint + delta
-    export; prints the versions' row counts and returns them."""
+class Server:
+    """``wuliang serve`` in a subprocess on free loopback ports, asked over REST."""
+
+    def __init__(self, export_dir: Path, model: str, cwd: Path) -> None:
+        self.model = model
+        self.command = [
+            "wuliang", "serve", "--exports", str(export_dir), "--model", model,
+            "--port", "0", "--http-port", "0", "--poll-secs", "0.5",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", *self.command],
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.banner = self.proc.stdout.readline().strip()  # once serving
+        match = re.search(r"http ([\d.]+):(\d+)", self.banner)
+        if match is None:
+            self.proc.kill()
+            raise SystemExit(f"wuliang serve did not start:\n{self.proc.stderr.read()[-3000:]}")
+        self.url = f"http://{match[1]}:{match[2]}/v1/models/{model}"
+
+    def request(self, path: str, body: Any = None) -> Any:
+        """The JSON answer of GET (no body) or POST ``url + path``."""
+        data = None if body is None else json.dumps(body).encode()
+        with urllib.request.urlopen(self.url + path, data, timeout=30) as answer:
+            return json.loads(answer.read())
+
+    def version(self) -> int:
+        return int(self.request("")["model_version_status"][0]["version"])
+
+    def wait_for(self, version: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.version() < version:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the server did not apply version {version} in {timeout} s")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """SIGTERM; the server must exit cleanly (status 0) within 30 s."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise SystemExit("wuliang serve did not stop within 30 s of SIGTERM") from None
+        if code != 0:
+            raise SystemExit(
+                f"wuliang serve exited with {code}:\n{self.proc.stderr.read()[-3000:]}"
+            )
+
+
+def short(answer: dict[str, Any]) -> str:
+    """A response as JSON, each vector cut to its first 4 values."""
+    shown = dict(answer)
+    if "vectors" in shown:
+        shown["vectors"] = [[round(x, 5) for x in v[:4]] + ["..."] for v in shown["vectors"]]
+    return json.dumps(shown)
+
+
+def ask(server: Server, day: pa.Table) -> tuple[int, list[list[float]]]:
+    """Asks the server for a lookup and a prediction, prints both; returns the
+    version they were served from and the looked-up vectors."""
+    movies = [int(m) for m in day.column("movie_id")[:2].to_pylist()]
+    rows = day.slice(0, 2).select(list(FEATURES)).to_pylist()
+    lookup = server.request("/tables/movie:lookup", {"keys": movies})
+    print(
+        f"POST {server.url}/tables/movie:lookup {json.dumps({'keys': movies})}\n-> {short(lookup)}"
+    )
+    predict = server.request(":predict", {"instances": rows})
+    print(f"POST {server.url}:predict {json.dumps({'instances': rows})}\n-> {json.dumps(predict)}")
+    if lookup["model_version"] != predict["model_version"]:
+        print("(a version landed between the two requests)")
+    return int(lookup["model_version"]), lookup["vectors"]
+
+
+def export_and_serve(args: argparse.Namespace, estimator: Any, test: Path) -> dict[str, Any]:
+    """Full export, served; one more day of training and a delta export, which
+    the running server applies; returns row counts and served versions."""
     from wuliang.export import versions
     from wuliang.reader import ParquetReader
     from wuliang.storage import Version
@@ -296,16 +382,26 @@ def export_demo(args: argparse.Namespace, estimator: Any, test: Path) -> dict[st
     job = ("--model-dir", str(model_dir), "--export-dir", str(export_dir))
     session = estimator.session
     session.save_checkpoint(model_dir)
-    print(f"$ wuliang export {' '.join(job)}\n{wuliang_export(*job, cwd=work)}")
-    day = first_day(test, work / "split" / "next_day.parquet")
-    rows = pq.read_metadata(day).num_rows
-    estimator.train(ParquetReader(day, args.batch_size, list(FEATURES), label=LABEL))
-    print(f"trained on the next day: {rows} ratings, to step {session.global_step}")
-    session.save_checkpoint(model_dir)
-    print(
-        f"$ wuliang export --incremental {' '.join(job)}\n"
-        f"{wuliang_export('--incremental', *job, cwd=work)}"
-    )
+    print(f"$ wuliang export {' '.join(job)}\n{wuliang_cli('export', *job, cwd=work)}")
+    day_path = first_day(test, work / "split" / "next_day.parquet")
+    day = pq.read_table(day_path)
+    server = Server(export_dir, "movielens", cwd=work)
+    try:
+        print(f"$ {' '.join(server.command)}\n{server.banner}")
+        before = ask(server, day)
+        estimator.train(ParquetReader(day_path, args.batch_size, list(FEATURES), label=LABEL))
+        print(f"trained on the next day: {day.num_rows} ratings, to step {session.global_step}")
+        session.save_checkpoint(model_dir)
+        print(
+            f"$ wuliang export --incremental {' '.join(job)}\n"
+            f"{wuliang_cli('export', '--incremental', *job, cwd=work)}"
+        )
+        server.wait_for(before[0] + 1)
+        print("the server applied the delta while serving; the same requests again:")
+        after = ask(server, day)
+    finally:
+        server.stop()
+    print("wuliang serve stopped cleanly (SIGTERM, exit status 0)")
     totals = {}
     for number, path in versions(export_dir):
         version = Version(path)
@@ -318,7 +414,11 @@ def export_demo(args: argparse.Namespace, estimator: Any, test: Path) -> dict[st
             + (f"; {removed} removed" if version.kind == "delta" else "")
         )
         totals[str(number)] = sum(v["rows"] for v in tables.values())
-    return totals
+    return {
+        "export_rows": totals,
+        "served_versions": [before[0], after[0]],
+        "served_rows_changed": before[1] != after[1],  # the day's movies were trained
+    }
 
 
 def load_split(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -430,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "test_examples": test_rows,
     }
     if not args.no_export:
-        summary["export_rows"] = export_demo(args, estimator, test)
+        summary.update(export_and_serve(args, estimator, test))
     estimator.context.close()
     if args.baseline:
         print(f"Keras baseline: Hashing({args.num_bins}) + Embedding, Adam 1e-3, {settings}")

@@ -73,6 +73,8 @@ def test_movielens_example_at_defaults_reaches_keras(tmp_path: Path) -> None:
     full, delta = result["export_rows"]["1"], result["export_rows"]["2"]
     assert 0 < delta < full  # the next day's changed rows only
     assert (work / "exports" / "LATEST").read_text().strip() == "2"
+    assert result["served_versions"] == [1, 2]  # the running server applied the delta
+    assert result["served_rows_changed"]
     assert 0.79 <= result["train_examples"] / 100_836 <= 0.81
     train = pq.read_table(work / "split" / "train.parquet", columns=["timestamp"])
     test = pq.read_table(work / "split" / "test.parquet", columns=["timestamp"])
