@@ -12,15 +12,23 @@ on loopback, each sending one request at a time:
 
 1. ``lookup``: gRPC ``Lookup`` of 1000 ``item`` keys drawn from Zipf(1.1)
    over the table (``wuliang.serving.Client``);
-2. ``http_lookup``: the same over HTTP/JSON (``:lookup``, keep-alive);
-3. ``predict``: gRPC ``Predict`` of 100 rows;
-4. ``lookup_during_delta``: as 1, while this process writes a delta every
+2. ``redis``: side by side, the same 1000-key draws as ``MGET`` from Redis
+   (``redis-server`` on loopback, the base version published with
+   ``wuliang publish``), with redis-py and its hiredis parser, decoded into
+   rows as a client would. Phases 1 and 2 alternate for ``--rounds``
+   rounds (ABBA: lookup, Redis, Redis, lookup, ...), so that the machine's
+   drift over the run weighs on both alike; ``lookup_vs_redis`` is the ratio
+   of their requests over all rounds;
+3. ``http_lookup``: the same lookups over HTTP/JSON (``:lookup``, keep-alive);
+4. ``predict``: gRPC ``Predict`` of 100 rows;
+5. ``lookup_during_delta``: as 1, while this process writes a delta every
    second (the first 50,000 item rows rewritten with the new version as
    their first weight) and the server applies each. A response whose rows
-   do not all carry the version it names is a torn read;
-5. ``redis``: side by side, the same 1000-key draws as ``MGET`` from Redis
-   (``redis-server`` on loopback, the base version published with
-   ``wuliang publish``), with redis-py and its hiredis parser.
+   do not all carry the version it names is a torn read.
+
+Each phase also reports the CPU one request cost the server and the clients
+(``cpu_us_per_request``): on this 2-core machine clients and server share
+the cores, so both bound the throughput.
 
 The last line is one JSON object (see ``result`` below); targets:
 ``lookup_vs_redis`` >= 2, lookup p99 <= 10 ms (also during deltas),
@@ -180,6 +188,7 @@ def client_process(kind: str, port: int, rows: int, seconds: float, seed: int, q
         client = Client(f"127.0.0.1:{port}", model="bench", timeout=10)
         batches = [predict_batch(rng, rows) for _ in range(16)]
     end = time.perf_counter() + seconds
+    cpu = time.process_time()
     i = 0
     while time.perf_counter() < end:
         start = time.perf_counter()
@@ -214,7 +223,13 @@ def client_process(kind: str, port: int, rows: int, seconds: float, seed: int, q
         latencies.append(time.perf_counter() - start)
         i += 1
     queue.put(
-        {"latencies": latencies, "failed": failed, "torn": torn_reads, "versions": sorted(versions)}
+        {
+            "latencies": latencies,
+            "failed": failed,
+            "torn": torn_reads,
+            "versions": sorted(versions),
+            "cpu_s": time.process_time() - cpu,
+        }
     )
 
 
@@ -229,26 +244,60 @@ def predict_batch(rng: np.random.Generator, rows: int) -> dict[str, Any]:
     }
 
 
-def run_phase(kind: str, port: int, args: argparse.Namespace) -> dict[str, Any]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (and its reaped children: none)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_phase(kind: str, port: int, args: argparse.Namespace, server_pid: int) -> dict[str, Any]:
+    """One phase; besides latencies, the CPU each request cost the server and
+    the clients (microseconds, from /proc and process_time)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [
         ctx.Process(target=client_process, args=(kind, port, args.rows, args.seconds, s, queue))
         for s in range(args.clients)
     ]
+    server_cpu0 = cpu_seconds(server_pid)
     for p in procs:
         p.start()
     parts = [queue.get(timeout=args.seconds + 300) for _ in procs]
+    server_cpu = cpu_seconds(server_pid) - server_cpu0
     for p in procs:
         p.join()
     latencies = np.concatenate([np.array(p["latencies"]) for p in parts])
     return {
+        "latencies": latencies,
+        "seconds": args.seconds,
+        "server_cpu_s": server_cpu,
+        "client_cpu_s": sum(p["cpu_s"] for p in parts),
         "qps": len(latencies) / args.seconds,
         "p50_ms": float(np.percentile(latencies, 50) * 1e3),
         "p99_ms": float(np.percentile(latencies, 99) * 1e3),
         "failed": sum(p["failed"] for p in parts),
         "torn": sum(p["torn"] for p in parts),
         "versions": sorted({v for p in parts for v in p["versions"]}),
+        "server_cpu_us": server_cpu / len(latencies) * 1e6,
+        "client_cpu_us": sum(p["cpu_s"] for p in parts) / len(latencies) * 1e6,
+    }
+
+
+def merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One phase's figures over its rounds."""
+    latencies = np.concatenate([r["latencies"] for r in rounds])
+    seconds = sum(r["seconds"] for r in rounds)
+    return {
+        "latencies": latencies,
+        "qps": len(latencies) / seconds,
+        "round_qps": [round(r["qps"], 1) for r in rounds],
+        "p50_ms": float(np.percentile(latencies, 50) * 1e3),
+        "p99_ms": float(np.percentile(latencies, 99) * 1e3),
+        "failed": sum(r["failed"] for r in rounds),
+        "torn": sum(r["torn"] for r in rounds),
+        "versions": sorted({v for r in rounds for v in r["versions"]}),
+        "server_cpu_us": sum(r["server_cpu_s"] for r in rounds) / len(latencies) * 1e6,
+        "client_cpu_us": sum(r["client_cpu_s"] for r in rounds) / len(latencies) * 1e6,
     }
 
 
@@ -275,13 +324,16 @@ def start_redis() -> tuple[subprocess.Popen, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=2_000_000, help="rows of the item table")
-    parser.add_argument("--seconds", type=float, default=10.0, help="length of each phase")
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each phase")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="lookup and Redis phases, alternated (ABBA)"
+    )
     parser.add_argument("--clients", type=int, default=4, help="client processes")
     parser.add_argument("--quick", action="store_true", help="200K rows, 3 s phases")
     parser.add_argument("--skip-redis", action="store_true", help="no Redis baseline")
     args = parser.parse_args()
     if args.quick:
-        args.rows, args.seconds = 200_000, 3.0
+        args.rows, args.seconds, args.rounds = 200_000, 3.0, 1
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     work = Path(tempfile.mkdtemp(prefix="serving_bench_"))
     exports = work / "bench"
@@ -294,11 +346,25 @@ def main() -> None:
         result: dict[str, Any] = {"rows": args.rows, "dim": DIM, "clients": args.clients}
         result["cores"] = os.cpu_count()
         result["setup_s"] = round(setup_s, 1)
-        phases = {
-            "lookup": run_phase("lookup", grpc_port, args),
-            "http_lookup": run_phase("http_lookup", http_port, args),
-            "predict": run_phase("predict", grpc_port, args),
-        }
+        redis_port = None
+        if not args.skip_redis:
+            from wuliang.serving.redis_store import publish
+
+            redis_server, redis_port = start_redis()
+            publish(exports, f"redis://127.0.0.1:{redis_port}/0", model="bench", version=1)
+        # Lookups and the Redis baseline alternate (ABBA...) so that the
+        # machine's drift over the run weighs on both alike.
+        rounds: dict[str, list[dict[str, Any]]] = {"lookup": [], "redis": []}
+        for r in range(args.rounds):
+            order = ["lookup", "redis"] if r % 2 == 0 else ["redis", "lookup"]
+            for kind in order:
+                if kind == "lookup":
+                    rounds[kind].append(run_phase("lookup", grpc_port, args, server.pid))
+                elif redis_server is not None and redis_port is not None:
+                    rounds[kind].append(run_phase("redis", redis_port, args, redis_server.pid))
+        phases = {kind: merge(parts) for kind, parts in rounds.items() if parts}
+        phases["http_lookup"] = run_phase("http_lookup", http_port, args, server.pid)
+        phases["predict"] = run_phase("predict", grpc_port, args, server.pid)
         stop = threading.Event()
         written: list[int] = []
 
@@ -312,17 +378,10 @@ def main() -> None:
         writer = threading.Thread(target=deltas)
         writer.start()
         try:
-            phases["lookup_during_delta"] = run_phase("lookup", grpc_port, args)
+            phases["lookup_during_delta"] = run_phase("lookup", grpc_port, args, server.pid)
         finally:
             stop.set()
             writer.join()
-        if not args.skip_redis:
-            from wuliang.serving.redis_store import publish
-
-            redis_server, redis_port = start_redis()
-            url = f"redis://127.0.0.1:{redis_port}/0"
-            publish(exports, url, model="bench", version=1)
-            phases["redis"] = run_phase("redis", redis_port, args)
         lookup, during = phases["lookup"], phases["lookup_during_delta"]
         redis_qps = phases["redis"]["qps"] if "redis" in phases else None
         result.update(
@@ -340,6 +399,8 @@ def main() -> None:
             if "redis" not in phases
             else round(phases["redis"]["p99_ms"], 3),
             lookup_vs_redis=None if not redis_qps else round(lookup["qps"] / redis_qps, 2),
+            lookup_round_qps=lookup["round_qps"],
+            redis_round_qps=phases["redis"]["round_qps"] if "redis" in phases else None,
             lookup_qps_during_delta=round(during["qps"], 1),
             lookup_p99_during_delta_ms=round(during["p99_ms"], 3),
             deltas_written=len(written),
@@ -347,6 +408,10 @@ def main() -> None:
             failed_requests=sum(p["failed"] for p in phases.values()),
             torn_reads=sum(p["torn"] for p in phases.values()),
         )
+        result["cpu_us_per_request"] = {
+            name: {"server": round(p["server_cpu_us"]), "clients": round(p["client_cpu_us"])}
+            for name, p in phases.items()
+        }
         result["targets"] = TARGETS
         result["targets_met"] = {
             "lookup_vs_redis": (result["lookup_vs_redis"] or 0) >= TARGETS["lookup_vs_redis"],

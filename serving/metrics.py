@@ -70,10 +70,23 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_StoreCollector(stores))
+        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self._keys: dict[tuple[str, str], Any] = {}
 
     def observe(self, transport: str, endpoint: str, code: str, seconds: float) -> None:
-        self.requests.labels(transport, endpoint, code).inc()
-        self.latency.labels(transport, endpoint).observe(seconds)
+        key = (transport, endpoint, code)
+        children = self._children.get(key)
+        if children is None:  # labels() costs a lock and a tuple check per call: once
+            children = self.requests.labels(*key), self.latency.labels(transport, endpoint)
+            self._children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def count_keys(self, model: str, table: str, n: int) -> None:
+        counter = self._keys.get((model, table))
+        if counter is None:
+            counter = self._keys[model, table] = self.keys.labels(model, table)
+        counter.inc(n)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

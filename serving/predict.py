@@ -86,7 +86,7 @@ def predict(
     tower = store.served(version).tower
     if tower is None:
         raise Unavailable(f"model {store.name!r} serves lookups only (no tower loaded)")
-    outputs = _run(tower, inputs)
+    outputs = tower(inputs)
     return PredictAnswer(outputs, version)
 
 
@@ -181,10 +181,3 @@ def _lookup(
             out[name] = (results[table].rows, inverse[start : start + size])
             start += size
     return out, version
-
-
-def _run(tower: Any, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    import tensorflow as tf
-
-    result = tower.serve({name: tf.constant(value) for name, value in inputs.items()})
-    return {name: np.asarray(value.numpy(), np.float32) for name, value in result.items()}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 SERVICE = "wuliang.serving.Serving"
@@ -80,6 +81,38 @@ ModelStatus = _M["ModelStatus"]
 StatusResponse = _M["StatusResponse"]
 
 REQUESTS = {"Lookup": LookupRequest, "Predict": PredictRequest, "Status": StatusRequest}
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def lookup_response(rows: Any, found: Any, version: int) -> bytes:
+    """The wire bytes of ``LookupResponse(vectors=rows, found=found, dim=...,
+    version=version)``, as its ``SerializeToString`` writes them, built in one
+    copy of the rows (not three: array to bytes, into the message, out of it).
+
+    ``rows``: float32 [n, dim], C-contiguous; ``found``: bool or uint8 [n]."""
+    n, dim = rows.shape
+    vectors = rows.view(np.uint8).reshape(-1)  # bytes-like, no copy
+    flags = found.view(np.uint8)
+    parts: list[Any] = []
+    if n * dim:  # proto3 leaves fields at their default out
+        parts += [b"\x0a", _varint(len(vectors)), vectors]
+    if n:
+        parts += [b"\x12", _varint(n), flags]
+    if dim:
+        parts += [b"\x18", _varint(dim)]
+    if version:
+        parts += [b"\x20", _varint(version)]
+    return b"".join(parts)
+
+
 RESPONSES = {"Lookup": LookupResponse, "Predict": PredictResponse, "Status": StatusResponse}
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hmac
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -30,6 +29,28 @@ from wuliang.serving.predict import FeatureInput, PredictAnswer, predict
 
 MAX_KEYS = 100_000  # per lookup, by default
 MAX_ROWS = 10_000  # per prediction, by default
+
+
+class _Observed:
+    """``Service.observed``: a class, not a generator context (a third of
+    the cost, on every request)."""
+
+    __slots__ = ("endpoint", "metrics", "start", "transport")
+
+    def __init__(self, metrics: Metrics, transport: str, endpoint: str) -> None:
+        self.metrics = metrics
+        self.transport = transport
+        self.endpoint = endpoint
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+        if kind is None:
+            code = "OK"
+        else:
+            code = error.code if isinstance(error, ServingError) else "INTERNAL"
+        self.metrics.observe(self.transport, self.endpoint, code, time.perf_counter() - self.start)
 
 
 class Service:
@@ -84,21 +105,10 @@ class Service:
         if token is None or not hmac.compare_digest(token.encode(), self.token.encode()):
             raise Unauthenticated("a valid token is required (authorization: Bearer <token>)")
 
-    @contextmanager
-    def observed(self, transport: str, endpoint: str) -> Any:
-        """Counts and times one request; yields nothing, maps nothing."""
-        start = time.perf_counter()
-        code = "OK"
-        try:
-            yield
-        except ServingError as error:
-            code = error.code
-            raise
-        except Exception:
-            code = "INTERNAL"
-            raise
-        finally:
-            self.metrics.observe(transport, endpoint, code, time.perf_counter() - start)
+    def observed(self, transport: str, endpoint: str) -> _Observed:
+        """A context that counts and times one request (by the status code of
+        the error leaving it, OK when none); maps nothing."""
+        return _Observed(self.metrics, transport, endpoint)
 
     def store(self, model: str) -> Any:
         """The model named ``model`` (empty: the only one, when there is one)."""
@@ -116,7 +126,7 @@ class Service:
         if len(keys) > self.max_keys:
             raise TooLarge(f"{len(keys)} keys in one lookup; at most {self.max_keys}")
         result = store.lookup(table, keys)
-        self.metrics.keys.labels(store.name, table).inc(len(keys))
+        self.metrics.count_keys(store.name, table, len(keys))
         return result
 
     def predict(self, model: str, features: Mapping[str, FeatureInput], rows: int) -> PredictAnswer:

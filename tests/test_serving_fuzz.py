@@ -343,7 +343,10 @@ class GrpcOracle:
     def __call__(self, method: str, payload: bytes) -> tuple[str, Any]:
         """("OK", the response message) or (the error code, its message)."""
         try:
-            return "OK", self.bodies[method](_parse(proto.REQUESTS[method], payload))
+            answer = self.bodies[method](_parse(proto.REQUESTS[method], payload))
+            if isinstance(answer, bytes):  # Lookup answers its wire bytes
+                answer = proto.RESPONSES[method].FromString(answer)
+            return "OK", answer
         except ServingError as error:
             return error.code, details(error)
         except Exception as error:

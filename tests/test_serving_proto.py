@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
+import pytest
 from repo_data import REPO
 
 from wuliang.serving import proto
@@ -25,3 +27,22 @@ def test_messages_round_trip_raw_bytes() -> None:
     again = proto.LookupRequest.FromString(request.SerializeToString())
     assert (again.model, again.table, again.keys) == ("m", "t", b"\x01" * 16)
     assert proto.method_path("Lookup") == "/wuliang.serving.Serving/Lookup"
+
+
+@pytest.mark.parametrize(
+    ("n", "dim", "version"),
+    [(3, 4, 7), (1000, 16, 2**40 + 3), (0, 16, 1), (5, 8, 0), (200, 1, 127), (1, 300, 128)],
+)
+def test_lookup_response_bytes_equal_the_message_s(n: int, dim: int, version: int) -> None:
+    """The handler's hand-written LookupResponse is what protobuf writes."""
+    rng = np.random.default_rng(n + dim)
+    rows = rng.standard_normal((n, dim)).astype(np.float32)
+    found = rng.random(n) < 0.5
+    wire = proto.lookup_response(rows, found, version)
+    message = proto.LookupResponse(
+        vectors=rows.tobytes(), found=found.view(np.uint8).tobytes(), dim=dim, version=version
+    )
+    assert wire == message.SerializeToString()
+    parsed = proto.LookupResponse.FromString(wire)
+    np.testing.assert_array_equal(np.frombuffer(parsed.vectors, "<f4").reshape(n, dim), rows)
+    assert (parsed.dim, parsed.version) == (dim, version)

@@ -893,16 +893,23 @@ uint64_t Engine::Lookup(int table, const uint64_t* keys, size_t n, float* out, u
 
 void Engine::LookupInline(const TableDef& def, const uint64_t* keys, size_t n, float* out,
                           uint8_t* found, bool init_missing) const {
-  constexpr size_t kAhead = 16;  // index slots prefetched ahead of their probe
+  // Two prefetch stages: a key's index slot kSlotAhead keys before it is
+  // read, then (the slot cached by then) its row's weights kRowAhead before.
+  constexpr size_t kSlotAhead = 16;
+  constexpr size_t kRowAhead = 8;
   thread_local std::vector<uint64_t> hashes;
   hashes.resize(n);
   for (size_t i = 0; i < n; ++i) hashes[i] = Mix64(keys[i]);
   const auto shards = static_cast<uint32_t>(num_shards_);
   const int dim = def.spec.dim;
   for (size_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) {
-      const uint64_t h = hashes[i + kAhead];
+    if (i + kSlotAhead < n) {
+      const uint64_t h = hashes[i + kSlotAhead];
       def.shards[ShardOfHash(h, shards)]->PrefetchSlot(h);
+    }
+    if (i + kRowAhead < n) {
+      const uint64_t h = hashes[i + kRowAhead];
+      def.shards[ShardOfHash(h, shards)]->PrefetchRow(keys[i + kRowAhead], h);
     }
     const uint64_t h = hashes[i];
     const bool hit =
