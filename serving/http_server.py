@@ -81,6 +81,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
@@ -403,16 +404,19 @@ def _columns(document: dict[str, Any], names: list[str], max_rows: int) -> tuple
 # -- JSON out -----------------------------------------------------------------------
 
 
-def _per_row(values: np.ndarray) -> list[Any]:
+def _per_row(values: np.ndarray) -> np.ndarray:
     """An output's values, a number per row when it has one per row."""
     if values.ndim == 2 and values.shape[1] == 1:
         values = values[:, 0]
-    return values.tolist()
+    return np.ascontiguousarray(values, np.float32)
 
 
 def _json(payload: Any, status: int = 200) -> web.Response:
+    """``payload`` as JSON, numpy arrays included: a float32 as the shortest
+    decimal that reads back as the same float32 (orjson; the standard
+    library's encoder takes 20 times as long for a lookup's 16,000 floats)."""
     return web.Response(
-        body=json.dumps(payload, separators=(",", ":")).encode(),
+        body=orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY),
         status=status,
         content_type="application/json",
     )
@@ -647,8 +651,8 @@ class _Api:
             raise TooLarge(f"{len(keys)} keys in one lookup; at most {self.service.max_keys}")
         result = self.service.lookup(model, table, _keys(keys, "keys"))
         return {
-            "vectors": result.rows.tolist(),
-            "found": result.found.tolist(),
+            "vectors": np.ascontiguousarray(result.rows, np.float32),
+            "found": np.ascontiguousarray(result.found, np.bool_),
             "model_version": str(result.version),
         }
 

@@ -67,7 +67,7 @@ from small_model import trained_export
 from wuliang.serving import proto
 from wuliang.serving.errors import ServingError
 from wuliang.serving.grpc_server import _Handlers, _parse, details
-from wuliang.serving.http_server import _Api
+from wuliang.serving.http_server import _Api, _json
 from wuliang.serving.service import Service
 from wuliang.serving.store import ModelStore
 
@@ -630,10 +630,10 @@ class HttpOracle:
     ) -> tuple[int, Any]:
         """(HTTP status, the JSON answer)."""
         try:
-            if endpoint == "Predict":
-                return 200, self.api._predict(model, body or b"")
+            if endpoint == "Predict":  # through the server's JSON encoder (arrays)
+                return 200, json.loads(_json(self.api._predict(model, body or b"")).body)
             if endpoint == "Lookup":
-                return 200, self.api._lookup(model, table, body or b"")
+                return 200, json.loads(_json(self.api._lookup(model, table, body or b"")).body)
             (status,) = self.service.status(model)
             ok = {"error_code": "OK", "error_message": ""}
             version = {"version": str(status["version"]), "state": "AVAILABLE", "status": ok}

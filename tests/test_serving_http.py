@@ -142,7 +142,7 @@ def test_weighted_keys(trained: dict[str, Any], served: tuple[Service, HttpServe
         "x": FeatureInput(np.array([[r["x"]] for r in rows], np.float32)),
     }
     want = service.predict("m", features, 4).outputs["predictions"].reshape(-1)
-    np.testing.assert_array_equal(answer["predictions"], want)
+    np.testing.assert_array_equal(np.float32(answer["predictions"]), want)  # float32 exact
     unweighted = {**features, "items": FeatureInput(features["items"].values, offsets)}
     other = service.predict("m", unweighted, 4).outputs["predictions"].reshape(-1)
     assert not np.array_equal(want, other)  # the weights mattered
