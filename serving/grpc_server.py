@@ -98,8 +98,7 @@ class _Handlers:
     def lookup(self, request: Any) -> bytes:
         keys = _array(request.keys, "<u8", "keys")
         result = self.service.lookup(request.model, request.table, keys)
-        rows = np.ascontiguousarray(result.rows, "<f4")
-        return proto.lookup_response(rows, result.found, result.version)
+        return proto.lookup_response(result.rows, result.found, result.version)
 
     def predict(self, request: Any) -> Any:
         store = self.service.store(request.model)

@@ -97,10 +97,10 @@ def lookup_response(rows: Any, found: Any, version: int) -> bytes:
     version=version)``, as its ``SerializeToString`` writes them, built in one
     copy of the rows (not three: array to bytes, into the message, out of it).
 
-    ``rows``: float32 [n, dim], C-contiguous; ``found``: bool or uint8 [n]."""
+    ``rows``: float32 [n, dim]; ``found``: bool or uint8 [n]."""
     n, dim = rows.shape
-    vectors = rows.view(np.uint8).reshape(-1)  # bytes-like, no copy
-    flags = found.view(np.uint8)
+    vectors = np.ascontiguousarray(rows, "<f4").view(np.uint8).reshape(-1)  # no copy if so
+    flags = np.ascontiguousarray(found).view(np.uint8)
     parts: list[Any] = []
     if n * dim:  # proto3 leaves fields at their default out
         parts += [b"\x0a", _varint(len(vectors)), vectors]
