@@ -15,10 +15,14 @@ on loopback, each sending one request at a time:
 2. ``redis``: side by side, the same 1000-key draws as ``MGET`` from Redis
    (``redis-server`` on loopback, the base version published with
    ``wuliang publish``), with redis-py and its hiredis parser, decoded into
-   rows as a client would. Phases 1 and 2 alternate for ``--rounds``
-   rounds (ABBA: lookup, Redis, Redis, lookup, ...), so that the machine's
-   drift over the run weighs on both alike; ``lookup_vs_redis`` is the ratio
-   of their requests over all rounds;
+   rows as a client would;
+   (and ``floor``: grpcio's own floor, for the analysis: a bare grpcio sync
+   server with the same pool of 2 answering a constant of a lookup answer's
+   size (65,010 bytes) to requests of a lookup's size, no wuliang code; the
+   clients do not decode it.) Phases 1, 2 and the floor alternate for
+   ``--rounds`` rounds (ABC, CBA, ...), so that the machine's drift over
+   the run weighs on all alike; ``lookup_vs_redis`` and ``lookup_vs_floor``
+   are ratios of requests over all rounds;
 3. ``http_lookup``: the same lookups over HTTP/JSON (``:lookup``, keep-alive);
 4. ``predict``: gRPC ``Predict`` of 100 rows;
 5. ``lookup_during_delta``: as 1, while this process writes a delta every
@@ -59,6 +63,8 @@ DIM = 16
 KEYS_PER_LOOKUP = 1000
 PREDICT_ROWS = 100
 HOT = 50_000  # item rows every delta rewrites
+FLOOR_METHOD = "/wuliang.bench.Floor/Echo"
+FLOOR_ANSWER_BYTES = 65_010  # a LookupResponse of 1000 keys, dim 16
 USERS = 100_000
 GENRES = 30
 TARGETS = {
@@ -177,6 +183,14 @@ def client_process(kind: str, port: int, rows: int, seconds: float, seed: int, q
         db = redis.Redis(port=port)
         prefix = Keys("bench").row_prefix(int(db.get(Keys("bench").current)), "item")
         names = [row_keys(prefix, k) for k in draws]
+    elif kind == "floor":
+        import grpc
+
+        channel = grpc.insecure_channel(
+            f"127.0.0.1:{port}", [("grpc.max_receive_message_length", 64 << 20)]
+        )
+        echo = channel.unary_unary(FLOOR_METHOD)
+        requests = [k.tobytes() for k in draws]  # a lookup's size
     elif kind == "http_lookup":
         import http.client
 
@@ -199,6 +213,9 @@ def client_process(kind: str, port: int, rows: int, seconds: float, seed: int, q
                     failed += 1
                 else:
                     np.frombuffer(b"".join(values), "<f4").reshape(-1, DIM)
+            elif kind == "floor":
+                if len(echo(requests[i % 64], timeout=10)) != FLOOR_ANSWER_BYTES:
+                    failed += 1
             elif kind == "http_lookup":
                 conn.request(
                     "POST", "/v1/models/bench/tables/item:lookup", bodies[i % 64],
@@ -301,6 +318,38 @@ def merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def floor_server(port: int, ready: Any) -> None:
+    """grpcio's floor: the same sync server, pool and message sizes as a
+    lookup, answering a constant from a handler that does nothing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    answer = b"\0" * FLOOR_ANSWER_BYTES
+    server = grpc.server(ThreadPoolExecutor(2))
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: answer)
+    service, method = FLOOR_METHOD.strip("/").split("/")
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service, {method: handler}),)
+    )
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    ready.set()
+    server.wait_for_termination()
+
+
+def start_floor() -> tuple[Any, int]:
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    port = free_port()
+    child = ctx.Process(target=floor_server, args=(port, ready), daemon=True)
+    child.start()
+    if not ready.wait(60):
+        child.kill()
+        raise RuntimeError("the grpcio floor server did not start")
+    return child, port
+
+
 def start_redis() -> tuple[subprocess.Popen, int]:
     import redis
 
@@ -354,14 +403,18 @@ def main() -> None:
             publish(exports, f"redis://127.0.0.1:{redis_port}/0", model="bench", version=1)
         # Lookups and the Redis baseline alternate (ABBA...) so that the
         # machine's drift over the run weighs on both alike.
-        rounds: dict[str, list[dict[str, Any]]] = {"lookup": [], "redis": []}
+        floor, floor_port = start_floor()
+        rounds: dict[str, list[dict[str, Any]]] = {"lookup": [], "redis": [], "floor": []}
+        targets = {"lookup": (grpc_port, server.pid), "floor": (floor_port, floor.pid)}
+        if redis_server is not None and redis_port is not None:
+            targets["redis"] = (redis_port, redis_server.pid)
         for r in range(args.rounds):
-            order = ["lookup", "redis"] if r % 2 == 0 else ["redis", "lookup"]
-            for kind in order:
-                if kind == "lookup":
-                    rounds[kind].append(run_phase("lookup", grpc_port, args, server.pid))
-                elif redis_server is not None and redis_port is not None:
-                    rounds[kind].append(run_phase("redis", redis_port, args, redis_server.pid))
+            order = ["lookup", "redis", "floor"]
+            for kind in order if r % 2 == 0 else order[::-1]:
+                if kind in targets:
+                    port, pid = targets[kind]
+                    rounds[kind].append(run_phase(kind, port, args, pid))
+        floor.kill()
         phases = {kind: merge(parts) for kind, parts in rounds.items() if parts}
         phases["http_lookup"] = run_phase("http_lookup", http_port, args, server.pid)
         phases["predict"] = run_phase("predict", grpc_port, args, server.pid)
@@ -400,12 +453,14 @@ def main() -> None:
             else round(phases["redis"]["p99_ms"], 3),
             lookup_vs_redis=None if not redis_qps else round(lookup["qps"] / redis_qps, 2),
             lookup_round_qps=lookup["round_qps"],
+            grpc_floor_qps=round(phases["floor"]["qps"], 1),
+            lookup_vs_floor=round(lookup["qps"] / phases["floor"]["qps"], 2),
             redis_round_qps=phases["redis"]["round_qps"] if "redis" in phases else None,
             lookup_qps_during_delta=round(during["qps"], 1),
             lookup_p99_during_delta_ms=round(during["p99_ms"], 3),
             deltas_written=len(written),
             versions_seen_during_delta=during["versions"],
-            failed_requests=sum(p["failed"] for p in phases.values()),
+            failed_requests=sum(p["failed"] for k, p in phases.items() if k != "floor"),
             torn_reads=sum(p["torn"] for p in phases.values()),
         )
         result["cpu_us_per_request"] = {
