@@ -40,7 +40,8 @@ What this example shows:
    --incremental`` (a delta: the rows that day changed), which the server
    picks up while running; the same two requests again, now answered from
    the delta's version with the day's changes; then the server is stopped
-   (SIGTERM) and must exit cleanly. Both manifests' row counts are printed.
+   (SIGTERM) and must exit cleanly (its log: ``WORK/serve.log``). Both
+   manifests' row counts are printed.
    ``WORK/model`` and ``WORK/exports`` are rewritten on each run.
 
 The last line printed is one JSON object: auc, logloss, samples_per_s,
@@ -299,19 +300,21 @@ class Server:
             "wuliang", "serve", "--exports", str(export_dir), "--model", model,
             "--port", "0", "--http-port", "0", "--poll-secs", "0.5",
         ]  # fmt: skip
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", *self.command],
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        self.log = cwd / "serve.log"  # its logging; a pipe nobody read could fill
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", *self.command],
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
         assert self.proc.stdout is not None
         self.banner = self.proc.stdout.readline().strip()  # once serving
         match = re.search(r"http ([\d.]+):(\d+)", self.banner)
         if match is None:
             self.proc.kill()
-            raise SystemExit(f"wuliang serve did not start:\n{self.proc.stderr.read()[-3000:]}")
+            raise SystemExit(f"wuliang serve did not start:\n{self.log_tail()}")
         self.url = f"http://{match[1]}:{match[2]}/v1/models/{model}"
 
     def request(self, path: str, body: Any = None) -> Any:
@@ -338,10 +341,14 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise SystemExit("wuliang serve did not stop within 30 s of SIGTERM") from None
+        finally:
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
         if code != 0:
-            raise SystemExit(
-                f"wuliang serve exited with {code}:\n{self.proc.stderr.read()[-3000:]}"
-            )
+            raise SystemExit(f"wuliang serve exited with {code}:\n{self.log_tail()}")
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
 
 
 def short(answer: dict[str, Any]) -> str:
