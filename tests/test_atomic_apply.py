@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from row_chunks import version_rows
 
 from wuliang.ps_server import (
     SGD,
@@ -45,16 +46,7 @@ def signed(keys: np.ndarray, version: int) -> np.ndarray:
 
 
 def chunk(keys: np.ndarray, version: int) -> RowChunk:
-    n = len(keys)
-    return RowChunk(
-        keys=keys,
-        weights=signed(keys, version),
-        state=np.zeros((n, 0), np.float32),
-        counts=np.ones(n, np.uint32),
-        steps=np.full(n, version, np.uint64),
-        times=np.zeros(n, np.uint32),
-        versions=np.full(n, version, np.uint64),
-    )
+    return version_rows(keys, signed(keys, version), version)
 
 
 SPEC = TableSpec("t", DIM, optimizer=SGD(), initializer=Zeros())

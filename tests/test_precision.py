@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from row_chunks import version_rows
 
 from wuliang.ps_server import (
     SGD,
@@ -16,7 +17,6 @@ from wuliang.ps_server import (
     Engine,
     PullPart,
     PushPart,
-    RowChunk,
     TableSpec,
     TableUpdate,
     TruncatedNormal,
@@ -56,19 +56,6 @@ def stored(w: np.ndarray, precision: str) -> np.ndarray:
     out = q.astype(np.float32) * scale
     out[np.isnan(w)] = np.nan
     return out
-
-
-def rows_chunk(keys: np.ndarray, weights: np.ndarray, version: int = 1) -> RowChunk:
-    n = len(keys)
-    return RowChunk(
-        keys=keys,
-        weights=weights,
-        state=np.zeros((n, 0), np.float32),
-        counts=np.ones(n, np.uint32),
-        steps=np.full(n, version, np.uint64),
-        times=np.zeros(n, np.uint32),
-        versions=np.full(n, version, np.uint64),
-    )
 
 
 def loaded(engine: Engine, name: str, dim: int, precision: str, w: np.ndarray) -> np.ndarray:
@@ -240,7 +227,7 @@ def test_full_and_delta_versions_apply(make_engine, precision: str) -> None:
     keys = np.arange(1, 3001, dtype=np.uint64)
     w1 = rng.normal(size=(len(keys), dim)).astype(np.float32)
     ps = make_engine(2)
-    ps.apply_update({"t": TableUpdate(table, full=True, rows=[rows_chunk(keys, w1)])}, label=1)
+    ps.apply_update({"t": TableUpdate(table, full=True, rows=[version_rows(keys, w1)])}, label=1)
     assert ps.spec("t").precision == precision
     expect = dict(zip(keys.tolist(), stored(w1, precision), strict=True))
 
@@ -259,7 +246,9 @@ def test_full_and_delta_versions_apply(make_engine, precision: str) -> None:
         changed = np.sort(rng.choice(np.arange(1, 3101, dtype=np.uint64), 300, replace=False))
         gone = np.setdiff1d(rng.choice(np.array(sorted(expect), np.uint64), 30), changed)
         w = rng.normal(size=(len(changed), dim)).astype(np.float32)
-        update = TableUpdate(table, full=False, rows=[rows_chunk(changed, w, label)], removed=gone)
+        update = TableUpdate(
+            table, full=False, rows=[version_rows(changed, w, label)], removed=gone
+        )
         ps.apply_update({"t": update}, label=label)
         expect.update(zip(changed.tolist(), stored(w, precision), strict=True))
         for key in gone.tolist():
@@ -268,7 +257,7 @@ def test_full_and_delta_versions_apply(make_engine, precision: str) -> None:
     # A full version replaces everything.
     w4 = rng.normal(size=(500, dim)).astype(np.float32)
     ps.apply_update(
-        {"t": TableUpdate(table, full=True, rows=[rows_chunk(keys[:500], w4, 4)])}, label=4
+        {"t": TableUpdate(table, full=True, rows=[version_rows(keys[:500], w4, 4)])}, label=4
     )
     expect = dict(zip(keys[:500].tolist(), stored(w4, precision), strict=True))
     check(4)
@@ -280,7 +269,7 @@ def test_serving_apply_creates_tables_with_the_precision(tmp_path: Path) -> None
     keys = np.arange(1, 201, dtype=np.uint64)
     w = rng.normal(size=(len(keys), 16)).astype(np.float32)
     with VersionWriter(tmp_path, "1", "full") as writer:
-        writer.write_table("emb", 16, 0, [rows_chunk(keys, w)], {"optimizer": "SGD()"})
+        writer.write_table("emb", 16, 0, [version_rows(keys, w)], {"optimizer": "SGD()"})
         writer.commit(version=1, parent=None, engine_version=1, step=0, model={}, source="test")
     for precision in PRECISIONS:
         with Engine(2) as ps:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+from row_chunks import version_rows
 from small_model import make_session, reader, write_data
 
 from wuliang.export import SessionSource, export
@@ -55,20 +56,12 @@ def r(redis_url: str) -> Iterator[redis.Redis]:
 
 def signed_rows(version: int, table: str, keys: np.ndarray) -> RowChunk:
     keys = np.asarray(keys, np.uint64)
-    n, dim = len(keys), DIMS[table]
-    weights = np.empty((n, dim), np.float32)
+    dim = DIMS[table]
+    weights = np.empty((len(keys), dim), np.float32)
     weights[:, 0] = version
     weights[:, 1] = keys
     weights[:, 2:] = (keys.astype(np.float32) / 2)[:, None] + np.arange(dim - 2)
-    return RowChunk(
-        keys=keys,
-        weights=weights,
-        state=np.zeros((n, 0), np.float32),
-        counts=np.ones(n, np.uint32),
-        steps=np.full(n, version, np.uint64),
-        times=np.zeros(n, np.uint32),
-        versions=np.full(n, version, np.uint64),
-    )
+    return version_rows(keys, weights, version)
 
 
 def write_version(

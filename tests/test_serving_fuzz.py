@@ -283,21 +283,29 @@ def mutate_status(message: Any, rnd: random.Random) -> str:
     return "status_model"
 
 
+BYTE_EDITS = ("truncate", "flip", "insert")
+
+
+def edit_bytes(kind: str, data: bytes, rnd: random.Random) -> bytes:
+    """``data`` cut short, with a few bits flipped, or with random bytes inserted."""
+    if kind == "truncate":
+        return data[: rnd.randint(0, max(len(data) - 1, 0))]
+    if kind == "flip":
+        out = bytearray(data or b"\x00")
+        for _ in range(rnd.randint(1, 4)):
+            out[rnd.randrange(len(out))] ^= rnd.randint(1, 255)
+        return bytes(out)
+    at = rnd.randint(0, len(data))
+    return data[:at] + rnd.randbytes(rnd.randint(1, 16)) + data[at:]
+
+
 def garble(data: bytes, rnd: random.Random, others: list[bytes]) -> tuple[str, bytes]:
     """A byte-level mutation of a serialized message."""
     kind = rnd.choice(
         ["truncate", "flip", "insert", "delete", "append", "random", "utf8", "length", "other"]
     )
-    if kind == "truncate":
-        return kind, data[: rnd.randint(0, max(len(data) - 1, 0))]
-    if kind == "flip":
-        out = bytearray(data or b"\x00")
-        for _ in range(rnd.randint(1, 4)):
-            out[rnd.randrange(len(out))] ^= rnd.randint(1, 255)
-        return kind, bytes(out)
-    if kind == "insert":
-        at = rnd.randint(0, len(data))
-        return kind, data[:at] + rnd.randbytes(rnd.randint(1, 16)) + data[at:]
+    if kind in BYTE_EDITS:
+        return kind, edit_bytes(kind, data, rnd)
     if kind == "delete":
         at = rnd.randint(0, len(data))
         return kind, data[:at] + data[at + rnd.randint(1, 16) :]
@@ -497,16 +505,8 @@ def garble_body(data: bytes, rnd: random.Random) -> tuple[str, bytes]:
     kind = rnd.choice(
         ["truncate", "flip", "insert", "utf8", "utf16", "bom", "nest", "random", "empty"]
     )
-    if kind == "truncate":
-        return kind, data[: rnd.randint(0, max(len(data) - 1, 0))]
-    if kind == "flip":
-        out = bytearray(data)
-        for _ in range(rnd.randint(1, 4)):
-            out[rnd.randrange(len(out))] ^= rnd.randint(1, 255)
-        return kind, bytes(out)
-    if kind == "insert":
-        at = rnd.randint(0, len(data))
-        return kind, data[:at] + rnd.randbytes(rnd.randint(1, 16)) + data[at:]
+    if kind in BYTE_EDITS:
+        return kind, edit_bytes(kind, data, rnd)
     if kind == "utf8":
         at = rnd.randint(0, len(data))
         bad = rnd.choice([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"\x80"])
