@@ -1,31 +1,44 @@
 """Arrow record batches to CSR columns, and the row operations on them.
 
 A ``Chunk`` is a run of rows of one file, already in the shape of a
-``CsrBatch``: list and integer columns as ``Csr`` (list values are read-only
-views of the Arrow buffers: no copy), float columns stacked into one float32
-matrix, labels as float32. ``Schema`` decides, from the first file, how each
-requested column is read and checks every other file against it.
+``CsrBatch``: list and integer columns as ``Csr`` (integer list values are
+read-only views of the Arrow buffers: no copy), float columns stacked into one
+float32 matrix, labels as float32. ``Schema`` decides, from the first file,
+how each requested column is read and checks every other file against it.
 
 Column kinds, from the Arrow type:
 
 * ``list<int>`` / ``large_list<int>``: multi-valued sparse. Null lists are
   empty; null elements are dropped or raise (``null_values``).
 * ``int*`` / ``uint*``: single-valued sparse; a null makes the row empty.
+* ``string`` / ``large_string`` / ``dictionary<string>``: single-valued
+  sparse, uint64 keys ``hash_strings(value, column name)`` (hashed in C++
+  in the reader threads); a null makes the row empty.
+* ``list<string>`` (any of the above string types, ``list`` or
+  ``large_list``): multi-valued sparse, each element hashed as above; nulls
+  as for ``list<int>``.
 * ``float*`` / ``bool``: one dense column (null = 0; NaN and infinities are
   refused, or their rows dropped: ``finite_chunks``).
 * ``fixed_size_list<float>``: d dense columns.
 * weights: a ``list<float>`` column paired with a multi-valued feature.
+
+Files may differ in how a string is stored (string, large_string,
+dictionary; list or large_list), not in whether a column holds strings.
+``Schema.hashed_features`` names the features whose keys are hashed strings:
+the string columns, and key columns whose field metadata carries a
+``wuliang.reader.hashing.HASH_METADATA`` tag (written by the converters).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
 from wuliang.reader.batch import Csr, CsrBatch
+from wuliang.reader.hashing import hashed_field, is_string_type, string_keys
 
 _EMPTY_KEYS = np.zeros(0, dtype=np.int64)
 
@@ -36,20 +49,37 @@ class Column:
     kind: str  # "multi", "single" or "dense"
     type: pa.DataType
     width: int = 1  # dense columns
+    strings: bool = False  # sparse keys hashed from strings, seeded by the name
 
 
-def _kind_of(name: str, t: pa.DataType) -> tuple[str, int]:
-    if (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type):
-        return "multi", 1
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
+def _string_kind(t: pa.DataType) -> str | None:
+    """The sparse kind of a string or list<string> type ("single", "multi"), else None."""
+    if is_string_type(t):
+        return "single"
+    if _is_list(t) and is_string_type(t.value_type):
+        return "multi"
+    return None
+
+
+def _column(name: str, t: pa.DataType) -> Column:
+    strings = _string_kind(t)
+    if strings is not None:
+        return Column(name, strings, t, strings=True)
+    if _is_list(t) and pa.types.is_integer(t.value_type):
+        return Column(name, "multi", t)
     if pa.types.is_fixed_size_list(t) and pa.types.is_floating(t.value_type):
-        return "dense", t.list_size
+        return Column(name, "dense", t, t.list_size)
     if pa.types.is_integer(t):
-        return "single", 1
+        return Column(name, "single", t)
     if pa.types.is_floating(t) or pa.types.is_boolean(t):
-        return "dense", 1
+        return Column(name, "dense", t)
     raise ValueError(
-        f"column {name!r} has type {t}; the reader reads list<int>, int, float, bool and "
-        "fixed_size_list<float> columns (hash strings first: `wuliang convert`)"
+        f"column {name!r} has type {t}; the reader reads int, string, list<int>, "
+        "list<string>, float, bool and fixed_size_list<float> columns"
     )
 
 
@@ -65,10 +95,13 @@ class Schema:
         weights: Mapping[str, str],
     ) -> None:
         self.source = source
-        self.features: list[Column] = []
-        for name in features:
-            kind, width = _kind_of(name, self._field(arrow, name).type)
-            self.features.append(Column(name, kind, self._field(arrow, name).type, width))
+        self.features = [_column(name, self._field(arrow, name).type) for name in features]
+        # sparse feature -> seed field of its hashed-string keys
+        self.hashed_features: dict[str, str] = {}
+        for c in self.features:
+            seed = c.name if c.strings else hashed_field(self._field(arrow, c.name))
+            if seed is not None and c.kind in ("single", "multi"):
+                self.hashed_features[c.name] = seed
         self.labels = [Column(n, "label", self._field(arrow, n).type) for n in labels]
         for n in labels:
             t = self._field(arrow, n).type
@@ -123,9 +156,12 @@ class Schema:
 
 
 def _same_type(a: pa.DataType, b: pa.DataType) -> bool:
-    """Equal types, ignoring whether list elements are declared nullable."""
+    """Equal types, ignoring whether list elements are declared nullable and
+    how strings are stored (string, large_string, dictionary; list or large_list)."""
     if a == b:
         return True
+    if _string_kind(a) is not None or _string_kind(b) is not None:
+        return _string_kind(a) == _string_kind(b)
     lists = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list)
     for is_list in lists:
         if is_list(a) and is_list(b):
@@ -153,32 +189,51 @@ class Chunk:
         return CsrBatch(self.sparse, self.dense, labels, self.size)
 
 
+def _plain(array: pa.Array) -> pa.Array:
+    """A dictionary array whose dictionary holds nulls, decoded (so that
+    null_count counts them); any other array as it is."""
+    if pa.types.is_dictionary(array.type) and array.dictionary.null_count:
+        return array.dictionary_decode()
+    return array
+
+
+def _numbers(child: pa.Array) -> np.ndarray:
+    """Values of a numeric array (a null slot's value is meaningless)."""
+    return (child.fill_null(0) if child.null_count else child).to_numpy(zero_copy_only=False)
+
+
 def _list_csr(
-    array: pa.Array, name: str, null_values: str, source: str, first_row: int
+    array: pa.Array,
+    name: str,
+    null_values: str,
+    source: str,
+    first_row: int,
+    values_of: Callable[[pa.Array], np.ndarray] = _numbers,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(values, offsets) of a list array; values stay a view of the Arrow buffer."""
+    """(values, offsets) of a list array; values_of(child) gives the value of
+    every child slot. Without nulls, integer values stay a view of the Arrow buffer."""
     offsets = array.offsets.to_numpy().astype(np.int64)
-    child = array.values
+    child = _plain(array.values.slice(offsets[0], offsets[-1] - offsets[0]))
+    offsets -= offsets[0]
+    keep = None  # the child slots kept, if not all
     if array.null_count:  # a null list is empty, whatever its offsets say
         valid = ~array.is_null().to_numpy(zero_copy_only=False)
-        lengths = np.where(valid, np.diff(offsets), 0)
         keep = np.repeat(valid, np.diff(offsets))
-        child = child.slice(offsets[0], offsets[-1] - offsets[0]).filter(pa.array(keep))
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    else:
-        child = child.slice(offsets[0], offsets[-1] - offsets[0])
-        offsets -= offsets[0]
     if child.null_count:
         nulls = child.is_null().to_numpy(zero_copy_only=False)
-        if null_values == "raise":
+        if keep is not None:
+            nulls &= keep
+        if null_values == "raise" and nulls.any():
             row = int(np.searchsorted(offsets, np.flatnonzero(nulls)[0], side="right") - 1)
             raise ValueError(
                 f"{source}: feature {name!r} has a null value at row {first_row + row}"
             )
-        kept_before = np.concatenate([[0], np.cumsum(~nulls)])  # kept values before each
-        offsets = kept_before[offsets].astype(np.int64)
-        child = child.filter(pa.array(~nulls))
-    return child.to_numpy(zero_copy_only=False), offsets
+        keep = ~nulls if keep is None else keep & ~nulls
+    values = values_of(child)
+    if keep is None:
+        return values, offsets
+    kept_before = np.concatenate([[0], np.cumsum(keep)])  # kept values before each slot
+    return values[keep], kept_before[offsets].astype(np.int64)
 
 
 def _as_keys(values: np.ndarray) -> np.ndarray:
@@ -187,12 +242,13 @@ def _as_keys(values: np.ndarray) -> np.ndarray:
     return values.astype(np.uint64 if values.dtype.kind == "u" else np.int64)
 
 
-def _single_csr(array: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+def _single_csr(array: pa.Array, name: str, strings: bool) -> tuple[np.ndarray, np.ndarray]:
+    array = _plain(array)
+    values = string_keys(array, name) if strings else _as_keys(_numbers(array))
     if array.null_count:
         valid = ~array.is_null().to_numpy(zero_copy_only=False)
-        offsets = np.concatenate([[0], np.cumsum(valid)]).astype(np.int64)
-        return _as_keys(array.drop_null().to_numpy()), offsets
-    return _as_keys(array.to_numpy()), np.arange(len(array) + 1, dtype=np.int64)
+        return values[valid], np.concatenate([[0], np.cumsum(valid)]).astype(np.int64)
+    return values, np.arange(len(array) + 1, dtype=np.int64)
 
 
 def _floats(array: pa.Array, width: int) -> np.ndarray:
@@ -209,6 +265,12 @@ def _floats(array: pa.Array, width: int) -> np.ndarray:
     return array.to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(-1, 1)
 
 
+def _keys_of(c: Column) -> Callable[[pa.Array], np.ndarray]:
+    if c.strings:
+        return lambda child: string_keys(child, c.name)
+    return _numbers
+
+
 def chunk_from_record_batch(
     rb: pa.RecordBatch, schema: Schema, null_values: str, source: str, first_row: int
 ) -> Chunk:
@@ -218,7 +280,7 @@ def chunk_from_record_batch(
     for c in schema.features:
         array = rb.column(c.name)
         if c.kind == "multi":
-            values, offsets = _list_csr(array, c.name, null_values, source, first_row)
+            values, offsets = _list_csr(array, c.name, null_values, source, first_row, _keys_of(c))
             weights = None
             if c.name in schema.weights:
                 w_column = schema.weights[c.name].name
@@ -232,7 +294,7 @@ def chunk_from_record_batch(
                 weights = w_values.astype(np.float32, copy=False)
             sparse[c.name] = Csr(_as_keys(values), offsets, weights)
         elif c.kind == "single":
-            values, offsets = _single_csr(array)
+            values, offsets = _single_csr(array, c.name, c.strings)
             sparse[c.name] = Csr(values, offsets)
         else:
             dense_parts.append(_floats(array, c.width))

@@ -4,6 +4,11 @@ Strings are hashed by a stable 64-bit function seeded by the field name
 (C++, ``reader/csrc/string_hash.cc``); integer ids can be salted by their
 field the same way, so equal values of different fields never share a key.
 Keys are part of the data format: these functions never change ("v1").
+
+A key column made by hashing strings says so in its Arrow field metadata:
+``HASH_METADATA`` → ``hash_tag(field)`` (``b"strings/v1:<field>"``), so a
+reader of the file (or a server of a model trained on it) knows to hash raw
+strings with ``hash_strings(value, field)``.
 """
 
 from __future__ import annotations
@@ -15,25 +20,64 @@ import pyarrow as pa
 
 from wuliang.reader import _reader
 
+HASH_METADATA = b"wuliang.hash"  # Arrow field metadata key
+_STRINGS_V1 = b"strings/v1:"
+
+
+def hash_tag(field: str) -> bytes:
+    """The metadata value of a column of ``hash_strings(value, field)`` keys."""
+    return _STRINGS_V1 + field.encode()
+
+
+def parse_hash_tag(tag: bytes | None) -> str | None:
+    """The field of a ``hash_tag`` value; None if tag is None or not such a tag."""
+    if tag is None or not tag.startswith(_STRINGS_V1):
+        return None
+    return tag[len(_STRINGS_V1) :].decode()
+
+
+def tag_hashed(field: pa.Field, seed: str | None = None) -> pa.Field:
+    """field with the metadata of ``hash_strings`` keys seeded by seed (default: its name)."""
+    metadata = dict(field.metadata or {})
+    metadata[HASH_METADATA] = hash_tag(field.name if seed is None else seed)
+    return field.with_metadata(metadata)
+
+
+def hashed_field(field: pa.Field) -> str | None:
+    """The seed field recorded in an Arrow field's metadata, if any."""
+    return parse_hash_tag((field.metadata or {}).get(HASH_METADATA))
+
 
 def field_seed(field: str) -> int:
     return _reader.field_seed(field)
 
 
-def hash_strings(values: pa.Array | pa.ChunkedArray | Iterable[str], field: str) -> pa.Array:
-    """uint64 keys of strings; nulls stay null. Accepts Arrow or Python strings."""
-    if isinstance(values, pa.ChunkedArray):
-        return pa.chunked_array(
-            [hash_strings(c, field) for c in values.chunks], type=pa.uint64()
-        ).combine_chunks()
-    if not isinstance(values, pa.Array):
-        values = pa.array(list(values), type=pa.string())
+def is_string_type(t: pa.DataType) -> bool:
+    """string, large_string, or a dictionary of either."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def string_keys(values: pa.Array, field: str) -> np.ndarray:
+    """uint64 key of every slot of a string, large_string or dictionary<string>
+    array, hashed in C++ from the Arrow buffers without the GIL. A null
+    slot's key is meaningless: mask it with ``values.is_null()``."""
+    if pa.types.is_dictionary(values.type) and is_string_type(values.type):
+        if len(values.dictionary) > len(values):  # cheaper to hash the values
+            return string_keys(values.dictionary_decode(), field)
+        indices = values.indices
+        index = (indices.fill_null(0) if indices.null_count else indices).to_numpy()
+        words = string_keys(values.dictionary, field)
+        return words[index] if len(words) else np.zeros(len(values), np.uint64)
     if pa.types.is_large_string(values.type):
         offsets_type = np.int64
     elif pa.types.is_string(values.type):
         offsets_type = np.int32
     else:
         raise TypeError(f"field {field!r}: expected strings, got {values.type}")
+    if len(values) == 0:
+        return np.zeros(0, np.uint64)
     _, offsets_buf, data_buf = values.buffers()
     offsets = np.frombuffer(offsets_buf, dtype=offsets_type)[
         values.offset : values.offset + len(values) + 1
@@ -41,7 +85,19 @@ def hash_strings(values: pa.Array | pa.ChunkedArray | Iterable[str], field: str)
     data = (
         np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
     )
-    keys = _reader.hash_strings(np.ascontiguousarray(offsets), data, field_seed(field))
+    return _reader.hash_strings(np.ascontiguousarray(offsets), data, field_seed(field))
+
+
+def hash_strings(values: pa.Array | pa.ChunkedArray | Iterable[str], field: str) -> pa.Array:
+    """uint64 keys of strings; nulls stay null. Accepts Arrow (string,
+    large_string, dictionary<string>) or Python strings."""
+    if isinstance(values, pa.ChunkedArray):
+        return pa.chunked_array(
+            [hash_strings(c, field) for c in values.chunks], type=pa.uint64()
+        ).combine_chunks()
+    if not isinstance(values, pa.Array):
+        values = pa.array(list(values), type=pa.string())
+    keys = string_keys(values, field)
     return pa.array(keys, type=pa.uint64(), mask=values.is_null().to_numpy(zero_copy_only=False))
 
 

@@ -142,7 +142,8 @@ class ParquetReader:
         paths: a file, a directory, a glob, or a list of them.
         batch_size: rows per batch (the last one may be smaller).
         features: columns to read; the kind of each follows its Arrow type
-            (see ``wuliang.reader.columns``).
+            (see ``wuliang.reader.columns``); strings are read as keys
+            ``hash_strings(value, column name)`` (see ``hashed_features``).
         label: label column, or a list of them (``batch.labels`` is then a
             dict), or None.
         shuffle_buffer: rows in the shuffle buffer (0: keep file order); when
@@ -258,6 +259,14 @@ class ParquetReader:
         self.stats = ReaderStats()  # since construction, over all iterations
         self._runs: set[_Run] = set()
         self._finalizer = weakref.finalize(self, _close_runs, self._runs)
+
+    @property
+    def hashed_features(self) -> dict[str, str]:
+        """Requested sparse features whose keys are hashed strings, each mapped
+        to the field that seeds the hash (``hash_strings(value, field)``):
+        string columns (field: the column name) and key columns whose field
+        metadata in the first file carries a ``hashing.HASH_METADATA`` tag."""
+        return dict(self.schema.hashed_features)
 
     @property
     def start(self) -> ReaderPosition | None:

@@ -22,6 +22,7 @@ from wuliang.reader import ParquetReader, hash_ints, hash_strings
 from wuliang.reader.convert import CsvSchema, convert_criteo, convert_csv, convert_movielens
 from wuliang.reader.convert._common import PartWriter
 from wuliang.reader.convert.criteo import MISSING_BUCKET, NEGATIVE_BUCKET, bucket_ids
+from wuliang.reader.hashing import HASH_METADATA, hash_tag, hashed_field
 
 SCRIPT = Path(sys.executable).parent / "wuliang"
 ML_FEATURES = ["user_id", "movie_id", "genres", "year", "tags"]
@@ -405,6 +406,58 @@ def test_csv_schema_column_missing_from_header(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"schema\.yaml: not valid YAML"):
         convert_csv(tmp_path / "data.csv", tmp_path / "out", tmp_path / "schema.yaml",
                     progress=False)  # fmt: skip
+
+
+# -- Hash tags in the field metadata ---------------------------------------------
+
+
+def hash_tags(path: Path) -> dict[str, bytes]:
+    """Column -> its HASH_METADATA value, for the columns that have one."""
+    fields = pq.read_schema(path)
+    return {f.name: f.metadata[HASH_METADATA] for f in fields if hashed_field(f) is not None}
+
+
+def test_criteo_tags_hashed_columns_only(tmp_path: Path) -> None:
+    write_criteo(tmp_path / "day.tsv")
+    (first, *_) = convert_criteo(
+        tmp_path / "day.tsv", tmp_path / "out", rows_per_file=3, bucketize=True, progress=False
+    )
+    categorical = [f"C{k}" for k in range(1, 27)]
+    assert hash_tags(first) == {name: hash_tag(name) for name in categorical}
+    assert all(f.metadata is None for f in pq.read_schema(first) if f.name not in categorical)
+    with ParquetReader(
+        tmp_path / "out", 4, ["C1", "C26", "I1", "I1_bucket"], label="label"
+    ) as reader:
+        assert reader.hashed_features == {"C1": "C1", "C26": "C26"}  # buckets: hash_ints
+
+
+def test_movielens_tags_hashed_columns_only(movielens: tuple[list[Path], pa.Table]) -> None:
+    files, _ = movielens
+    assert hash_tags(files[0]) == {"genres": b"strings/v1:genres", "tags": b"strings/v1:tags"}
+    with ParquetReader(files[:2], 64, ML_FEATURES, label="label") as reader:
+        assert reader.hashed_features == {"genres": "genres", "tags": "tags"}
+
+
+def test_csv_tags_string_typed_columns_only(tmp_path: Path) -> None:
+    schema = CsvSchema.from_dict(
+        {
+            "columns": [
+                {"name": "user", "kind": "sparse", "type": "string"},
+                {"name": "tags", "kind": "sparse_list", "type": "string"},
+                {"name": "city", "kind": "sparse"},  # auto: integers kept, not all hashes
+                {"name": "item", "kind": "sparse_list", "type": "int"},
+                {"name": "age", "kind": "dense"},
+                {"name": "click", "kind": "label"},
+            ]
+        }
+    )
+    (tmp_path / "data.csv").write_text("user,tags,city,item,age,click\nal,a|b,7,1|2,3,1\n")
+    (f,) = convert_csv(tmp_path / "data.csv", tmp_path / "out", schema, progress=False)
+    assert hash_tags(f) == {"user": hash_tag("user"), "tags": hash_tag("tags")}
+    assert pq.read_table(f).column("user").to_pylist() == [key("al", "user")]
+    features = ["user", "tags", "city", "item", "age"]
+    with ParquetReader(f, 4, features, label="click") as reader:
+        assert reader.hashed_features == {"user": "user", "tags": "tags"}
 
 
 # -- The command line ----------------------------------------------------------

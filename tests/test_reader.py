@@ -26,8 +26,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from wuliang.ps_server import shard_of
-from wuliang.reader import CsrBatch, KeyPreparer, ParquetReader
+from wuliang.reader import CsrBatch, KeyPreparer, ParquetReader, hash_strings
+from wuliang.reader.columns import Schema, chunk_from_record_batch
+from wuliang.reader.convert import CsvSchema, convert_csv
 from wuliang.reader.datagen import DENSE, LABEL, MULTI, SINGLE, SPARSE, DatagenConfig, generate
+from wuliang.reader.hashing import HASH_METADATA, hash_tag, parse_hash_tag, tag_hashed
 
 # -- helpers -------------------------------------------------------------------------
 
@@ -739,21 +742,263 @@ def test_nan_label_names_the_row(tmp_path: Path) -> None:
         list(ParquetReader(tmp_path, 3, ["rid"], "label"))
 
 
-@pytest.mark.parametrize("string_type", [pa.string(), pa.large_string()])
-def test_string_column_is_a_clear_error(tmp_path: Path, string_type: pa.DataType) -> None:
-    table = simple_table(np.arange(4)).append_column(
-        "city", pa.array(["a", "b", None, "d"], string_type)
-    )
+@pytest.mark.parametrize(
+    "array",
+    [
+        pa.array([b"a", b"b", None, b"d"], pa.binary()),
+        pa.array([{"x": 1}] * 4, pa.struct([("x", pa.int64())])),
+        pa.array([[1.5]] * 4, pa.list_(pa.float32())),
+        pa.array([[[1]]] * 4, pa.list_(pa.list_(pa.int64()))),
+    ],
+)
+def test_unsupported_column_type_is_a_clear_error(tmp_path: Path, array: pa.Array) -> None:
+    table = simple_table(np.arange(4)).append_column("odd", array)
     pq.write_table(table, tmp_path / "t.parquet")
-    with pytest.raises(ValueError, match=r"'city'.*string") as info:
-        ParquetReader(tmp_path, 2, ["rid", "city"], "label")
-    assert "hash" in str(info.value)  # says what to do
+    with pytest.raises(ValueError, match=r"column 'odd' has type .*; the reader reads int, string"):
+        ParquetReader(tmp_path, 2, ["rid", "odd"], "label")
+
+
+def test_string_label_is_a_clear_error(tmp_path: Path) -> None:
+    table = simple_table(np.arange(4)).append_column("city", pa.array(["a", "b", None, "d"]))
+    pq.write_table(table, tmp_path / "t.parquet")
     with pytest.raises(ValueError, match=r"label column 'city'"):
         ParquetReader(tmp_path, 2, ["rid"], "city")
-    lists = pa.table({"tags": pa.array([["x"], ["y"]], pa.list_(string_type))})
-    pq.write_table(lists, tmp_path / "t.parquet")
-    with pytest.raises(ValueError, match=r"'tags'"):
-        ParquetReader(tmp_path, 2, ["tags"])
+
+
+# -- string columns, read by hashing ---------------------------------------------------------
+
+CITIES = ["paris", "", "Zürich", "a much longer city name than eight bytes", "oslo"]
+TAGS = ["x", "yy", "", "tag with spaces", "ünïcode", "0123456789abcdef01"]
+
+
+def string_table(rng: np.random.Generator, first_id: int, n: int) -> dict[str, list[Any]]:
+    """rid, city (string or null) and tags (list of strings, null lists and elements)."""
+    city = [None if rng.random() < 0.2 else CITIES[rng.integers(len(CITIES))] for _ in range(n)]
+    tags: list[list[str | None] | None] = []
+    for _ in range(n):
+        if rng.random() < 0.15:
+            tags.append(None)
+            continue
+        size = int(rng.integers(5))
+        tags.append([None if rng.random() < 0.1 else TAGS[rng.integers(len(TAGS))]
+                     for _ in range(size)])  # fmt: skip
+    return {"rid": list(range(first_id, first_id + n)), "city": city, "tags": tags}
+
+
+def write_string_files(
+    folder: Path, city_type: pa.DataType, tags_type: pa.DataType, sizes: Sequence[int] = (23, 31)
+) -> list[dict[str, list[Any]]]:
+    """Files of string_table rows (row groups of 7); returns their rows."""
+    rng = np.random.default_rng(11)
+    data, first = [], 0
+    for n in sizes:
+        data.append(string_table(rng, first, n))
+        first += n
+    tables = [
+        pa.table(
+            {
+                "rid": pa.array(d["rid"], pa.int64()),
+                "city": pa.array(d["city"], pa.string()).cast(city_type),
+                "tags": pa.array(d["tags"], pa.list_(pa.string())).cast(tags_type),
+                "label": pa.array(np.zeros(len(d["rid"]), np.float32)),
+            }
+        )
+        for d in data
+    ]
+    write_files(folder, tables, row_groups=7)
+    return data
+
+
+def hashed_rows(cells: Sequence[Any], field: str) -> tuple[list[int], list[int]]:
+    """(keys, lengths) that hash_strings gives of a column's cells (null rows and
+    elements dropped)."""
+    keys: list[int] = []
+    lengths: list[int] = []
+    for cell in cells:
+        words = [w for w in (cell if isinstance(cell, list) else [cell]) if w is not None]
+        keys.extend(hash_strings(words, field).to_pylist())
+        lengths.append(len(words))
+    return keys, lengths
+
+
+DICT_STRING = pa.dictionary(pa.int32(), pa.string())
+
+
+@pytest.mark.parametrize(
+    ("city_type", "tags_type"),
+    [
+        (pa.string(), pa.list_(pa.string())),
+        (pa.large_string(), pa.large_list(pa.large_string())),
+        (DICT_STRING, pa.list_(pa.large_string())),
+    ],
+)
+@pytest.mark.parametrize("batch_size", [5, 100])
+def test_string_columns_read_as_hashed_keys(
+    tmp_path: Path, city_type: pa.DataType, tags_type: pa.DataType, batch_size: int
+) -> None:
+    data = write_string_files(tmp_path, city_type, tags_type)
+    assert pq.read_schema(tmp_path / "part-000.parquet").field("city").type == city_type
+    reader = ParquetReader(tmp_path, batch_size, ["rid", "city", "tags"], "label", num_threads=2)
+    assert reader.hashed_features == {"city": "city", "tags": "tags"}
+    got = batch_columns(list(reader), ["rid", "city", "tags"])
+    for name in ("city", "tags"):
+        keys, lengths = hashed_rows([c for d in data for c in d[name]], name)
+        assert got.values[name].dtype == np.uint64
+        assert got.values[name].tolist() == keys, name
+        assert got.lengths[name].tolist() == lengths, name
+    assert got.values["rid"].tolist() == list(range(54))
+
+
+def test_null_string_elements_raise_naming_the_row(tmp_path: Path) -> None:
+    data = write_string_files(tmp_path, pa.string(), pa.list_(pa.string()))
+    tags = data[0]["tags"]
+    row = next(i for i, t in enumerate(tags) if t is not None and None in t)
+    with pytest.raises(ValueError, match=rf"part-000\.parquet.*feature 'tags'.*row {row}\b"):
+        list(ParquetReader(tmp_path, 4, ["tags"], null_values="raise"))
+    (batch,) = list(ParquetReader(tmp_path / "part-000.parquet", 100, ["tags"]))  # drop
+    keys, lengths = hashed_rows(tags, "tags")
+    assert batch.sparse["tags"].values.tolist() == keys
+    assert batch.sparse["tags"].lengths().tolist() == lengths
+
+
+def test_string_storage_may_differ_between_files(tmp_path: Path) -> None:
+    a = pa.table({"city": pa.array(["a", None]), "tags": pa.array([["x"], None])})
+    b = pa.table(
+        {
+            "city": pa.array(["b", "a"]).dictionary_encode(),
+            "tags": pa.array([["y", None], []], pa.large_list(pa.large_string())),
+        }
+    )
+    write_files(tmp_path, [a, b])
+    (batch,) = list(ParquetReader(tmp_path, 10, ["city", "tags"]))
+    assert batch.sparse["city"].values.tolist() == hash_strings(["a", "b", "a"], "city").to_pylist()
+    assert batch.sparse["city"].lengths().tolist() == [1, 0, 1, 1]
+    assert batch.sparse["tags"].values.tolist() == hash_strings(["x", "y"], "tags").to_pylist()
+    assert batch.sparse["tags"].lengths().tolist() == [1, 0, 1, 0]
+
+
+@pytest.mark.parametrize(
+    ("column", "array"),
+    [
+        ("city", pa.array([1, 2], pa.int64())),
+        ("tags", pa.array([[1], [2]], pa.list_(pa.int64()))),
+        ("tags", pa.array(["x", "y"])),  # strings, but not a list of them
+    ],
+)
+def test_string_column_turned_other_type_names_file_and_column(
+    tmp_path: Path, column: str, array: pa.Array
+) -> None:
+    good = pa.table({"city": pa.array(["a", "b"]), "tags": pa.array([["x"], ["y"]])})
+    write_files(
+        tmp_path, [good, good.set_column(good.schema.get_field_index(column), column, array)]
+    )
+    with pytest.raises(ValueError, match=rf"part-001\.parquet: column '{column}' is"):
+        list(ParquetReader(tmp_path, 10, ["city", "tags"]))
+
+
+def test_int_column_turned_string_names_file_and_column(tmp_path: Path) -> None:
+    ints = pa.table({"city": pa.array([1, 2], pa.int64())})
+    write_files(tmp_path, [ints, pa.table({"city": pa.array(["a", "b"])})])
+    with pytest.raises(
+        ValueError, match=r"part-001\.parquet: column 'city' is string, expected int64"
+    ):
+        list(ParquetReader(tmp_path, 10, ["city"]))
+
+
+def test_hashed_features_of_tagged_key_columns(tmp_path: Path) -> None:
+    schema = pa.schema(
+        [
+            tag_hashed(pa.field("c7", pa.uint64()), "C7"),  # seeded by another name
+            tag_hashed(pa.field("genres", pa.list_(pa.uint64()))),
+            pa.field("ids", pa.uint64()),
+            pa.field("odd", pa.uint64(), metadata={HASH_METADATA: b"other/v9:x"}),
+            pa.field("city", pa.string()),
+        ]
+    )
+    keys = hash_strings(["a", "b"], "C7")
+    table = pa.table(
+        [keys, pa.array([[1], []], pa.list_(pa.uint64())), pa.array([1, 2], pa.uint64()),
+         pa.array([3, 4], pa.uint64()), pa.array(["p", "q"])],
+        schema=schema,
+    )  # fmt: skip
+    pq.write_table(table, tmp_path / "t.parquet")
+    reader = ParquetReader(tmp_path, 2, ["c7", "genres", "ids", "odd", "city"])
+    assert reader.hashed_features == {"c7": "C7", "genres": "genres", "city": "city"}
+    reader.hashed_features["ids"] = "ids"  # a copy: the reader's stays as it is
+    assert "ids" not in reader.hashed_features
+    assert ParquetReader(tmp_path, 2, ["ids", "c7"]).hashed_features == {"c7": "C7"}
+    (batch,) = list(reader)
+    assert batch.sparse["c7"].values.tolist() == keys.to_pylist()
+
+
+def test_list_of_dictionary_strings() -> None:
+    # Arrow cannot read this type back from Parquet, but may hand it over in memory.
+    words = pa.array([["b", "a"], None, [None, "c"], []], pa.list_(DICT_STRING))
+    rb = pa.record_batch({"tags": words})
+    schema = Schema(rb.schema, "mem", ["tags"], [], {})
+    csr = chunk_from_record_batch(rb, schema, "drop", "mem", 0).sparse["tags"]
+    assert csr.values.tolist() == hash_strings(["b", "a", "c"], "tags").to_pylist()
+    assert csr.lengths().tolist() == [2, 0, 1, 0]
+    with pytest.raises(ValueError, match=r"mem: feature 'tags' has a null value at row 2"):
+        chunk_from_record_batch(rb, schema, "raise", "mem", 0)
+
+
+def test_parse_hash_tag() -> None:
+    assert hash_tag("C1") == b"strings/v1:C1"
+    assert parse_hash_tag(hash_tag("ünï:code")) == "ünï:code"
+    assert parse_hash_tag(b"strings/v1:") == ""
+    assert parse_hash_tag(b"ints/v1:C1") is None
+    assert parse_hash_tag(None) is None
+
+
+def test_strings_read_train_the_keys_of_convert_csv(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    n = 300
+    users = [None if rng.random() < 0.1 else f"user {rng.integers(40)}" for _ in range(n)]
+    tags = [[f"t{rng.integers(30)}" for _ in range(rng.integers(4))] for _ in range(n)]
+    lines = ["user,tags,click"]
+    lines += [
+        f"{u or ''},{'|'.join(t)},{i % 2}" for i, (u, t) in enumerate(zip(users, tags, strict=True))
+    ]
+    (tmp_path / "data.csv").write_text("\n".join(lines) + "\n")
+    schema = CsvSchema.from_dict(
+        {
+            "columns": [
+                {"name": "user", "kind": "sparse", "type": "string"},
+                {"name": "tags", "kind": "sparse_list", "type": "string"},
+                {"name": "click", "kind": "label"},
+            ]
+        }
+    )
+    convert_csv(tmp_path / "data.csv", tmp_path / "converted", schema, rows_per_file=120,
+                progress=False)  # fmt: skip
+    raw = pa.table(
+        {
+            "user": pa.array(users, pa.string()),
+            "tags": pa.array(tags, pa.list_(pa.string())),
+            "click": pa.array(np.arange(n) % 2, pa.float32()),
+        }
+    )
+    write_files(tmp_path / "raw", [raw.slice(0, 170), raw.slice(170)], row_groups=50)
+
+    def read(folder: Path) -> tuple[ParquetReader, list[CsrBatch]]:
+        tables = {"user": "user", "tags": "tags"}
+        reader = ParquetReader(folder, 64, ["user", "tags"], "click",
+                               prepare=KeyPreparer(tables, num_shards=2))  # fmt: skip
+        return reader, list(reader)
+
+    converted, from_csv = read(tmp_path / "converted")
+    strings, from_strings = read(tmp_path / "raw")
+    assert strings.hashed_features == converted.hashed_features == {"user": "user", "tags": "tags"}
+    assert len(from_csv) == len(from_strings) == 5
+    for a, b in zip(from_csv, from_strings, strict=True):
+        for name in ("user", "tags"):
+            np.testing.assert_array_equal(a.sparse[name].offsets, b.sparse[name].offsets)
+            np.testing.assert_array_equal(a.sparse[name].values, b.sparse[name].values)
+            assert a.prepared is not None and b.prepared is not None
+            np.testing.assert_array_equal(
+                a.prepared.tables[name].uniques, b.prepared.tables[name].uniques
+            )
 
 
 # -- threads and shutdown ---------------------------------------------------------------------
@@ -1060,7 +1305,9 @@ def test_datagen_read_by_the_reader(
     datagen_dirs: tuple[list[Path], list[Path], list[Path]],
 ) -> None:
     folder = datagen_dirs[0][0].parent
-    batches = list(ParquetReader(folder, 333, SPARSE + DENSE, LABEL, validate=True))
+    reader = ParquetReader(folder, 333, SPARSE + DENSE, LABEL, validate=True)
+    assert reader.hashed_features == {}  # synthetic ids, salted: no hashed strings
+    batches = list(reader)
     assert [b.size for b in batches] == [333] * 7 + [169]
     table = pq.read_table(folder)
     for name in ("C1", "C26"):

@@ -12,11 +12,12 @@ removed), with columns
 * ``label``: float32, the label as given (a missing label is an error);
 * ``I1`` … ``I13``: float32 dense, ``log1p(max(x, 0))``; missing → 0;
 * ``C1`` … ``C26``: uint64 single-valued keys, ``hash_strings(value, "C<k>")``
-  of the value's text; missing → null (no key);
+  of the value's text; missing → null (no key); each field tagged
+  ``hashing.hash_tag("C<k>")`` in its metadata;
 * with ``bucketize``, ``I1_bucket`` … ``I13_bucket``: uint64 single-valued
   keys, ``hash_ints(bucket, "I<k>_bucket")`` where bucket is
   ``floor(log2(x + 1))`` for x ≥ 0, ``NEGATIVE_BUCKET`` for x < 0 and
-  ``MISSING_BUCKET`` for a missing value (every row has a key).
+  ``MISSING_BUCKET`` for a missing value (every row has a key); not tagged.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from wuliang.reader.convert._common import (
     progress_bar,
     write_converted,
 )
-from wuliang.reader.hashing import hash_ints, hash_strings
+from wuliang.reader.hashing import hash_ints, hash_strings, tag_hashed
 
 LABEL = "label"
 DENSE = [f"I{i}" for i in range(1, 14)]
@@ -52,7 +53,7 @@ _BLOCK_BYTES = 16 << 20
 def output_schema(bucketize: bool = False) -> pa.Schema:
     fields = [pa.field(LABEL, pa.float32(), nullable=False)]
     fields += [pa.field(name, pa.float32(), nullable=False) for name in DENSE]
-    fields += [pa.field(name, pa.uint64()) for name in CATEGORICAL]
+    fields += [tag_hashed(pa.field(name, pa.uint64())) for name in CATEGORICAL]
     if bucketize:
         fields += [pa.field(name, pa.uint64(), nullable=False) for name in BUCKETS]
     return pa.schema(fields)

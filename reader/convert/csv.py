@@ -32,7 +32,9 @@ default) uses a value written as a canonical integer (``0``, ``-?[1-9][0-9]*``
 within int64) as the key itself (two's complement as uint64) and hashes any
 other value, ``hash_strings(value, column name)``, so a value always gets the
 same key, whatever the rest of the file holds; ``string`` hashes every value;
-``int`` requires integers.
+``int`` requires integers. Only ``string`` columns carry the field metadata
+tag of hashed strings (``hashing.hash_tag(column name)``): ``auto`` keys are
+not all hashes.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from wuliang.reader.convert._common import (
     progress_bar,
     write_converted,
 )
-from wuliang.reader.hashing import hash_strings
+from wuliang.reader.hashing import hash_strings, tag_hashed
 
 KINDS = ("sparse", "sparse_list", "dense", "label", "skip")
 KEY_TYPES = ("auto", "string", "int")
@@ -92,9 +94,12 @@ class CsvSchema:
             "dense": pa.float32(),
             "label": pa.float32(),
         }
-        return pa.schema(
-            [pa.field(c.name, types[c.kind], nullable=c.kind == "sparse") for c in self.output]
-        )
+        fields = []
+        for c in self.output:
+            field = pa.field(c.name, types[c.kind], nullable=c.kind == "sparse")
+            hashed = c.kind in ("sparse", "sparse_list") and c.type == "string"
+            fields.append(tag_hashed(field) if hashed else field)
+        return pa.schema(fields)
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "schema") -> CsvSchema:

@@ -13,13 +13,15 @@ per rating, sorted by (timestamp, user_id, movie_id), with columns
 
 * ``user_id``, ``movie_id``: int64 ids (single-valued keys, used as they are);
 * ``genres``: list<uint64>, ``hash_strings(genre, "genres")`` of each genre of
-  the movie, as written (``(no genres listed)`` → empty list);
+  the movie, as written (``(no genres listed)`` → empty list); tagged
+  ``hashing.hash_tag("genres")`` in the field metadata;
 * ``year``: int64, the release year from the title's trailing ``(YYYY)`` (the
   first year of a ``(YYYY–YYYY)`` range); null when the title has none;
 * ``tags``: list<uint64>, ``hash_strings(tag, "tags")`` of the distinct tags
   (lower-cased, surrounding spaces trimmed) that any user applied to the movie
   at or before the rating's timestamp — never a tag from the future — in the
-  order they were first applied;
+  order they were first applied; tagged ``hashing.hash_tag("tags")`` (the
+  hash of the normalised text);
 * ``timestamp``: int64 seconds since the epoch (UTC);
 * ``rating``: float32 (0.5 … 5.0);
 * ``label``: float32, 1 if ``rating >= 4`` else 0.
@@ -39,7 +41,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
 from wuliang.reader.convert._common import make_out_dir, progress_bar, remove_stale
-from wuliang.reader.hashing import hash_strings
+from wuliang.reader.hashing import hash_strings, tag_hashed
 from wuliang.reader.io import write_parquet
 
 NO_GENRES = "(no genres listed)"
@@ -53,9 +55,9 @@ SCHEMA = pa.schema(
     [
         pa.field("user_id", pa.int64(), nullable=False),
         pa.field("movie_id", pa.int64(), nullable=False),
-        pa.field("genres", pa.list_(pa.uint64())),
+        tag_hashed(pa.field("genres", pa.list_(pa.uint64()))),
         pa.field("year", pa.int64()),
-        pa.field("tags", pa.list_(pa.uint64())),
+        tag_hashed(pa.field("tags", pa.list_(pa.uint64()))),
         pa.field("timestamp", pa.int64(), nullable=False),
         pa.field("rating", pa.float32(), nullable=False),
         pa.field("label", pa.float32(), nullable=False),
