@@ -379,8 +379,8 @@ def export_and_serve(args: argparse.Namespace, estimator: Any, test: Path) -> di
     """Full export, served; one more day of training and a delta export, which
     the running server applies; returns row counts and served versions."""
     from wuliang.export import versions
+    from wuliang.ps_server.storage import Version
     from wuliang.reader import ParquetReader
-    from wuliang.storage import Version
 
     work: Path = args.work_dir
     model_dir, export_dir = work / "model", work / "exports"
@@ -413,14 +413,14 @@ def export_and_serve(args: argparse.Namespace, estimator: Any, test: Path) -> di
     for number, path in versions(export_dir):
         version = Version(path)
         tables = version.tables
-        counts = ", ".join(f"{t} {v['rows']:,}" for t, v in tables.items())
-        removed = sum(v.get("removed", 0) for v in tables.values())
-        what = "full" if version.kind == "full" else f"delta of {version['parent']}"
+        counts = ", ".join(f"{t} {v.rows:,}" for t, v in tables.items())
+        removed = sum(v.removed or 0 for v in tables.values())
+        what = "full" if version.kind == "full" else f"delta of {version.parent}"
         print(
-            f"export {number} ({what}, step {version['step']}): rows {counts}"
+            f"export {number} ({what}, step {version.step}): rows {counts}"
             + (f"; {removed} removed" if version.kind == "delta" else "")
         )
-        totals[str(number)] = sum(v["rows"] for v in tables.values())
+        totals[str(number)] = sum(v.rows for v in tables.values())
     return {
         "export_rows": totals,
         "served_versions": [before[0], after[0]],

@@ -22,13 +22,38 @@ evaluation and the trace. Nothing else of the session is part of the contract.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from wuliang.context import Context, Trace
+from wuliang.ps_server import ParameterServer
+
+
+class HookContext(Protocol):
+    """The model's state as hooks see it (``wuliang.Context`` implements it)."""
+
+    @property
+    def ps(self) -> ParameterServer:
+        """The parameter server holding the model's tables."""
+        ...
+
+    @property
+    def tables(self) -> Mapping[str, Any]:
+        """The model's tables (``EmbeddingTable`` s) by name."""
+        ...
+
+
+class HookTrace(Protocol):
+    """Per-stage timings of the steps (``wuliang.context.Trace``)."""
+
+    def enable(self) -> None: ...
+
+    def disable(self) -> None: ...
+
+    def events(self) -> list[tuple[str, int, float, float, str]]:
+        """(stage, step, start, end, thread name) of each recorded stage."""
+        ...
 
 
 class HookSession(Protocol):
@@ -40,13 +65,13 @@ class HookSession(Protocol):
         ...
 
     @property
-    def context(self) -> Context:
+    def context(self) -> HookContext:
         """The model's parameter server (``context.ps``), tables
         (``context.tables``) and settings."""
         ...
 
     @property
-    def trace(self) -> Trace:
+    def trace(self) -> HookTrace:
         """Per-stage timings, recorded while enabled (``Timeline``)."""
         ...
 

@@ -1,5 +1,5 @@
 """The Checkpoint hook: resume from the newest checkpoint, save periodically
-and at the end (``wuliang.checkpoint`` has the format)."""
+and at the end (``wuliang.checkpoint`` writes it)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 from wuliang.hooks.base import HookSession, SessionRunContext, SessionRunValues
 from wuliang.hooks.periodic import PeriodicSyncHook
+from wuliang.ps_server.storage import latest_checkpoint
 
 
 class Checkpoint(PeriodicSyncHook):
@@ -42,8 +43,6 @@ class Checkpoint(PeriodicSyncHook):
         self._position: Any = None
 
     def restore_session(self, session: HookSession) -> None:
-        from wuliang.checkpoint import latest_checkpoint
-
         latest = latest_checkpoint(self.model_dir) if self.restore else None
         if latest is not None and session.global_step == 0:
             session.restore_checkpoint(latest)

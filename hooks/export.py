@@ -9,6 +9,7 @@ from typing import Any
 
 from wuliang.hooks.base import HookSession
 from wuliang.hooks.periodic import PeriodicSyncHook
+from wuliang.ps_server.storage import latest
 
 log = logging.getLogger("wuliang.export")
 
@@ -42,12 +43,10 @@ class IncrementalExport(PeriodicSyncHook):
         self.results: list[Any] = []
 
     def trigger(self, session: HookSession) -> None:
-        from wuliang.export import latest
-
         kind = "auto"
         if self.full_every is not None:
             newest = latest(self.export_dir)
-            if newest is not None and int(newest["version"]) % self.full_every == 0:
+            if newest is not None and newest.number % self.full_every == 0:
                 kind = "full"
         result = session.export(self.export_dir, kind)
         self.results.append(result)

@@ -21,6 +21,7 @@ from wuliang.hooks.base import (
     SessionRunHook,
     SessionRunValues,
 )
+from wuliang.hooks.metrics import auc
 from wuliang.hooks.periodic import PeriodicSyncHook
 
 log = logging.getLogger("wuliang")
@@ -193,8 +194,6 @@ class Summary(_EverySteps):
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
         import tensorflow as tf
-
-        from wuliang.metrics import auc
 
         if not run_context.train:
             return

@@ -55,6 +55,7 @@ import numpy as np
 
 from wuliang.ps_server import _engine
 from wuliang.ps_server.spec import TableSpec
+from wuliang.ps_server.threads import check_background, set_background
 
 T = TypeVar("T")
 KeyArray = np.ndarray | Sequence[int]
@@ -173,6 +174,11 @@ class Handle(Generic[T]):
     def done(self) -> bool:
         return self._future.done()
 
+    def add_done_callback(self, callback: Callable[[Handle[T]], None]) -> None:
+        """Calls ``callback(handle)`` once the call is done (at once if it
+        is), on the thread that finished it."""
+        self._future.add_done_callback(lambda _: callback(self))
+
 
 class ParameterServer(abc.ABC):
     """Embedding tables of a parameter server. See the module docstring."""
@@ -180,6 +186,7 @@ class ParameterServer(abc.ABC):
     def __init__(self) -> None:
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
+        self._background = "normal"
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -206,6 +213,14 @@ class ParameterServer(abc.ABC):
         """OS ids of the threads in this process that do the server's work
         (to set their scheduling); none for a remote server."""
         return []
+
+    def set_background(self, background: str) -> None:
+        """Schedules the threads that do this server's work in this process
+        (its workers, and the threads that run its ``*_async`` calls, from
+        their start) under ``background`` (``wuliang.ps_server.threads``)."""
+        self._background = check_background(background)
+        for thread_id in self.worker_thread_ids():
+            set_background(background, thread_id)
 
     # -- data half -----------------------------------------------------------
 
@@ -305,7 +320,12 @@ class ParameterServer(abc.ABC):
     def _start(self, call: Callable[[], T]) -> Handle[T]:
         with self._executor_lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(2, thread_name_prefix="wuliang-ps-call")
+                self._executor = ThreadPoolExecutor(
+                    2,
+                    thread_name_prefix="wuliang-ps-call",
+                    initializer=set_background,
+                    initargs=(self._background,),
+                )
             return Handle(self._executor.submit(call))
 
     # -- admin half: tables --------------------------------------------------

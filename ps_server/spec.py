@@ -5,6 +5,15 @@ converted to the engine's C++ structs by :func:`TableSpec.to_native`. The
 public names are re-exported as ``wuliang.optimizers``, ``wuliang.initializers``,
 ``wuliang.admission`` and ``wuliang.eviction``.
 
+Every spec class has ``to_dict()`` (JSON: plain numbers, strings and nested
+objects; an optimizer's or initializer's class is its ``"kind"``) and
+``from_dict(data)``, its exact inverse: a version's manifest records each
+table's whole spec this way, so a process holding nothing but the version
+directory (a parameter server, a serving replica) recreates the tables
+exactly, and the same dictionaries travel over the wire. ``from_dict`` fills
+in defaults for missing fields and refuses unknown ones (ValueError naming
+the field and the spec).
+
 Optimizer formulas (per coordinate, ``g`` the summed gradient of a key):
 
 * ``SGD``:      ``w -= lr * g``
@@ -22,8 +31,9 @@ Optimizer formulas (per coordinate, ``g`` the summed gradient of a key):
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from wuliang.ps_server import _engine
 
@@ -43,6 +53,48 @@ def _finite(owner: str, name: str, value: float) -> None:
 
 def _non_negative(owner: str, name: str, value: float) -> None:
     _check(math.isfinite(value) and value >= 0, f"{owner}: {name} must be >= 0, got {value!r}")
+
+
+S = TypeVar("S")
+
+
+def _fields_of(spec: Any) -> dict[str, Any]:
+    return {f.name: getattr(spec, f.name) for f in fields(spec)}
+
+
+def _build(cls: type[S], data: Any, who: str, drop: tuple[str, ...] = ()) -> S:
+    """``cls(**data)``; ValueError naming ``who`` for a non-object, an
+    unknown field or a bad value. ``drop``: keys of data that are not fields
+    (a ``"kind"`` already dispatched on)."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{who}: expected an object, got {data!r}")
+    values = {k: v for k, v in data.items() if k not in drop}
+    known = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(
+            f"{who}: unknown field {unknown[0]!r} (fields: {', '.join(known) or 'none'})"
+        )
+    try:
+        return cls(**values)
+    except TypeError as error:
+        raise ValueError(f"{who}: {error}") from None
+
+
+def _by_kind(base: type[S], kinds: tuple[type, ...], data: Any) -> S:
+    """The ``kinds`` member that ``data["kind"]`` names, built from data; a
+    subclass of ``base`` asked directly must match the kind."""
+    what = base.__name__.lower()
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{what}: expected an object, got {data!r}")
+    by_name = {k.__name__: k for k in kinds}
+    kind = data.get("kind")
+    if kind not in by_name:
+        raise ValueError(f"unknown {what} kind {kind!r} (kinds: {', '.join(by_name)})")
+    chosen = by_name[kind]
+    if not issubclass(chosen, base):
+        raise ValueError(f"{what}: expected a {base.__name__}, got kind {kind!r}")
+    return _build(chosen, data, f"{what} {kind}", drop=("kind",))
 
 
 # --- optimizers -------------------------------------------------------------
@@ -65,6 +117,15 @@ class Optimizer:
         spec.learning_rate = self.learning_rate
         spec.clip_norm = self.clip_norm
         return spec
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON of the optimizer: its ``kind`` (class name) and fields."""
+        return {"kind": type(self).__name__, **_fields_of(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Optimizer:
+        """The optimizer ``to_dict`` described (ValueError naming a bad kind or field)."""
+        return _by_kind(cls, (SGD, Adagrad, Adam, FTRL), data)
 
 
 @dataclass(frozen=True)
@@ -157,26 +218,14 @@ class Initializer:
     def _native(self, dim: int) -> _engine.InitSpec:
         raise NotImplementedError
 
-    def to_dict(self) -> dict[str, object]:
-        """JSON of the initializer (manifests): its kind and fields."""
-        return {
-            "kind": type(self).__name__,
-            **{f.name: getattr(self, f.name) for f in fields(self)},
-        }
+    def to_dict(self) -> dict[str, Any]:
+        """JSON of the initializer: its ``kind`` (class name) and fields."""
+        return {"kind": type(self).__name__, **_fields_of(self)}
 
-
-def initializer_from_dict(data: dict[str, object]) -> Initializer:
-    """The initializer ``Initializer.to_dict`` described; ValueError naming
-    an unknown kind or field."""
-    kinds = {k.__name__: k for k in (Normal, TruncatedNormal, Uniform, Constant, Zeros)}
-    values = dict(data)
-    kind = values.pop("kind", None)
-    if kind not in kinds:
-        raise ValueError(f"unknown initializer kind {kind!r} (kinds: {', '.join(kinds)})")
-    try:
-        return kinds[str(kind)](**values)  # type: ignore[arg-type]
-    except TypeError as error:
-        raise ValueError(f"initializer {kind}: {error}") from None
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Initializer:
+        """The initializer ``to_dict`` described (ValueError naming a bad kind or field)."""
+        return _by_kind(cls, (Normal, TruncatedNormal, Uniform, Constant, Zeros), data)
 
 
 @dataclass(frozen=True)
@@ -306,6 +355,13 @@ class Admission:
             f"Admission: pending_capacity must be in [1, 2**32), got {self.pending_capacity!r}",
         )
 
+    def to_dict(self) -> dict[str, Any]:
+        return _fields_of(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Admission:
+        return _build(cls, data, "admission")
+
 
 @dataclass(frozen=True)
 class Eviction:
@@ -340,6 +396,13 @@ class Eviction:
     @property
     def enabled(self) -> bool:
         return any(getattr(self, f.name) for f in fields(self))
+
+    def to_dict(self) -> dict[str, Any]:
+        return _fields_of(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Eviction:
+        return _build(cls, data, "eviction")
 
 
 # --- the table --------------------------------------------------------------
@@ -453,6 +516,29 @@ class TableSpec:
     def with_name(self, name: str) -> TableSpec:
         return replace(self, name=name)
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON of the whole spec (nested specs as their ``to_dict``)."""
+        out = _fields_of(self)
+        for name in _NESTED:
+            out[name] = out[name].to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TableSpec:
+        """The spec ``to_dict`` described; missing fields take their
+        defaults; ValueError naming the table and the bad field."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"table spec: expected an object, got {data!r}")
+        who = f"table {data.get('name')!r}"
+        values = dict(data)
+        for name, kind in _NESTED.items():
+            if name in values:
+                try:
+                    values[name] = kind.from_dict(values[name])
+                except ValueError as error:
+                    raise ValueError(f"{who}: {name}: {error}") from None
+        return _build(cls, values, who)
+
     def to_native(self) -> _engine.TableSpec:
         spec = _engine.TableSpec()
         spec.name = self.name
@@ -477,3 +563,11 @@ class TableSpec:
         spec.serving = self.serving
         spec.precision = _PRECISIONS[self.precision]
         return spec
+
+
+_NESTED: dict[str, Any] = {
+    "optimizer": Optimizer,
+    "initializer": Initializer,
+    "admission": Admission,
+    "eviction": Eviction,
+}

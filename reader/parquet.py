@@ -44,6 +44,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from wuliang.ps_server.threads import check_background, set_background
 from wuliang.reader.batch import CsrBatch
 from wuliang.reader.columns import (
     Chunk,
@@ -55,7 +56,6 @@ from wuliang.reader.columns import (
     slice_chunk,
 )
 from wuliang.reader.prepare import KeyPreparer
-from wuliang.threads import check_background, set_background
 
 log = logging.getLogger("wuliang")
 
@@ -168,7 +168,7 @@ class ParquetReader:
             begins with the batch that followed it (see ``ReaderPosition``).
             Each batch's ``position`` says where the reader is after it.
         background: scheduling of the reader's threads, ``"idle"`` or
-            ``"normal"`` (see ``wuliang.threads``); None: ``"normal"``, or the
+            ``"normal"`` (see ``wuliang.ps_server.threads``); None: ``"normal"``, or the
             ``Context``'s setting when a training session iterates it.
     """
 

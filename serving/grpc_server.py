@@ -102,7 +102,7 @@ class _Handlers:
 
     def predict(self, request: Any) -> Any:
         store = self.service.store(request.model)
-        sparse = {f["name"] for f in store.served().model.get("sparse", [])}
+        sparse = store.served().model.sparse_by_name
         features = {}
         for f in request.features:
             if f.name in features:
@@ -206,9 +206,8 @@ class GrpcServer:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
         self.lookup_pool = ThreadPoolExecutor(lookup_threads, thread_name_prefix="wuliang-lookup")
-        self.server = grpc.server(
-            ThreadPoolExecutor(predict_threads, thread_name_prefix="wuliang-grpc"), options=options
-        )
+        self.pool = ThreadPoolExecutor(predict_threads, thread_name_prefix="wuliang-grpc")
+        self.server = grpc.server(self.pool, options=options)
         self.server.add_generic_rpc_handlers((serving_handler(service, self.lookup_pool),))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -240,3 +239,4 @@ class GrpcServer:
     def stop(self, grace: float | None = 1.0) -> None:
         self.server.stop(grace).wait()
         self.lookup_pool.shutdown(wait=True)
+        self.pool.shutdown(wait=True)

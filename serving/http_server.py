@@ -605,9 +605,9 @@ class _Api:
     def _predict(self, model: str, body: bytes) -> dict[str, Any]:
         store = self.service.store(model)
         description = store.served().model
-        sparse = [f["name"] for f in description.get("sparse", [])]
-        dense = {f["name"]: int(f["dim"]) for f in description.get("dense", [])}
-        signature = description.get("signature", "serving_default")
+        sparse = [f.name for f in description.sparse]
+        dense = {f.name: f.dim for f in description.dense}
+        signature = description.signature
         document = _document(
             body,
             {

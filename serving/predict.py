@@ -23,11 +23,11 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from wuliang.embedding.pooling import pool_rows
+from wuliang.ps_server.storage import SparseInput
 from wuliang.serving.errors import InvalidArgument, TooLarge, Unavailable
 from wuliang.serving.store import ModelStore
 
@@ -58,8 +58,8 @@ def predict(
     if rows > max_rows:
         raise TooLarge(f"{rows} rows in one request; at most {max_rows}")
     model = store.served().model
-    sparse = {f["name"]: f for f in model.get("sparse", [])}
-    dense = {f["name"]: f for f in model.get("dense", [])}
+    sparse = model.sparse_by_name
+    dense = model.dense_by_name
     if not sparse and not dense:
         raise Unavailable(f"model {store.name!r}: the served version has no model description")
     unknown = sorted(set(features) - set(sparse) - set(dense))
@@ -72,13 +72,13 @@ def predict(
     if missing:
         raise InvalidArgument(f"feature {missing[0]!r} is missing from the request")
     keys = {name: _sparse(name, features[name], rows) for name in sparse}
-    dense_inputs = {name: _dense(name, features[name], rows, f["dim"]) for name, f in dense.items()}
+    dense_inputs = {name: _dense(name, features[name], rows, f.dim) for name, f in dense.items()}
     rows_by_table, version = _lookup(store, sparse, keys)
     inputs: dict[str, np.ndarray] = dict(dense_inputs)
     for name, f in sparse.items():
         table_rows, inverse = rows_by_table[name]
         offsets, weights = keys[name][1], keys[name][2]
-        pooled = pool_rows(table_rows[inverse], offsets, f["combiner"], weights, f.get("max_len"))
+        pooled = pool_rows(table_rows[inverse], offsets, f.combiner, weights, f.max_len)
         if isinstance(pooled, tuple):
             inputs[name], inputs[f"{name}_mask"] = pooled
         else:
@@ -152,14 +152,14 @@ def _dense(name: str, feature: FeatureInput, rows: int, dim: int) -> np.ndarray:
 
 def _lookup(
     store: ModelStore,
-    sparse: Mapping[str, Mapping[str, Any]],
+    sparse: Mapping[str, SparseInput],
     keys: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]],
 ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], int]:
     """Per feature (its table's unique rows, inverse index), all read at one
     version; and that version."""
     by_table: dict[str, list[str]] = {}
     for name, f in sparse.items():
-        by_table.setdefault(f["table"], []).append(name)
+        by_table.setdefault(f.table, []).append(name)
     uniques = {}
     for table, names in by_table.items():
         joined = np.concatenate([keys[n][0] for n in names]) if names else np.zeros(0, np.uint64)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from wuliang.ps_server import LookupResult, UnknownTableError
+from wuliang.ps_server.storage import ModelDescription, Version
 from wuliang.serving.errors import NotFound
 from wuliang.serving.redis_store import RedisStore
 from wuliang.serving.store import ServedVersion, StoreCounters, load_tower
@@ -76,15 +77,15 @@ class RedisModelStore:
             if served is None:
                 meta = self.redis.metadata()
                 if int(meta.get("version", number)) != number:  # switched meanwhile
-                    meta = {"version": number, "step": 0, "model": {}}
+                    meta = {"version": number, "step": 0, "model": None}
                 tower = None
                 if self.exports is not None and (self.exports / str(number)).is_dir():
-                    from wuliang.storage import Version
-
                     tower = load_tower(Version(self.exports / str(number)))
+                model = meta.get("model")
                 served = ServedVersion(
-                    number, int(meta.get("step", 0)), dict(meta.get("model") or {}), tower,
-                    self.exports / str(number) if self.exports else Path(),
+                    number, int(meta.get("step", 0)),
+                    ModelDescription() if model is None else ModelDescription.from_dict(model),
+                    tower, self.exports / str(number) if self.exports else Path(),
                 )  # fmt: skip
                 self._served = {v: s for v, s in self._served.items() if v >= number - 1}
                 self._served[number] = served

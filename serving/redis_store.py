@@ -103,7 +103,8 @@ except ImportError as error:  # pragma: no cover - depends on the install
     ) from error
 
 from wuliang.ps_server import LookupResult, UnknownTableError, as_keys, parameter_server
-from wuliang.serving.versions import apply_chain, chain, versions
+from wuliang.ps_server.storage import chain, versions
+from wuliang.serving.versions import apply_chain
 
 __all__ = [
     "FORMAT",
@@ -333,14 +334,14 @@ def publish(
             raise ValueError(f"{root} has no version {version} (versions: {have})")
     versions_ = chain(root, version)
     top = versions_[-1]
-    number = int(top["version"])
+    number = top.number
     source = {
         "export_dir": str(root.resolve()),
-        "chain": [int(v["version"]) for v in versions_],
+        "chain": [v.number for v in versions_],
         "fingerprint": _fingerprint(v.path / "manifest.json" for v in versions_),
     }
     url = display_url(redis_url)
-    result = PublishResult(model, number, url, step=int(top.get("step", 0)))
+    result = PublishResult(model, number, url, step=top.step)
     client = _connect(redis_url, socket_timeout=60)
     keys = Keys(model)
     try:
@@ -445,7 +446,7 @@ def _write_version(
     returns the version's metadata."""
     top = versions_[-1]
     number = result.version
-    tables = {name: int(info["dim"]) for name, info in top.tables.items()}
+    tables = {name: entry.dim for name, entry in top.tables.items()}
     with parameter_server("embedded", num_shards=2) as engine:
         apply_chain(engine, Path(top.path).parent, number)  # verifies every file
         client.zadd(keys.index, {str(number): 0})  # listed before any row exists
@@ -458,10 +459,10 @@ def _write_version(
         "format": FORMAT,
         "model_name": keys.model,
         "version": number,
-        "parent": top.get("parent"),
+        "parent": top.parent,
         "kind": top.kind,
-        "step": int(top.get("step", 0)),
-        "model": top.get("model"),
+        "step": top.step,
+        "model": None if top.model is None else top.model.to_dict(),
         "tables": {t: {"dim": dim, "rows": result.rows[t]} for t, dim in tables.items()},
         "source": source,
     }

@@ -36,9 +36,16 @@ import numpy as np
 
 from wuliang.ps_server import LookupResult, ParameterServer, UnknownTableError, parameter_server
 from wuliang.ps_server.interface import MISSING
+from wuliang.ps_server.storage import (
+    SERVING,
+    CorruptVersionError,
+    ModelDescription,
+    Version,
+    chain,
+    versions,
+)
 from wuliang.serving.errors import NotFound, Unavailable
-from wuliang.serving.versions import apply, chain, versions
-from wuliang.storage import CorruptVersionError, Version
+from wuliang.serving.versions import apply
 
 log = logging.getLogger("wuliang.serving")
 PRECISIONS = ("fp32", "fp16", "int8")
@@ -50,7 +57,7 @@ class ServedVersion:
 
     number: int
     step: int
-    model: dict[str, Any]  # the manifest's model description (features, tables)
+    model: ModelDescription  # the manifest's (features, tables); empty when none
     tower: Tower | None  # None when towers are not loaded
     path: Path
 
@@ -208,7 +215,7 @@ class ModelStore:
                 self._refuse(target, error)
                 continue
             if self._apply_chain(path):
-                return [int(v["version"]) for v in path]
+                return [v.number for v in path]
         return []
 
     def _apply_through(self, target: int) -> bool:
@@ -218,7 +225,7 @@ class ModelStore:
         except (CorruptVersionError, OSError, ValueError) as error:
             self._refuse(target, error)
             return False
-        numbers = [int(v["version"]) for v in path]
+        numbers = [v.number for v in path]
         if any(n in self._refused for n in numbers):
             self._refuse(target, f"it rests on refused version {min(self._refused & set(numbers))}")
             return False
@@ -228,15 +235,15 @@ class ModelStore:
 
     def _apply_chain(self, path: list[Version]) -> bool:
         for version in path:
-            number = int(version["version"])
+            number = version.number
             previous = self.version
             start = time.perf_counter()
             try:
                 version.verify()
                 served = ServedVersion(
                     number,
-                    int(version["step"]),
-                    dict(version.get("model") or {}),
+                    version.step,
+                    version.model or ModelDescription(),
                     self._load_tower(version),
                     version.path,
                 )
@@ -306,7 +313,7 @@ def load_tower(version: Version) -> Tower:
     import tensorflow as tf
 
     try:
-        module = tf.saved_model.load(str(version.checked("serving/saved_model.pb").parent))
+        module = tf.saved_model.load(str(version.checked(f"{SERVING}/saved_model.pb").parent))
         return Tower(module)
     except (OSError, ValueError, TypeError, AttributeError, tf.errors.OpError) as error:
         raise ValueError(f"the SavedModel of {version.path} does not load: {error}") from None

@@ -1,6 +1,6 @@
 """Crashing a writer on purpose, at a named point of its write.
 
-``wuliang.storage`` reads ``WULIANG_TEST_CRASH_AT=<point>[:<n>]`` at import
+``wuliang.ps_server.storage.crash`` reads ``WULIANG_TEST_CRASH_AT=<point>[:<n>]`` at import
 (test-only): the n-th time a writer reaches that point, the process prints
 ``WULIANG_TEST_CRASH_AT reached <point>:<n>`` and blocks. ``crash_at`` runs a
 Python child with the variable set, waits for that line and SIGKILLs the
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 TESTS = Path(__file__).resolve().parent
-CRASH_ENV = "WULIANG_TEST_CRASH_AT"  # as wuliang.storage.CRASH_ENV
+CRASH_ENV = "WULIANG_TEST_CRASH_AT"  # as wuliang.ps_server.storage.crash.CRASH_ENV
 KEYS = np.arange(1, 2001, dtype=np.uint64)
 DIMS = {"a": 4, "b": 3}  # "a": Adagrad (with optimizer state), "b": SGD (none)
 

@@ -1,9 +1,12 @@
-"""Component boundaries: no component imports another's private extension,
-the generic modules load without TensorFlow, and the installed package
-carries the extensions' stubs but not the benchmark-only naive engine."""
+"""Component boundaries: the floors (a component imports only its own
+modules and those of lower floors, and no modules import each other in a
+circle), no component imports another's private extension, the generic
+modules load without TensorFlow, and the installed package carries the
+extensions' stubs but not the benchmark-only naive engine."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import os
 import re
@@ -21,6 +24,17 @@ COMPONENTS = {
     "reader": "wuliang.reader",
     "embedding": "wuliang.embedding",
     "hooks": "wuliang.hooks",
+    "serving": "wuliang.serving",
+}
+# A component imports its own modules and those of lower floors only
+# (docs/architecture.md, "Floors").
+FLOORS = {
+    "wuliang.ps_server": 0,  # the interface, the engine, the version format
+    "wuliang.reader": 1,
+    "wuliang.embedding": 2,
+    "wuliang.serving": 3,
+    "wuliang.hooks": 3,
+    "wuliang": 4,  # the façade
 }
 # `from wuliang.x import _y`, `from wuliang.x._y import ...`, `import wuliang.x._y`
 PRIVATE_IMPORT = re.compile(
@@ -47,6 +61,81 @@ def component_of(module: str) -> str:
     return max(
         (p for p in COMPONENTS.values() if module == p or module.startswith(p + ".")), key=len
     )
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the components, by its installed name."""
+    found: dict[str, Path] = {}
+    for folder, package in COMPONENTS.items():
+        for path in sorted((REPO / folder).rglob("*.py*")):
+            if path.suffix not in (".py", ".pyi"):
+                continue
+            parts = list(path.relative_to(REPO / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found.setdefault(".".join([package, *parts]), path)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the wuliang modules it imports anywhere (at the top, inside
+    functions, under TYPE_CHECKING); ``from package import name`` counts as
+    importing the submodule when name is one, else the package."""
+    known = modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in known.items():
+        if path.suffix != ".py":
+            continue
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{up}.{base}" if base else up
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    targets.add(full if full in known else base)
+        graph[name] = {t for t in targets if t in known and t != name}
+    return graph
+
+
+def test_each_component_imports_only_its_own_floor_and_below() -> None:
+    offenders = []
+    for module, targets in sorted(import_graph().items()):
+        floor = FLOORS[component_of(module)]
+        for target in sorted(targets):
+            owner = component_of(target)
+            if owner != component_of(module) and FLOORS[owner] >= floor:
+                offenders.append(f"{module} imports {target}")
+    assert not offenders, "imports against the floors:\n" + "\n".join(offenders)
+
+
+def test_no_modules_import_each_other_in_a_circle() -> None:
+    graph = import_graph()
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        if module in path:
+            return [*path[path.index(module) :], module]
+        if module in done:
+            return None
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            circle = visit(target)
+            if circle:
+                return circle
+        path.pop()
+        done.add(module)
+        return None
+
+    for module in sorted(graph):
+        circle = visit(module)
+        assert circle is None, "modules import each other: " + " -> ".join(circle)
 
 
 def test_no_component_imports_another_components_private_modules() -> None:

@@ -16,7 +16,7 @@ from small_model import Losses, make_session, reader, write_data
 
 import wuliang as wl
 from wuliang.checkpoint import checkpoints, latest_checkpoint
-from wuliang.storage import CorruptVersionError, Version
+from wuliang.ps_server.storage import CorruptVersionError, Version
 
 
 def train(
@@ -114,7 +114,7 @@ def test_evaluation_runs_leave_the_checkpoint_position_alone(tmp_path: Path) -> 
     session.run(batch, "predictions", train=False)
     session.close()
     (path,) = hook.saved
-    assert Version(path)["reader_position"]["batches"] == 4
+    assert Version(path).manifest.reader_position["batches"] == 4
     session.context.close()
 
 
@@ -157,7 +157,7 @@ def test_restore_into_1_3_8_shards(tmp_path: Path) -> None:
         for t, k in keys.items():
             np.testing.assert_array_equal(other.context.engine.pull(t, k, train=False), pulled[t])
         other.context.close()
-    assert Version(path)["step"] == 6
+    assert Version(path).step == 6
 
 
 def test_tampered_or_missing_file_is_refused_by_name(tmp_path: Path) -> None:
@@ -212,11 +212,11 @@ def assert_checkpoint_is(path: Path, step: int) -> None:
     restores them exactly (every column) into a new session."""
     version = Version(path)
     version.verify()
-    assert version["step"] == step
+    assert version.step == step
     session = two_table_session()
     session.restore_checkpoint(path)
     for table in DIMS:
-        saved = sorted_rows(version.read_rows(table, verified=True))
+        saved = sorted_rows(version.read_rows(table))
         keys, weights = expected_rows(step, table)
         np.testing.assert_array_equal(saved["keys"], keys)
         np.testing.assert_array_equal(saved["weights"], weights)

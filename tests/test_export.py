@@ -29,7 +29,7 @@ from wuliang.export import (
     versions,
 )
 from wuliang.ps_server import Engine
-from wuliang.storage import CorruptVersionError, Version
+from wuliang.ps_server.storage import CorruptVersionError, DenseInput, SparseInput, Version
 
 COLUMNS = ("keys", "weights", "counts", "steps", "versions")
 
@@ -97,13 +97,13 @@ def test_cli_full_then_deltas_equal_a_full_export(tmp_path: Path) -> None:
     assert second.returncode == 0, second.stderr
     assert second.stdout.startswith("export 2: delta of 1 at step 10")
     delta = Version(exports / "2")
-    assert delta["parent"] == 1 and delta.kind == "delta"
+    assert delta.parent == 1 and delta.kind == "delta"
     assert sorted(delta.removed_keys("users").tolist()) == gone["users"][:2].tolist()
     assert sorted(delta.removed_keys("items").tolist()) == gone["items"].tolist()
-    since = Version(exports / "1")["engine_version"]
+    since = Version(exports / "1").engine_version
     for table in ("users", "items"):  # exactly the rows changed since export 1
         changed = rows_of(engine, table)["versions"] > since
-        assert delta.tables[table]["rows"] == changed.sum() > 0
+        assert delta.tables[table].rows == changed.sum() > 0
         assert changed.sum() < len(changed)
     assert (exports / "LATEST").read_text().strip() == "2"
 
@@ -151,10 +151,10 @@ def test_saved_model_serves_the_session_predictions(tmp_path: Path, keras_model:
         np.testing.assert_allclose(got, want["predictions"], rtol=1e-6)
     first = served(tmp_path / "exports" / "1", batch, embeddings)
     assert np.abs(first - want["predictions"]).max() > 1e-4  # each version its own weights
-    model = Version(result.path)["model"]
-    items = {"name": "items", "table": "items", "combiner": "mean", "max_len": None}
-    assert model["sparse"][1] == items
-    assert model["dense"] == [{"name": "x", "dim": 1}]
+    model = Version(result.path).model
+    assert model is not None
+    assert model.sparse[1] == SparseInput("items", "items", "mean", None)
+    assert model.dense == (DenseInput("x", 1),)
     session.context.close()
 
 
@@ -279,7 +279,7 @@ def assert_chain_is(export_dir: Path, step: int, version: int | None = None) -> 
     rows of ``set_rows(step)`` exactly."""
     engine = Engine(2)
     applied = apply_chain(engine, export_dir, version)
-    assert int(applied[-1]["step"]) == step
+    assert applied[-1].step == step
     for table in DIMS:
         rows = sorted_rows(engine.export(table))
         keys, weights = expected_rows(step, table)

@@ -18,7 +18,7 @@ import wuliang as wl
 from wuliang.checkpoint import cut_version
 from wuliang.export import SessionSource, apply_chain, export, versions
 from wuliang.ps_server import Engine, TableSpec
-from wuliang.storage import Version
+from wuliang.ps_server.storage import Version
 
 SCRIPT = Path(sys.executable).parent / "wuliang"
 TABLES = ["users", "items"]
@@ -44,7 +44,7 @@ def kinds(exports: Path) -> list[tuple[int, str, int | None, int]]:
     out = []
     for number, path in versions(exports):
         v = Version(path)
-        out.append((number, v.kind, v.get("parent"), int(v["step"])))
+        out.append((number, v.kind, v.parent, v.step))
     return out
 
 
@@ -77,7 +77,7 @@ def test_job_continues_the_hook_chain(tmp_path: Path, checkpoint_first: bool) ->
     session.train(reader(files, 0), steps=8, hooks=hooks)
     assert kinds(exports) == [(1, "full", None, 4), (2, "delta", 1, 8)]
     ckpt = Version(model_dir / "ckpt-8")
-    assert ckpt["engine_version"] == Version(exports / "2")["engine_version"]  # same rows
+    assert ckpt.engine_version == Version(exports / "2").engine_version  # same rows
 
     # the newest checkpoint is at the step of the hook's newest version: nothing to do
     assert job(model_dir, exports, tmp_path) == "export 2 is up to date (step 8); nothing written"
@@ -91,7 +91,7 @@ def test_job_continues_the_hook_chain(tmp_path: Path, checkpoint_first: bool) ->
     assert kinds(exports)[-1] == (3, "delta", 2, 11)
     assert (
         0
-        < Version(exports / "3").tables["users"]["rows"]
+        < Version(exports / "3").tables["users"].rows
         < session.context.engine.stats("users")["rows"]
     )
     assert_serves_the_trainer(exports, session.context.engine)

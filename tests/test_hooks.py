@@ -93,7 +93,13 @@ def due_steps(start: int, steps: int, every: int) -> list[int]:
 
 
 def wuliang_threads() -> list[str]:
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("wuliang"))
+    """wuliang's threads, but a parameter server's call threads (its
+    ``*_async`` calls), which live until the server is closed."""
+    return sorted(
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith("wuliang") and not t.name.startswith("wuliang-ps-call")
+    )
 
 
 class Recorder(hooks.SessionRunHook):

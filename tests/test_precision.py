@@ -22,8 +22,8 @@ from wuliang.ps_server import (
     TruncatedNormal,
     Zeros,
 )
+from wuliang.ps_server.storage import VersionWriter
 from wuliang.serving.versions import apply_chain
-from wuliang.storage import VersionWriter
 
 PRECISIONS = ("fp32", "fp16", "int8")
 COMPRESSED = ("fp16", "int8")
@@ -269,8 +269,10 @@ def test_serving_apply_creates_tables_with_the_precision(tmp_path: Path) -> None
     keys = np.arange(1, 201, dtype=np.uint64)
     w = rng.normal(size=(len(keys), 16)).astype(np.float32)
     with VersionWriter(tmp_path, "1", "full") as writer:
-        writer.write_table("emb", 16, 0, [version_rows(keys, w)], {"optimizer": "SGD()"})
-        writer.commit(version=1, parent=None, engine_version=1, step=0, model={}, source="test")
+        writer.write_table(
+            TableSpec("emb", 16, optimizer=SGD()), [version_rows(keys, w)], state=False
+        )
+        writer.commit(number=1, engine_version=1, step=0, source="test")
     for precision in PRECISIONS:
         with Engine(2) as ps:
             apply_chain(ps, tmp_path, precision=precision)

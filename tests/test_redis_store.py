@@ -25,11 +25,11 @@ from row_chunks import version_rows
 from small_model import make_session, reader, write_data
 
 from wuliang.export import SessionSource, export
-from wuliang.ps_server import Engine, RowChunk, UnknownTableError
+from wuliang.ps_server import SGD, Engine, RowChunk, TableSpec, UnknownTableError
+from wuliang.ps_server.storage import ModelDescription, SparseInput, Version, VersionWriter
 from wuliang.serving import redis_store
 from wuliang.serving.redis_store import Keys, RedisStore, RedisStoreError, publish, row_keys
 from wuliang.serving.versions import apply_chain
-from wuliang.storage import Version, VersionWriter
 
 SCRIPT = Path(sys.executable).parent / "wuliang"
 DIMS = {"users": 4, "items": 3}
@@ -75,17 +75,17 @@ def write_version(
     full when parent is None, else a delta of parent; LATEST names it."""
     with VersionWriter(root, str(number), "full" if parent is None else "delta") as writer:
         for table, keys in tables.items():
-            info = {"optimizer": "SGD"}
-            writer.write_table(table, DIMS[table], 0, [signed_rows(number, table, keys)], info)
+            spec = TableSpec(table, DIMS[table], optimizer=SGD())
+            writer.write_table(spec, [signed_rows(number, table, keys)], state=False)
             if parent is not None:
                 gone = (removed or {}).get(table, np.zeros(0, np.uint64))
                 writer.write_removed(table, np.asarray(gone, np.uint64))
         path = writer.commit(
-            version=number,
+            number=number,
             parent=parent,
             engine_version=number,
             step=10 * number,
-            model={"sparse": [{"name": t, "table": t} for t in tables], "dense": []},
+            model=ModelDescription(sparse=tuple(SparseInput(t, t) for t in tables)),
             source="test",
             reason="",
         )
@@ -171,8 +171,8 @@ def test_a_trained_model_serves_from_redis_as_from_its_chain(
     with RedisStore(redis_url, "exports") as store:
         assert store.version == 2
         assert_serves(store, engine, 2, ["users", "items"])
-        assert store.model_description() == Version(exports / "2")["model"]
-        assert store.metadata()["step"] == Version(exports / "2")["step"]
+        assert store.model_description() == Version(exports / "2").model.to_dict()
+        assert store.metadata()["step"] == Version(exports / "2").step
         for table, keys in erased.items():  # removed by the delta: gone
             assert not store.lookup(table, keys).found.any()
         as_int64 = store.lookup("users", all_keys(engine, "users").astype(np.int64))

@@ -13,7 +13,8 @@ import pytest
 
 import wuliang.export
 import wuliang.serving.versions
-from wuliang.storage import CorruptVersionError
+from wuliang.ps_server import storage
+from wuliang.ps_server.storage import CorruptVersionError
 
 # Run in a fresh interpreter where importing TensorFlow or Keras fails.
 NO_TF = textwrap.dedent(
@@ -29,7 +30,8 @@ NO_TF = textwrap.dedent(
     from wuliang.embedding import EmbeddingTable, SparseFeature
     from wuliang.ps_server import Engine
     from wuliang.reader import Csr, CsrBatch, KeyPreparer
-    from wuliang.serving.versions import apply_chain, chain, latest, versions
+    from wuliang.ps_server.storage import latest, versions
+    from wuliang.serving.versions import apply_chain
 
     feature = SparseFeature("f", EmbeddingTable("t", 2), "mean")
     csr = Csr(np.array([3, 4, 3], np.uint64), np.array([0, 2, 2, 3]))
@@ -70,13 +72,15 @@ def test_pooling_and_the_model_store_import_without_tensorflow(tmp_path: Path) -
 
 
 def test_the_export_module_keeps_the_read_side_names() -> None:
-    for name in ("LATEST", "versions", "latest", "chain", "apply", "apply_chain"):
+    for name in ("LATEST", "versions", "latest", "chain"):
+        assert getattr(wuliang.export, name) is getattr(storage, name), name
+    for name in ("apply", "apply_chain"):
         assert getattr(wuliang.export, name) is getattr(wuliang.serving.versions, name), name
     assert wuliang.serving.versions.apply_chain.__module__ == "wuliang.serving.versions"
 
 
 def test_reading_a_missing_or_broken_export_dir(tmp_path: Path) -> None:
-    versions = wuliang.serving.versions
+    versions = storage
     assert versions.versions(tmp_path / "missing") == []
     with pytest.raises(FileNotFoundError, match="has no export"):
         versions.chain(tmp_path)

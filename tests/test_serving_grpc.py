@@ -193,7 +193,7 @@ def test_deltas_apply_live_and_corrupt_versions_are_refused(
 
 def test_status_of_the_manifest_model(trained: dict[str, Any]) -> None:
     manifest = json.loads((trained["exports"] / "1" / "manifest.json").read_text())
-    assert manifest["tables"]["users"]["initializer"]["kind"] == "TruncatedNormal"
+    assert manifest["tables"]["users"]["spec"]["initializer"]["kind"] == "TruncatedNormal"
 
 
 def test_wuliang_serve_runs_until_sigterm(trained: dict[str, Any]) -> None:

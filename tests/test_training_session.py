@@ -106,7 +106,13 @@ class RecordLoss(hooks.SessionRunHook):
 
 
 def wuliang_threads() -> list[str]:
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("wuliang"))
+    """wuliang's threads, but a parameter server's call threads (its
+    ``*_async`` calls), which live until the server is closed."""
+    return sorted(
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith("wuliang") and not t.name.startswith("wuliang-ps-call")
+    )
 
 
 # --- Session.run ----------------------------------------------------------------
@@ -557,10 +563,13 @@ def test_background_threads_run_normally_by_default() -> None:
 
 
 class RecordPolicies(hooks.SessionRunHook):
-    """The scheduling policy of every wuliang thread alive at the first step."""
+    """The scheduling policy of every wuliang thread alive at the first step
+    that was not alive when the hook was made (other tests' servers' threads
+    live until those are closed)."""
 
     def __init__(self) -> None:
         self.policies: dict[str, int] = {}
+        self.before = set(threading.enumerate())
 
     def after_run(
         self, run_context: hooks.SessionRunContext, run_values: hooks.SessionRunValues
@@ -568,7 +577,7 @@ class RecordPolicies(hooks.SessionRunHook):
         if self.policies:
             return
         for t in threading.enumerate():
-            if t.name.startswith("wuliang") and t.native_id is not None:
+            if t.name.startswith("wuliang") and t.native_id is not None and t not in self.before:
                 self.policies[t.name] = os.sched_getscheduler(t.native_id)
 
 
@@ -814,7 +823,7 @@ def test_staleness_zero_push_writes_into_the_next_steps_rows(
     class Recording(wuliang.session.Pipeline):
         def __iter__(self) -> Iterator[Any]:
             for item in super().__iter__():
-                linked.append(item.linked)
+                linked.append(item.linked_in)
                 yield item
 
     def admitting_table() -> wl.EmbeddingTable:

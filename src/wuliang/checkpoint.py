@@ -6,7 +6,7 @@ take the model's ``Context`` (parameter server, tables, step) and its
 ``restore_checkpoint`` call them.
 
 ``model_dir/ckpt-<step>/`` is a version of kind ``checkpoint``
-(``wuliang.storage``: atomic, every file checksummed):
+(``wuliang.ps_server.storage``: atomic, every file checksummed):
 
 * every table's rows with optimizer state and metadata (count, last-update
   step and time, version): ``tables/<table>/part-*.arrow``;
@@ -21,8 +21,8 @@ take the model's ``Context`` (parameter server, tables, step) and its
 * the tower as a SavedModel for serving (``serving/``, ``wuliang.saved_model``),
   so ``wuliang export`` makes exports from checkpoints alone;
 * in the manifest: the global step, the engine version, the reader position
-  after the last trained batch (``ReaderPosition``), the tables' specs and
-  the model's features (``model``).
+  after the last trained batch (``ReaderPosition``), each table's whole spec
+  and the model's features (``model``).
 
 Saving cuts the engine version (``cut_version``): the rows of ``ckpt-<step>``
 all carry versions <= its ``engine_version``, and rows changed later carry
@@ -45,46 +45,29 @@ traced (so its variables exist).
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from wuliang.saved_model import SERVING
-from wuliang.storage import (
+from wuliang.ps_server.storage import (
+    CHECKPOINT_PREFIX,
+    MANIFEST,
+    SERVING,
     TMP_PREFIX,
     Version,
     VersionWriter,
+    checkpoints,
     crash_point,
+    latest_checkpoint,
     load_args,
-    spec_info,
 )
 from wuliang.tower import DENSE_PREFIX, TowerState
+
+__all__ = ["checkpoints", "cut_version", "latest_checkpoint", "restore", "save"]
 
 if TYPE_CHECKING:
     from wuliang.context import Context
     from wuliang.ps_server import ParameterServer
-
-PREFIX = "ckpt-"
-_NAME = re.compile(r"ckpt-(\d+)")
-
-
-def checkpoints(model_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(step, path) of the committed checkpoints in model_dir, oldest first."""
-    root = Path(model_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = _NAME.fullmatch(p.name)
-        if m and (p / "manifest.json").is_file():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
-def latest_checkpoint(model_dir: str | os.PathLike) -> Path | None:
-    found = checkpoints(model_dir)
-    return found[-1][1] if found else None
 
 
 def cut_version(engine: ParameterServer) -> int:
@@ -134,14 +117,13 @@ def save(
     """
     ps = context.ps
     step = context.global_step
-    final = Path(model_dir) / f"{PREFIX}{step}"
-    if (final / "manifest.json").is_file():
+    final = Path(model_dir) / f"{CHECKPOINT_PREFIX}{step}"
+    if (final / MANIFEST).is_file():
         return final
     version = cut_version(ps)  # later changes: versions above every row saved here
     with VersionWriter(model_dir, final.name, "checkpoint") as writer:
         for name in context.tables:
-            spec = ps.spec(name)
-            writer.write_table(name, spec.dim, spec.state_dim, ps.export(name), spec_info(spec))
+            writer.write_table(ps.spec(name), ps.export(name), state=True)
             keys, versions = ps.removed_log(name)
             writer.write_removed(name, keys, versions, ps.stats(name)["removed_floor"])
             writer.write_pending(name, *ps.pending_counts(name))
@@ -196,25 +178,25 @@ def restore(context: Context, tower: TowerState, path: str | os.PathLike) -> dic
                 f"(tables: {', '.join(sorted(context.tables)) or 'none'})"
             )
         spec = ps.spec(name)
-        if (saved["dim"], saved["state_dim"]) != (spec.dim, spec.state_dim):
+        if (saved.dim, saved.state_dim) != (spec.dim, spec.state_dim):
             raise ValueError(
-                f"checkpoint {path}: table {name!r} has dim {saved['dim']} and "
-                f"{saved['state_dim']} optimizer state floats; the model's has "
+                f"checkpoint {path}: table {name!r} has dim {saved.dim} and "
+                f"{saved.state_dim} optimizer state floats; the model's has "
                 f"{spec.dim} and {spec.state_dim}"
             )
     version.verify()  # every file, before changing anything
-    step = int(version["step"])
+    step = version.step
     for name in context.tables:
         ps.drop_table(name)
         ps.create_table(context.tables[name].spec())
         if name in version.tables:
-            for rows in version.read_rows(name, verified=True):
+            for rows in version.read_rows(name):
                 ps.load(name, **load_args(rows), step=step)
-            keys, versions = version.removed_log(name, verified=True)
-            floor = version.tables[name].get("removed_floor", 0)
-            ps.load_removed(name, keys, versions, floor)
-            ps.load_pending(name, *version.pending_counts(name, verified=True))
+            keys, versions = version.removed_log(name)
+            ps.load_removed(name, keys, versions, version.tables[name].removed_floor)
+            ps.load_pending(name, *version.pending_counts(name))
     context.global_step = step
-    ps.restore_version(int(version["engine_version"]) + 1)
+    ps.restore_version(version.engine_version + 1)
     tower.schedule_restore(str(version.path / DENSE_PREFIX))
-    return version.get("reader_position")
+    position = version.manifest.reader_position
+    return None if position is None else dict(position)

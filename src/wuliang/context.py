@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from wuliang.embedding.features import EmbeddingTable
 from wuliang.nonfinite import check_policy
 from wuliang.ps_server import ParameterServer, address_kind, parameter_server
-from wuliang.threads import check_background, set_background
+from wuliang.ps_server.threads import check_background
 
 
 class Trace:
@@ -82,7 +82,7 @@ class Context:
             ``SCHED_IDLE``: they never preempt TensorFlow's threads, which
             shortens steps when the trainer has the machine to itself, but
             they starve on a machine shared with other busy processes, and a
-            process cannot undo the policy). See ``wuliang.threads``.
+            process cannot undo the policy). See ``wuliang.ps_server.threads``.
         non_finite: a NaN or infinite loss or gradient while training:
             ``"raise"`` stops training with ``NonFiniteError`` naming the
             loss, tower variable or table and the step; ``"drop"`` skips
@@ -115,8 +115,7 @@ class Context:
         if num_shards is not None and not (isinstance(num_shards, int) and num_shards >= 1):
             raise ValueError(f"num_shards must be an int >= 1 or None, got {num_shards!r}")
         self.ps: ParameterServer = parameter_server(ps, num_shards)
-        for thread_id in self.ps.worker_thread_ids():
-            set_background(self.background, thread_id)
+        self.ps.set_background(self.background)
         self.staleness = staleness
         self.prefetch = prefetch
         self.evict_every_steps = evict_every_steps

@@ -8,8 +8,8 @@
         2/         delta of 1: rows changed since 1, keys removed since 1
         3/         delta of 2 ...
 
-Each version is a ``wuliang.storage`` directory (atomic, every file
-checksummed) of kind ``full`` or ``delta``:
+Each version is a ``wuliang.ps_server.storage`` directory (atomic, every
+file checksummed) of kind ``full`` or ``delta``:
 
 * ``tables/<t>/part-*.arrow``: rows (key, vector, count, step, time,
   version), without optimizer state: serving does not train;
@@ -17,7 +17,8 @@ checksummed) of kind ``full`` or ``delta``:
 * ``serving/``: the tower as a SavedModel (``wuliang.saved_model``);
 * ``manifest.json``: ``version``, ``parent`` (None for a full one), ``kind``,
   ``engine_version`` and ``step`` of the source, ``model`` (features and how
-  they pool), tables, files (sha256, rows), ``created``.
+  they pool), tables (each with its training spec), files (sha256, rows),
+  ``created``.
 
 Versions are numbered 1, 2, ... in the order written. A delta holds the rows
 whose engine version (``Engine`` stamps every modification) is above its
@@ -46,10 +47,11 @@ committed version by the next run.
 Sources: ``LiveSource`` (a model in memory, in sync: the ``IncrementalExport``
 hook) and ``CheckpointSource`` (a checkpoint: the ``wuliang export`` job).
 
-This module writes. The read side (``versions``, ``latest``, ``chain``,
-``apply``, ``apply_chain``), which an online server needs without the writer
-or TensorFlow, is ``wuliang.serving.versions``; its names are re-exported
-here.
+This module writes. The read side, which an online server needs without the
+writer or TensorFlow, is below it: listing (``versions``, ``latest``,
+``chain``) in ``wuliang.ps_server.storage``, applying (``apply``,
+``apply_chain``) in ``wuliang.serving.versions``; their names are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -67,18 +69,21 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from wuliang.checkpoint import cut_version
-from wuliang.ps_server import RowChunk, parameter_server
-from wuliang.saved_model import SERVING
-from wuliang.serving.versions import LATEST, apply, apply_chain, chain, latest, versions
-from wuliang.storage import (
-    SPEC_FIELDS,
+from wuliang.ps_server import RowChunk, TableSpec, parameter_server
+from wuliang.ps_server.storage import (
+    LATEST,
+    SERVING,
+    ModelDescription,
     Version,
     VersionWriter,
+    chain,
     crash_point,
+    latest,
     remove_stale_temporaries,
     select_rows,
-    spec_info,
+    versions,
 )
+from wuliang.serving.versions import apply, apply_chain
 
 if TYPE_CHECKING:
     from wuliang.context import Context
@@ -109,8 +114,8 @@ class ExportSource(Protocol):
 
     engine_version: int  # every row it holds has a version <= this
     step: int
-    tables: dict[str, dict[str, Any]]  # name -> {"dim", "optimizer"}
-    model: dict[str, Any]  # model_description()
+    tables: dict[str, TableSpec]  # by name
+    model: ModelDescription
     origin: str  # for messages: "session", "ckpt-1200"
 
     def rows(self, table: str, since: int) -> Iterable[RowChunk]: ...
@@ -134,9 +139,7 @@ class LiveSource:
         self.tower = tower
         self.engine_version = cut_version(ps)
         self.step = context.global_step
-        self.tables = {
-            name: {"dim": ps.spec(name).dim, **spec_info(ps.spec(name))} for name in context.tables
-        }
+        self.tables = {name: ps.spec(name) for name in context.tables}
         self.model = tower.model_description()
         self.origin = "session"
 
@@ -169,20 +172,17 @@ class CheckpointSource:
         self.version = Version(path)
         if self.version.kind != "checkpoint":
             raise ValueError(f"{path} is a {self.version.kind} export, not a checkpoint")
-        if "model" not in self.version.manifest:
+        if self.version.model is None:
             raise ValueError(f"{path} was written by an older wuliang: it has no serving model")
         self.version.verify()
-        self.engine_version = int(self.version["engine_version"])
-        self.step = int(self.version["step"])
-        self.tables = {
-            name: {"dim": t["dim"], **{k: t[k] for k in SPEC_FIELDS if k in t}}
-            for name, t in self.version.tables.items()
-        }
-        self.model = self.version["model"]
+        self.engine_version = self.version.engine_version
+        self.step = self.version.step
+        self.tables = {name: t.spec for name, t in self.version.tables.items()}
+        self.model = self.version.model
         self.origin = self.version.path.name
 
     def rows(self, table: str, since: int) -> Iterator[RowChunk]:
-        for chunk in self.version.read_rows(table, verified=True):
+        for chunk in self.version.read_rows(table):
             if since:
                 keep = chunk.versions > since
                 if not keep.any():
@@ -191,9 +191,9 @@ class CheckpointSource:
             yield chunk
 
     def removed(self, table: str, since: int) -> np.ndarray | None:
-        if self.version.tables[table].get("removed_floor", 0) > since:
+        if self.version.tables[table].removed_floor > since:
             return None
-        keys, versions = self.version.removed_log(table, verified=True)
+        keys, versions = self.version.removed_log(table)
         return keys[versions > since]
 
     def write_serving(self, writer: VersionWriter) -> None:
@@ -245,35 +245,34 @@ def _export(source: ExportSource, root: Path, kind: str) -> ExportResult:
     newest = latest(root)
     if newest is not None:
         _point_latest(root, newest)
-        at = (int(newest["engine_version"]), int(newest["step"]))
-        same = at == (source.engine_version, source.step)
+        same = (newest.engine_version, newest.step) == (source.engine_version, source.step)
         if same and (kind == "auto" or newest.kind == "full"):
             return ExportResult(
                 newest.path,
-                int(newest["version"]),
+                newest.number,
                 newest.kind,
-                newest.get("parent"),
-                int(newest["step"]),
+                newest.parent,
+                newest.step,
                 written=False,
             )
     since, reason, removed = _delta_base(source, newest, kind)
-    number = 1 if newest is None else int(newest["version"]) + 1
+    number = 1 if newest is None else newest.number + 1
     delta = newest is not None and not reason and kind == "auto"
     result = ExportResult(
         root / str(number),
         number,
         "delta" if delta else "full",
-        int(newest["version"]) if delta and newest is not None else None,
+        newest.number if delta and newest is not None else None,
         source.step,
         reason=reason,
     )
     with VersionWriter(root, str(number), result.kind) as writer:
-        for table, info in source.tables.items():
+        for table, spec in source.tables.items():
             written: list[np.ndarray] = []  # a delta's keys, to drop from its removals
             chunks = source.rows(table, since if delta else 0)
             if delta:
                 chunks = _keys_into(chunks, written)
-            result.rows[table] = writer.write_table(table, info["dim"], 0, chunks, _spec_of(info))
+            result.rows[table] = writer.write_table(spec, chunks, state=False)
             if delta:
                 gone = removed[table]
                 if written and len(gone):  # removed, then back: the rows say so
@@ -283,7 +282,7 @@ def _export(source: ExportSource, root: Path, kind: str) -> ExportResult:
                 result.removed[table] = len(gone)
         source.write_serving(writer)
         writer.commit(
-            version=number,
+            number=number,
             parent=result.parent,
             engine_version=source.engine_version,
             step=source.step,
@@ -304,17 +303,17 @@ def _delta_base(
         return 0, "" if kind == "full" else "no previous export", {}
     if kind == "full":
         return 0, "", {}
-    since = int(newest["engine_version"])
+    since = newest.engine_version
     if source.engine_version < since:
-        return 0, f"{source.origin} is older than export {newest['version']}", {}
-    parent_tables = {t: v["dim"] for t, v in newest.tables.items()}
-    if parent_tables != {t: v["dim"] for t, v in source.tables.items()}:
-        return 0, f"tables differ from export {newest['version']}'s", {}
+        return 0, f"{source.origin} is older than export {newest.number}", {}
+    parent_tables = {t: v.dim for t, v in newest.tables.items()}
+    if parent_tables != {t: spec.dim for t, spec in source.tables.items()}:
+        return 0, f"tables differ from export {newest.number}'s", {}
     removed = {}
     for table in source.tables:
         keys = source.removed(table, since)
         if keys is None:
-            why = f"the removal log of {table!r} no longer reaches export {newest['version']}"
+            why = f"the removal log of {table!r} no longer reaches export {newest.number}"
             return 0, why, {}
         removed[table] = keys
     return since, "", removed
@@ -332,11 +331,6 @@ def _exclusive(export_dir: str | os.PathLike) -> Iterator[Path]:
             yield root
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-
-
-def _spec_of(info: dict[str, Any]) -> dict[str, Any]:
-    """The spec fields of a table's manifest entry (``storage.SPEC_FIELDS``)."""
-    return {k: info[k] for k in SPEC_FIELDS if k in info}
 
 
 def _keys_into(chunks: Iterable[RowChunk], keys: list[np.ndarray]) -> Iterator[RowChunk]:
@@ -386,24 +380,24 @@ def _compact(root: Path) -> ExportResult:
     start = time.perf_counter()
     versions_ = chain(root)
     top = versions_[-1]
-    number = int(top["version"])
+    number = top.number
     if top.kind == "full":
-        return ExportResult(top.path, number, "full", None, int(top["step"]), written=False)
+        return ExportResult(top.path, number, "full", None, top.step, written=False)
     with parameter_server("embedded", num_shards=2) as engine:
         apply_chain(engine, root, number)
-        result = ExportResult(root / str(number + 1), number + 1, "full", None, int(top["step"]))
+        result = ExportResult(root / str(number + 1), number + 1, "full", None, top.step)
         with VersionWriter(root, str(number + 1), "full") as writer:
-            for table, info in top.tables.items():
+            for table, entry in top.tables.items():
                 result.rows[table] = writer.write_table(
-                    table, info["dim"], 0, engine.export(table), _spec_of(info)
+                    entry.spec, engine.export(table), state=False
                 )
             top.link_tree(SERVING, writer)  # verified by apply_chain
             writer.commit(
-                version=number + 1,
+                number=number + 1,
                 parent=None,
-                engine_version=int(top["engine_version"]),
-                step=int(top["step"]),
-                model=top["model"],
+                engine_version=top.engine_version,
+                step=top.step,
+                model=top.model,
                 source=f"compacted {'+'.join(v.path.name for v in versions_)}",
                 reason="",
             )

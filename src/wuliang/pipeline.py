@@ -1,30 +1,44 @@
 """The training pipeline: read → prepare → pull ahead of the step, push behind it.
 
-::
+Who runs what, and what each step waits for::
 
-    reader threads ─► batch (keys prepared in the reader's pool)
-    puller thread  ─► step inputs (index arrays) ─► wait for pushes (staleness) ─► link ─► pull rows
-                          └── ready queue, `prefetch` batches deep ──► main thread: the TF step
-    pusher thread  ◄── row gradients of step i (queued by the main thread) ─► engine.push
-                          └── (staleness 0) updated rows of keys step i + 1 shares ─► its rows
+    reader threads   batch, keys prepared (ParquetReader's pool)
+    puller thread    source.prepare(batch) ─► Step
+                     wait: steps[i-2].applied (staleness 0 or 1; i-1 when the push of i-1
+                           has already begun, or without linking)
+                     link: steps[i-1] will write the rows step i shares into step i's rows
+                     step.pulled = source.pull(step)       (a ParameterServer handle)
+                     ─► ready queue, ``depth`` steps deep
+    main thread      wait: step.pulled, steps[i-1].linked  ─► TF step ─► push(step, grads)
+                     (sync steps: wait step.applied, run the hooks, step.released)
+    pusher thread    source.push(step, grads, link): the rows step i + 1 shares first
+                     ─► step.linked, then the rest ─► step.applied
 
 With staleness 0 every step sees every earlier update (exact, deterministic):
 the pull of step i runs early, once step i - 2 is pushed, overlapping step
-i - 1 (row creation included). Before it, the puller "links" step i - 1's
-push to step i's rows: where each key of step i - 1 sits in step i's pulled
+i - 1 (row creation included). Before it, the puller links step i - 1's push
+to step i's rows: where each key of step i - 1 sits in step i's pulled
 rows, if there. That push then writes the rows it updates straight into step
-i's input (engine ``push(updated=, updated_rows=)``) in a first half of the
-push (those keys only), and the main thread waits only for that half before
-step i: no second pull, and the rest of the push overlaps step i. A push
-that has already started when step i is pulled is not linked; the pull then
-waits for it. The engine's shard workers run a shard's pull and push tasks
-one at a time, so whichever comes first, the push's rows are what step i
-sees. With staleness 1 the early pull is all: rows can be one update old. An
-exception in either thread is re-raised in the main thread with its
-traceback; ``close()`` waits for the pending pushes and joins both threads.
+i's input in a first half (those keys only), and the main thread waits only
+for that half before step i: no second pull, and the rest of the push
+overlaps step i. A push that has already begun when step i is pulled is not
+linked; the pull then waits for it. A parameter server runs one caller's
+calls in the order they were made (the embedded engine's shard workers run
+a shard's tasks one at a time, a remote server in its client's sequence), so
+whichever of step i's pull and step i - 1's linked half comes first, step i
+sees the push's rows. With staleness 1 the early pull is all: rows can be
+one update old.
 
-The pipeline is generic: it never imports TensorFlow (nor the bridge, which
-does); the step inputs pass through it unopened.
+A ``Step`` carries its own futures (``linked``, ``applied``, ``released``)
+and its pull's handle (``pulled``), so waiting for a step is waiting on
+that step's future, and an error in the pusher reaches every waiter through
+them. The model side (what a pull, a link, a push mean for this model's
+tables) is a ``StepSource``; the pipeline never imports TensorFlow (nor the
+bridge, which does): the step inputs and gradients pass through unopened.
+An exception in either thread is re-raised in the main thread with its
+traceback (a pull error after the steps before it); ``close()`` applies the
+pending pushes and joins both threads. Batches read ahead of a stopped loop
+are dropped (as with tf.data).
 """
 
 from __future__ import annotations
@@ -33,71 +47,121 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as WaitTimeout
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
+from wuliang.ps_server import Handle
+from wuliang.ps_server.threads import set_background
 from wuliang.reader.batch import CsrBatch
 from wuliang.reader.prepare import PreparedKeys
-from wuliang.threads import set_background
 
 _END = object()
+_POLL_S = 0.1  # how often a waiting thread looks at the stop flag
 
 
-@dataclass
-class Pulled:
-    """A batch ready for its step: inputs built, rows pulled."""
+def _done() -> Future[Any]:
+    done: Future[Any] = Future()
+    done.set_result(None)
+    return done
 
-    seq: int
+
+@dataclass(eq=False)
+class Step:
+    """One batch on its way through the pipeline (see the module docstring)."""
+
+    seq: int  # position in this pipeline run
+    number: int  # the global step it trains as
     batch: CsrBatch
     prepared: PreparedKeys
     inputs: Any  # the step function's inputs, opaque here
-    rows: list[np.ndarray]  # packed rows per group of tables
-    timings: dict[str, float]
-    sync: bool = False  # after this step: wait for its push; release() before the next pull
-    linked: bool = False  # the previous step's push writes into rows: wait for it first
+    rows: list[np.ndarray]  # packed rows per group of tables, filled by the pull
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds
+    sync: bool = False  # hooks want the server in sync after this step
+    linked_in: bool = False  # the previous step's push writes this step's shared rows
+    pulled: Future[None] = field(default_factory=Future)  # `rows` filled
+    linked: Future[None] = field(default_factory=Future)  # rows the next step shares pushed
+    applied: Future[Any] = field(default_factory=Future)  # this step's push applied
+    released: Future[None] = field(default_factory=Future)  # (sync) its hooks have run
+    _link: Any = None  # where this step's push writes the next step's shared rows
+    _push_begun: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def link_to(self, link: Any) -> bool:
+        """Registers where this step's push writes the next step's shared
+        rows, unless that push has already begun (False)."""
+        with self._lock:
+            if self._push_begun:
+                return False
+            self._link = link
+            return True
+
+    def begin_push(self) -> Any:
+        """Marks the push begun; returns the link registered before, if any."""
+        with self._lock:
+            self._push_begun = True
+            return self._link
+
+
+class StepSource(Protocol):
+    """The model side of the pipeline (a ``Session`` makes one per loop).
+
+    ``prepare``, ``link`` and ``pull`` run on the puller thread, ``push`` on
+    the pusher thread; none of them on the main thread."""
+
+    def prepare(self, batch: CsrBatch) -> tuple[PreparedKeys, Any, list[np.ndarray]]:
+        """(prepared keys, step inputs, the step's unfilled rows)."""
+        ...
+
+    def pull(self, prepared: PreparedKeys, rows: list[np.ndarray], step: int) -> Handle[None]:
+        """Starts pulling the rows of global step ``step`` into ``rows``."""
+        ...
+
+    def link(self, previous: PreparedKeys, prepared: PreparedKeys, rows: list[np.ndarray]) -> Any:
+        """Where the previous step's push writes the rows this step shares."""
+        ...
+
+    def push(
+        self,
+        prepared: PreparedKeys,
+        grads: Any,
+        step: int,
+        link: Any,
+        linked: Callable[[], None],
+    ) -> Any:
+        """Applies a step's gradients (with a link: the shared rows first,
+        then ``linked()``, then the rest); returns what was applied."""
+        ...
 
 
 class Pipeline:
-    """Runs ahead of the main thread's steps.
+    """Runs ahead of the main thread's steps (see the module docstring).
 
     Args:
         batches: the reader's iterator.
-        prepare: batch -> (PreparedKeys, step inputs), for batches the reader
-            did not prepare; the inputs are opaque here (the Session's
-            ``wuliang.embedding.bridge.StepInputs``).
-        rows_for: PreparedKeys -> the batch's (unfilled) packed rows.
-        pull: (PreparedKeys, rows, step) -> None: pulls into rows the
-            batch of that global step.
-        push: (PreparedKeys, row gradients, step, link or None, linked_done)
-            -> None, calling linked_done() once the linked rows are written;
-            None for evaluation.
-        link: (previous PreparedKeys, PreparedKeys, rows) -> what the previous
-            batch's push needs to write its updated rows into ``rows``
-            (staleness 0); None: the pull waits for that push instead.
-        depth: batches pulled ahead.
+        source: the model side (``StepSource``).
+        train: push each step's gradients (False: evaluation, pulls only).
+        depth: steps pulled ahead.
         staleness: 0 or 1 (see the module docstring).
-        trace: where stage timings go.
-        first_step: the global step of the first batch (for the trace).
-        sync_after: global step -> bool, asked before a batch is handed over:
-            True marks it ``sync``: the main thread then calls ``wait_pushed``
-            and ``release`` around that step's hooks, and no later batch is
-            pulled until ``release`` (checkpoints see the engine exactly as
-            the step left it).
-        background: scheduling of the two threads (``wuliang.threads``).
-
-    Batches read ahead of a stopped loop are dropped (as with tf.data).
+        trace: where stage timings go (``wuliang.context.Trace``).
+        first_step: the global step of the first batch.
+        sync_after: global step -> bool, asked before a step is handed over:
+            True marks it ``sync`` (the main thread then waits for
+            ``applied`` before that step's hooks and sets ``released`` after
+            them; no later step is pulled before, so checkpoints see the
+            parameter server exactly as the step left it).
+        background: scheduling of the two threads (``wuliang.ps_server.threads``).
     """
 
     def __init__(
         self,
         batches: Iterator[CsrBatch],
-        prepare: Callable[[CsrBatch], tuple[PreparedKeys, Any]],
-        rows_for: Callable[[PreparedKeys], list[np.ndarray]],
-        pull: Callable[[PreparedKeys, list[np.ndarray], int], None],
-        push: Callable[[PreparedKeys, Any, int, Any, Callable[[], None]], None] | None,
-        link: Callable[[PreparedKeys, PreparedKeys, list[np.ndarray]], Any] | None,
+        source: StepSource,
+        *,
+        train: bool,
         depth: int,
         staleness: int,
         trace: Any,
@@ -106,30 +170,21 @@ class Pipeline:
         background: str = "normal",
     ) -> None:
         self.batches = batches
-        self.background = background
-        self.sync_after = sync_after
-        self.released = -1  # highest sync seq released by the main thread
-        self._sync_seq: int | None = None
-        self.first_step = first_step
-        self.prepare = prepare
-        self.rows_for = rows_for
-        self.pull = pull
-        self.push_fn = push
-        self.link = link if push is not None and staleness == 0 else None
-        self.links: dict[int, Any] = {}  # seq -> its push's link (under pushed_cv)
-        self.push_started = -1  # highest seq whose push has begun
+        self.source = source
+        self.train = train
+        self.linking = train and staleness == 0
         self.staleness = staleness
         self.trace = trace
+        self.first_step = first_step
+        self.sync_after = sync_after
+        self.background = background
         self.stop = threading.Event()
         self.ready: queue.Queue = queue.Queue(maxsize=depth)
         self.to_push: queue.Queue = queue.Queue()
-        self.pushed = -1  # highest seq whose push is applied
-        self.linked_pushed = -1  # highest seq whose linked rows are written
-        self.pushed_cv = threading.Condition()
-        self.pull_error: BaseException | None = None  # raised after the batches before it
+        self.pull_error: BaseException | None = None  # raised after the steps before it
         self.push_error: BaseException | None = None  # raised at the next push or close
         self.threads = [threading.Thread(target=self._pull_loop, name="wuliang-pull", daemon=True)]
-        if push is not None:
+        if train:
             self.threads.append(
                 threading.Thread(target=self._push_loop, name="wuliang-push", daemon=True)
             )
@@ -138,36 +193,32 @@ class Pipeline:
 
     # -- main thread ---------------------------------------------------------
 
-    def __iter__(self) -> Iterator[Pulled]:
+    def __iter__(self) -> Iterator[Step]:
+        previous: Step | None = None
         while True:
-            item = self._get()
-            if item is _END:
+            step = self._get()
+            if step is _END:
                 self._raise(pull=True)
                 return
-            if self.link is not None:  # rows are final once the previous push is applied
-                start = time.perf_counter()
-                if item.linked:
-                    self._wait_for_push(item.seq - 1, linked=True)
-                    self._raise(pull=False)
-                end = time.perf_counter()
-                self.trace.record("wait_update", self.first_step + item.seq, start, end)
-                item.timings["wait_update"] = end - start
-            yield item
+            start = time.perf_counter()
+            self._wait(step.pulled)
+            if step.linked_in and previous is not None:  # rows final once its shared rows are
+                self._wait(previous.linked)
+            end = time.perf_counter()
+            self.trace.record("wait_update", step.number, start, end)
+            step.timings["wait_update"] = end - start
+            previous = step
+            yield step
 
-    def push(self, prepared: PreparedKeys, grads: Any, seq: int) -> None:
+    def push(self, step: Step, grads: Any) -> None:
+        """Queues the step's gradients for the pusher."""
         self._raise(pull=False)
-        self.to_push.put((prepared, grads, seq))
+        self.to_push.put((step, grads))
 
-    def wait_pushed(self, seq: int) -> None:
-        """Waits until the push of batch ``seq`` is applied (raising its error)."""
-        self._wait_for_push(seq)
+    def wait_applied(self, step: Step) -> None:
+        """Waits until the step's push is applied (raising its error)."""
+        self._wait(step.applied)
         self._raise(pull=False)
-
-    def release(self, seq: int) -> None:
-        """Lets the puller go on past the sync batch ``seq``."""
-        with self.pushed_cv:
-            self.released = max(self.released, seq)
-            self.pushed_cv.notify_all()
 
     def close(self) -> None:
         """Applies the pending pushes, then stops and joins the threads."""
@@ -178,8 +229,6 @@ class Pipeline:
                 self.ready.get_nowait()
             except queue.Empty:
                 break
-        with self.pushed_cv:
-            self.pushed_cv.notify_all()
         for t in self.threads:
             t.join()
         close = getattr(self.batches, "close", None)  # e.g. the reader's threads
@@ -190,12 +239,25 @@ class Pipeline:
     def _get(self) -> Any:
         while True:
             try:
-                return self.ready.get(timeout=0.1)
+                return self.ready.get(timeout=_POLL_S)
             except queue.Empty:
                 self._raise(pull=False)
 
+    def _wait(self, future: Future[Any]) -> None:
+        """The main thread's wait: raises the push error meanwhile (once)."""
+        while True:
+            try:
+                future.result(_POLL_S)
+                return
+            except WaitTimeout:
+                self._raise(pull=False)
+            except BaseException as error:
+                if error is self.push_error:
+                    self.push_error = None
+                raise
+
     def _raise(self, pull: bool) -> None:
-        """Re-raises a push error, and the pull error once its batches are used."""
+        """Re-raises a push error, and the pull error once its steps are used."""
         if self.push_error is not None:
             error, self.push_error = self.push_error, None
             raise error
@@ -208,81 +270,58 @@ class Pipeline:
     def _put(self, item: Any) -> bool:
         while not self.stop.is_set():
             try:
-                self.ready.put(item, timeout=0.1)
+                self.ready.put(item, timeout=_POLL_S)
                 return True
             except queue.Full:
                 continue
         return False
 
-    def _wait_for_push(self, target: int, linked: bool = False) -> bool:
-        """Waits until the push of step `target` is applied (``linked``: only
-        its linked rows written)."""
-        with self.pushed_cv:
-            while (
-                (self.linked_pushed if linked else self.pushed) < target
-                and not self.stop.is_set()
-                and self.push_error is None
-            ):
-                self.pushed_cv.wait(timeout=0.1)
-        return not self.stop.is_set() and self.push_error is None
-
-    def _wait_released(self, seq: int) -> bool:
-        with self.pushed_cv:
-            while self.released < seq and not self.stop.is_set() and self.push_error is None:
-                self.pushed_cv.wait(timeout=0.1)
-        return not self.stop.is_set() and self.push_error is None
+    def _until(self, future: Future[Any]) -> bool:
+        """The puller's wait: False once stopping (or the future failed:
+        the pusher's error reaches the main thread)."""
+        while not self.stop.is_set():
+            try:
+                future.result(_POLL_S)
+                return True
+            except WaitTimeout:
+                continue
+            except BaseException:
+                return False
+        return False
 
     def _pull_loop(self) -> None:
         set_background(self.background)
+        steps: list[Step] = []  # the last two
         try:
             seq = 0
-            previous: PreparedKeys | None = None
             while not self.stop.is_set():
                 start = time.perf_counter()
                 batch = next(self.batches, None)
                 read = time.perf_counter()
                 if batch is None:
                     break
-                self.trace.record("read", self.first_step + seq, start, read)
-                prepared, inputs = self.prepare(batch)
+                number = self.first_step + seq
+                self.trace.record("read", number, start, read)
+                prepared, inputs, rows = self.source.prepare(batch)
                 prepared_at = time.perf_counter()
-                self.trace.record("prepare", self.first_step + seq, read, prepared_at)
-                step = self.first_step + seq
-                if self._sync_seq is not None:  # the previous step is a sync step
-                    if not self._wait_released(self._sync_seq):
-                        return
-                    self._sync_seq = None
-                early = self.staleness == 1 or self.link is not None
-                if self.push_fn is not None and not self._wait_for_push(
-                    seq - 2 if early else seq - 1
-                ):
+                self.trace.record("prepare", number, read, prepared_at)
+                step = Step(seq, number, batch, prepared, inputs, rows)
+                previous = steps[-1] if steps else None
+                if previous is not None and previous.sync and not self._until(previous.released):
                     return
-                rows = self.rows_for(prepared)
-                linked = False
-                if self.link is not None and previous is not None:
-                    link = self.link(previous, prepared, rows)
-                    with self.pushed_cv:
-                        if self.push_started < seq - 1:
-                            self.links[seq - 1] = link
-                            linked = True
-                    if not linked and not self._wait_for_push(seq - 1):
-                        return
+                if self.train and not self._wait_pushes(steps, step):
+                    return
                 waited = time.perf_counter()
-                self.pull(prepared, rows, step)
-                pulled = time.perf_counter()
-                self.trace.record("pull", step, waited, pulled)
-                timings = {
-                    "read": read - start,
-                    "prepare": prepared_at - read,
-                    "wait_push": waited - prepared_at,
-                    "pull": pulled - waited,
-                }
-                previous = prepared
-                sync = self.sync_after is not None and self.sync_after(step)
-                if sync:
-                    self._sync_seq = seq
-                item = Pulled(seq, batch, prepared, inputs, rows, timings, sync, linked)
-                if not self._put(item):
+                step.timings.update(
+                    read=read - start, prepare=prepared_at - read, wait_push=waited - prepared_at
+                )
+                self._pull(step)
+                step.sync = self.sync_after is not None and self.sync_after(number)
+                if not self.train:
+                    step.linked.set_result(None)
+                    step.applied.set_result(None)
+                steps = [*steps[-1:], step]
+                if not self._put(step):
                     return
                 seq += 1
             self._put(_END)
@@ -290,40 +329,76 @@ class Pipeline:
             self.pull_error = e
             self._put(_END)
 
+    def _pull(self, step: Step) -> None:
+        """Starts the step's pull; ``step.pulled`` completes once its rows
+        are in (and its timing recorded)."""
+        start = time.perf_counter()
+
+        def done(handle: Handle[None]) -> None:
+            end = time.perf_counter()
+            self.trace.record("pull", step.number, start, end)
+            step.timings["pull"] = end - start
+            try:
+                handle.wait()
+            except BaseException as error:
+                step.pulled.set_exception(error)
+            else:
+                step.pulled.set_result(None)
+
+        self.source.pull(step.prepared, step.rows, step.number).add_done_callback(done)
+
+    def _wait_pushes(self, steps: list[Step], step: Step) -> bool:
+        """Before step's pull: the push of two steps back applied, and the
+        previous one linked into step's rows (staleness 0) or applied (when
+        its push has begun, or without linking); staleness 1 waits for two
+        steps back only."""
+        if len(steps) == 2 and not self._until(steps[0].applied):
+            return False
+        if not steps:
+            return True
+        previous = steps[-1]
+        if self.staleness == 1:
+            return True
+        if self.linking:
+            step.linked_in = previous.link_to(
+                self.source.link(previous.prepared, step.prepared, step.rows)
+            )
+        return step.linked_in or self._until(previous.applied)
+
     # -- pusher --------------------------------------------------------------
 
-    def _linked_done(self, seq: int, start: float) -> None:
-        self.trace.record("push_linked", self.first_step + seq, start, time.perf_counter())
-        with self.pushed_cv:
-            self.linked_pushed = seq
-            self.pushed_cv.notify_all()
-
     def _push_loop(self) -> None:
-        assert self.push_fn is not None
         set_background(self.background)
+        step: Step | None = None
         try:
             while True:
                 item = self.to_push.get()
                 if item is _END:
                     return
-                prepared, grads, seq = item
-                with self.pushed_cv:
-                    self.push_started = seq
-                    link = self.links.pop(seq, None)
+                step, grads = item
+                link = step.begin_push()
                 start = time.perf_counter()
-                with self.trace.span("push", self.first_step + seq):
-                    self.push_fn(
-                        prepared,
-                        grads,
-                        self.first_step + seq,
-                        link,
-                        lambda s=seq, t=start: self._linked_done(s, t),
-                    )
-                with self.pushed_cv:
-                    self.pushed = seq
-                    self.linked_pushed = seq
-                    self.pushed_cv.notify_all()
+
+                def linked(step: Step = step, start: float = start) -> None:
+                    self.trace.record("push_linked", step.number, start, time.perf_counter())
+                    step.linked.set_result(None)
+
+                with self.trace.span("push", step.number):
+                    result = self.source.push(step.prepared, grads, step.number, link, linked)
+                if not step.linked.done():
+                    step.linked.set_result(None)
+                step.applied.set_result(result)
         except BaseException as e:
             self.push_error = e
-            with self.pushed_cv:
-                self.pushed_cv.notify_all()
+            if step is not None:
+                for future in (step.linked, step.applied):
+                    if not future.done():
+                        future.set_exception(e)
+            while True:  # what waits for later steps' pushes stops too
+                try:
+                    item = self.to_push.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not _END:
+                    for future in (item[0].linked, item[0].applied):
+                        future.set_exception(e)

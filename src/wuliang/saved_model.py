@@ -15,10 +15,11 @@ task), as the training step computes them (sigmoid of the logits for
 themselves for ``mse`` or a custom loss). The same function is the loaded
 object's ``serve(inputs: dict)``.
 
-The module tracks the tower's variables the way the tower's checkpoint does
-(``TowerState.trackables``): a Keras model/layer or ``tf.Module`` tower as
-is, a plain function through the trackable objects it reaches by name, else
-the variables the traced step captures.
+It takes any ``Servable`` (``wuliang.tower.TowerState`` is one) and tracks
+the tower's variables the way the tower's checkpoint does (``trackables()``):
+a Keras model/layer or ``tf.Module`` tower as is, a plain function through
+the trackable objects it reaches by name, else the variables the traced step
+captures.
 
 Writing a SavedModel (``tf.saved_model.save``) traces and serialises the
 whole object graph, which would dominate a small delta export. A tower's first write
@@ -33,19 +34,30 @@ from __future__ import annotations
 
 import re
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from wuliang.tower import TowerState
+from wuliang.embedding.features import DenseFeature, SparseFeature
+from wuliang.ps_server.storage import SIGNATURE
 
-SIGNATURE = "serving_default"
-SERVING = "serving"  # the SavedModel's folder in checkpoints and exports
+
+class Servable(Protocol):
+    """What a SavedModel is made from: the step functions (``call_tower``,
+    ``predictions``), the features, and the objects holding the variables."""
+
+    functions: Any
+    sparse: Sequence[SparseFeature]
+    dense: Sequence[DenseFeature]
+
+    def trackables(self) -> dict[str, Any]: ...
+
+
 _VALID_NAME = re.compile(r"[A-Za-z0-9.][A-Za-z0-9_.\-/]*")
 
 
-def input_specs(tower: TowerState) -> dict[str, Any]:
+def input_specs(tower: Servable) -> dict[str, Any]:
     """The signature's inputs: name -> ``tf.TensorSpec``."""
     import tensorflow as tf
 
@@ -68,7 +80,7 @@ def input_specs(tower: TowerState) -> dict[str, Any]:
     return specs
 
 
-def serving_module(tower: TowerState) -> Any:
+def serving_module(tower: Servable) -> Any:
     """A ``tf.Module`` with the tower's variables and ``serve(inputs)``."""
     import tensorflow as tf
 
@@ -117,7 +129,7 @@ _TEMPLATES: weakref.WeakKeyDictionary[Any, _Template] = weakref.WeakKeyDictionar
 _NOT_COPIED = ("variables/", "fingerprint.pb")
 
 
-def write_saved_model(tower: TowerState, path: str | Path) -> None:
+def write_saved_model(tower: Servable, path: str | Path) -> None:
     """Writes the tower as a SavedModel into the (new or empty) folder path."""
     import tensorflow as tf
 

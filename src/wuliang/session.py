@@ -42,11 +42,11 @@ from wuliang.embedding.features import Feature, split_features
 from wuliang.embedding.kernels import index_in
 from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
 from wuliang.hooks.evict import Evict
+from wuliang.hooks.metrics import Metrics
 from wuliang.hooks.standard import NanGuard
-from wuliang.metrics import Metrics
 from wuliang.nonfinite import NonFiniteGuard
-from wuliang.pipeline import Pipeline
-from wuliang.ps_server import PullPart, PushPart
+from wuliang.pipeline import Pipeline, Step
+from wuliang.ps_server import Handle, PullPart, PushPart, PushResult
 from wuliang.reader.batch import CsrBatch
 from wuliang.reader.prepare import KeyPreparer, PreparedKeys
 from wuliang.tower import TowerState
@@ -185,20 +185,21 @@ class Session:
             raise TypeError(f"feed must be a CsrBatch, got {type(feed).__name__}")
         names = [fetch] if isinstance(fetch, str) else list(fetch)
         self._begin()
-        prepared, inputs = self._prepare(feed)
+        source = _Steps(self, train)
+        prepared, inputs, rows = source.prepare(feed)
         if self._output_names is None and any(n not in self.fetchable() for n in names):
             # Learn the tower's output names without training, then check.
-            probe = self.functions.evaluate(inputs, self._pull(prepared, False), labels=False)
+            self._pull(prepared, rows, False, None).wait()  # a lookup: nothing counted
+            probe = self.functions.evaluate(inputs, rows, labels=False)
             self._output_names = set(probe["outputs"])
         self._check_fetches(names, strict=True)
         if train:  # every run step is synced: the periodic hooks act when due
             for hook in self.hooks:
                 hook.sync_after(self.global_step)
         try:
-            rows = self._pull(prepared, train, step=self.global_step)
-            results, _ = self._step(
-                feed, prepared, inputs, rows, names, train, self.hooks, None, {}, synced=True
-            )
+            step = Step(0, self.global_step, feed, prepared, inputs, rows, sync=True)
+            source.pull(prepared, rows, self.global_step if train else None).wait()
+            results, _ = self._step(step, self.hooks, names, train, _Direct(source))
         except BaseException:
             self._failed = True
             raise
@@ -238,14 +239,11 @@ class Session:
 
         pipeline = Pipeline(
             batches,
-            self._prepare,
-            self._rows_for,
-            lambda p, rows, step: self._pull(p, True, rows, step),
-            self._push_async,
-            self._link,
-            ctx.prefetch,
-            ctx.staleness,
-            self.trace,
+            _Steps(self, train=True),
+            train=True,
+            depth=ctx.prefetch,
+            staleness=ctx.staleness,
+            trace=self.trace,
             first_step=self.global_step,
             sync_after=sync_after,
             background=ctx.background,
@@ -254,23 +252,11 @@ class Session:
         start = time.perf_counter()
         finished = False
         try:
-            for item in pipeline:
-                _, stop = self._step(
-                    item.batch,
-                    item.prepared,
-                    item.inputs,
-                    item.rows,
-                    [],
-                    True,
-                    hooks,
-                    lambda grads, p=item.prepared, s=item.seq: pipeline.push(p, grads, s),
-                    item.timings,
-                    synced=(lambda s=item.seq: pipeline.wait_pushed(s)) if item.sync else False,
-                )
-                if item.sync:
-                    pipeline.release(item.seq)
+            for step in pipeline:
+                _, stop = self._step(step, hooks, (), True, pipeline)
+                step.released.set_result(None)
                 done += 1
-                samples += item.batch.size
+                samples += step.batch.size
                 if stop or (steps is not None and done >= steps):
                     break
             finished = True
@@ -299,8 +285,8 @@ class Session:
     def evaluate(self, reader: Any, steps: int | None = None) -> dict[str, float]:
         """Metrics over the reader: exact AUC, log loss, calibration, loss."""
         metrics = Metrics()
-        for item, out in self._inference(reader, steps, with_labels=True):
-            labels = item.batch.labels
+        for step, out in self._inference(reader, steps, with_labels=True):
+            labels = step.batch.labels
             if isinstance(labels, dict) or isinstance(out["predictions"], dict):
                 raise ValueError(
                     "evaluate() handles one label; use predict() for multi-task models"
@@ -403,16 +389,11 @@ class Session:
         return rows
 
     def _pull(
-        self,
-        prepared: PreparedKeys,
-        train: bool,
-        rows: list[np.ndarray] | None = None,
-        step: int | None = None,
-    ) -> list[np.ndarray]:
-        """The packed rows of each group of tables (each table pulled into its
-        slice); ``step``: the batch's global step (see ``Engine.pull_many``)."""
+        self, prepared: PreparedKeys, rows: list[np.ndarray], train: bool, step: int | None
+    ) -> Handle[None]:
+        """Starts pulling each table into its slice of the packed rows;
+        ``step``: the batch's global step (see ``ParameterServer.pull_many``)."""
         _, bases = self.layout.bases(prepared)
-        rows = self._rows_for(prepared) if rows is None else rows
         parts = []
         for (_, tables), packed in zip(self.layout.groups, rows, strict=True):
             for table in tables:
@@ -420,8 +401,7 @@ class Session:
                 base = bases[table]
                 out = packed[base : base + len(keys.uniques)]
                 parts.append(PullPart(table, keys.uniques, out, keys.shard_offsets))
-        self.context.ps.pull_many(parts, train=train, step=step)
-        return rows
+        return self.context.ps.pull_many_async(parts, train=train, step=step)
 
     def _link(
         self, previous: PreparedKeys, prepared: PreparedKeys, rows: list[np.ndarray]
@@ -435,11 +415,6 @@ class Session:
         }
         return rows, dest
 
-    def _push_async(
-        self, prepared: PreparedKeys, grads: Any, step: int, link: Any, linked_done: Any
-    ) -> None:
-        self._push(prepared, *grads, step=step, link=link, linked_done=linked_done)
-
     def _push(
         self,
         prepared: PreparedKeys,
@@ -448,7 +423,7 @@ class Session:
         step: int,
         link: tuple[list[np.ndarray], dict[str, np.ndarray]] | None = None,
         linked_done: Callable[[], None] | None = None,
-    ) -> None:
+    ) -> PushResult | None:
         """Sums the lookups' gradients per row, then pushes each table's slice;
         with a link, first the keys the next step shares (their updated rows
         go into its rows; then ``linked_done()``), then the others.
@@ -456,7 +431,7 @@ class Session:
         if gather_grads is None:
             if linked_done is not None:
                 linked_done()
-            return
+            return None
         row_grads = self.functions.row_gradients(inputs, gather_grads)
         parts = []
         for g, ((_, tables), packed) in enumerate(zip(self.layout.groups, row_grads, strict=True)):
@@ -472,30 +447,26 @@ class Session:
                 )
         ps = self.context.ps
         if link is None:
-            ps.push_many(parts, unique=True, step=step)
-            return
-        ps.push_many(parts, unique=True, only="updated", step=step)
+            return ps.push_many(parts, unique=True, step=step)
+        first = ps.push_many(parts, unique=True, only="updated", step=step)
         if linked_done is not None:
             linked_done()
-        ps.push_many(parts, unique=True, only="rest", step=step)
+        return first + ps.push_many(parts, unique=True, only="rest", step=step)
 
     def _step(
         self,
-        batch: CsrBatch,
-        prepared: PreparedKeys,
-        inputs: StepInputs,
-        rows: list[np.ndarray],
+        item: Step,
+        hooks: Sequence[SessionRunHook],
         fetch: Sequence[str],
         train: bool,
-        hooks: Sequence[SessionRunHook],
-        push: Callable[[Any], None] | None,
-        timings: dict[str, float],
-        synced: bool | Callable[[], None] = False,
+        pusher: Pipeline | _Direct,
     ) -> tuple[dict[str, Any], bool]:
         """The TF step with hooks around it; returns (fetched, stop requested).
-        ``synced``: True, or a function that waits until the step's push is
-        applied (called before ``after_run``); hooks then see it synced."""
+        ``pusher`` takes the step's gradients (``push``) and, for a sync step,
+        waits until they are applied (``wait_applied``) before the hooks'
+        ``after_run``, which then see the step synced."""
         step = self.global_step
+        batch, inputs, rows = item.batch, item.inputs, item.rows
         context = SessionRunContext(self, step, batch, train)
         wanted = list(fetch)
         asked: list[list[str]] = []
@@ -523,17 +494,13 @@ class Session:
                 stop_on_loss=any(isinstance(h, NanGuard) and not h.fail for h in hooks),
             )
             grads = None if skip else out["gather_grads"]  # None: nothing pushed
-            if push is None:
-                with self.trace.span("push", step):
-                    self._push(prepared, inputs, grads, step)
-            else:
-                push((inputs, grads))
+            pusher.push(item, (inputs, grads))
             if not skip:
                 self.context.advance()
-        timings = {**timings, "compute": computed - start}
-        if callable(synced):
-            synced()
-        context.synced = bool(synced)
+        timings = {**item.timings, "compute": computed - start}
+        if train and item.sync:
+            pusher.wait_applied(item)
+        context.synced = item.sync
         fetched = {name: self._fetch(out, name, inputs) for name in dict.fromkeys(wanted)}
         for hook, names in zip(hooks, asked, strict=True):
             values = SessionRunValues({n: fetched[n] for n in names}, timings)
@@ -560,27 +527,68 @@ class Session:
         self._attach_preparer(reader)
         pipeline = Pipeline(
             iter(reader),
-            self._prepare,
-            self._rows_for,
-            lambda p, rows, step: self._pull(p, False, rows),
-            None,
-            None,
-            self.context.prefetch,
-            self.context.staleness,
-            self.trace,
+            _Steps(self, train=False),
+            train=False,
+            depth=self.context.prefetch,
+            staleness=self.context.staleness,
+            trace=self.trace,
             first_step=self.global_step,
             background=self.context.background,
         )
         try:
-            for n, item in enumerate(pipeline):
+            for n, step in enumerate(pipeline):
                 if steps is not None and n >= steps:
                     break
-                if with_labels and item.inputs.labels is None:
+                if with_labels and step.inputs.labels is None:
                     raise ValueError("evaluate() needs labels: the reader has no label column")
-                self.tower.restore_pending(item.inputs, item.rows, train=False)
-                yield item, self.functions.evaluate(item.inputs, item.rows, labels=with_labels)
+                self.tower.restore_pending(step.inputs, step.rows, train=False)
+                yield step, self.functions.evaluate(step.inputs, step.rows, labels=with_labels)
         finally:
             pipeline.close()
+
+
+class _Steps:
+    """What a step is for this session's model (the pipeline's ``StepSource``):
+    its keys prepared and packed rows, a pull of its tables, the link into
+    the next step's rows, a push of its gradients."""
+
+    def __init__(self, session: Session, train: bool) -> None:
+        self.session = session
+        self.train = train
+
+    def prepare(self, batch: CsrBatch) -> tuple[PreparedKeys, StepInputs, list[np.ndarray]]:
+        prepared, inputs = self.session._prepare(batch)
+        return prepared, inputs, self.session._rows_for(prepared)
+
+    def pull(self, prepared: PreparedKeys, rows: list[np.ndarray], step: int | None) -> Handle:
+        return self.session._pull(prepared, rows, self.train, step if self.train else None)
+
+    def link(self, previous: PreparedKeys, prepared: PreparedKeys, rows: list[np.ndarray]) -> Any:
+        return self.session._link(previous, prepared, rows)
+
+    def push(
+        self,
+        prepared: PreparedKeys,
+        grads: Any,
+        step: int,
+        link: Any,
+        linked: Callable[[], None],
+    ) -> PushResult | None:
+        return self.session._push(prepared, *grads, step=step, link=link, linked_done=linked)
+
+
+class _Direct:
+    """``Session.run``'s pusher: the push runs at once, on the caller's thread."""
+
+    def __init__(self, source: _Steps) -> None:
+        self.source = source
+
+    def push(self, step: Step, grads: Any) -> None:
+        with self.source.session.trace.span("push", step.number):
+            self.source.push(step.prepared, grads, step.number, None, lambda: None)
+
+    def wait_applied(self, step: Step) -> None:
+        pass
 
 
 def _limit(batches: Iterator[Any], n: int) -> Iterator[Any]:

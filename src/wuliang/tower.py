@@ -9,7 +9,8 @@ take it together with the parameter server (``wuliang.checkpoint``,
   variables by stable names, and a ``tf.train.Checkpoint`` of them and the
   tower optimizer's state (``dense/model.*`` in a checkpoint);
 * ``model_description()``: what serving needs besides the SavedModel (each
-  feature's table and pooling, the dense features), for manifests;
+  feature's table, pooling and string hashing, the dense features), for
+  manifests (``wuliang.ps_server.storage.ModelDescription``);
 * ``write_saved_model(path)``: the tower as a SavedModel
   (``wuliang.saved_model``);
 * a pending restore: a checkpoint restores the tower at the session's next
@@ -35,6 +36,8 @@ from typing import Any
 import numpy as np
 
 from wuliang.embedding.features import DenseFeature, SparseFeature
+from wuliang.ps_server.storage import DenseInput, ModelDescription, SparseInput, Version
+from wuliang.saved_model import write_saved_model
 
 DENSE_PREFIX = "dense/model"  # the tower's checkpoint inside a checkpoint folder
 
@@ -59,6 +62,9 @@ class TowerState:
         self.sparse = list(sparse)
         self.dense = list(dense)
         self.optimizer = optimizer
+        # sparse feature -> the field its string values hash with (a reader's
+        # ``hashed_features``), recorded in the model description
+        self.hash_fields: dict[str, str] = {}
         self._restore: str | None = None  # checkpoint prefix, read at the next step
 
     @property
@@ -66,23 +72,17 @@ class TowerState:
         """The user's tower object."""
         return self.functions.tower
 
-    def model_description(self) -> dict[str, Any]:
-        """Each feature's table and pooling, the dense features (JSON)."""
-        from wuliang.saved_model import SIGNATURE
-
-        return {
-            "signature": SIGNATURE,
-            "sparse": [
-                {
-                    "name": f.name,
-                    "table": f.table.name,
-                    "combiner": f.combiner,
-                    "max_len": f.max_len,
-                }
+    def model_description(self) -> ModelDescription:
+        """Each feature's table, pooling and string hashing; the dense features."""
+        return ModelDescription(
+            sparse=tuple(
+                SparseInput(
+                    f.name, f.table.name, f.combiner, f.max_len, self.hash_fields.get(f.name)
+                )
                 for f in self.sparse
-            ],
-            "dense": [{"name": d.name, "dim": d.dim} for d in self.dense],
-        }
+            ),
+            dense=tuple(DenseInput(d.name, d.dim) for d in self.dense),
+        )
 
     def trackables(self) -> dict[str, Any]:
         """The objects holding the tower's variables, by stable names."""
@@ -111,8 +111,6 @@ class TowerState:
 
     def write_saved_model(self, path: str | Path) -> None:
         """Writes the tower as a SavedModel into the (new or empty) folder."""
-        from wuliang.saved_model import write_saved_model
-
         write_saved_model(self, path)
 
     # -- restoring -------------------------------------------------------------
@@ -127,11 +125,9 @@ class TowerState:
         """The checkpoint prefix the next step restores from (None: none)."""
         return self._restore
 
-    def restored_version(self) -> Any:
-        """The checkpoint (``storage.Version``) whose tower the next step
-        restores, which holds the tower's state until then; or None."""
-        from wuliang.storage import Version
-
+    def restored_version(self) -> Version | None:
+        """The checkpoint whose tower the next step restores, which holds the
+        tower's state until then; or None."""
         if self._restore is None:
             return None
         path = Path(self._restore)

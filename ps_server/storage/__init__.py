@@ -1,0 +1,90 @@
+"""The on-disk version format: checkpoints, exports and serving read and
+write versions only through this package, and a parameter-server process
+writes its part of one without the trainer's package.
+
+A *version* is a directory::
+
+    <root>/<name>/
+        manifest.json                     what is here (``manifest.Manifest``),
+                                          with a sha256 per file
+        tables/<table>/part-00000.arrow   rows (``rows``: Arrow IPC, uncompressed)
+        tables/<table>/removed.arrow      removal records: key, version
+        tables/<table>/pending.arrow      admission counts (checkpoints): key, count
+        dense/..., serving/...            TF checkpoint, SavedModel files
+
+Parts hold at most ``PART_ROWS`` rows; the part files are independent of the
+engine's shard count, so a version restores into any number of shards (or
+servers). Writes are atomic and reads check every file once
+(``version``). Modules:
+
+* ``manifest``: the typed manifest (tables with their whole ``TableSpec``,
+  the model's description, files), format 1 still read;
+* ``rows``: rows files to and from ``RowChunk``;
+* ``version``: ``VersionWriter`` and ``Version``;
+* ``directories``: a model directory's checkpoints, an export directory's
+  versions and chains;
+* ``crash``: test-only crash points inside the writers.
+"""
+
+from wuliang.ps_server.storage.crash import crash_point
+from wuliang.ps_server.storage.directories import (
+    CHECKPOINT_PREFIX,
+    LATEST,
+    chain,
+    checkpoints,
+    latest,
+    latest_checkpoint,
+    versions,
+)
+from wuliang.ps_server.storage.manifest import (
+    FORMAT,
+    SIGNATURE,
+    CorruptVersionError,
+    DenseInput,
+    FileEntry,
+    Manifest,
+    ModelDescription,
+    SparseInput,
+    TableEntry,
+)
+from wuliang.ps_server.storage.rows import load_args, select_rows
+from wuliang.ps_server.storage.version import (
+    MANIFEST,
+    PART_ROWS,
+    SERVING,
+    TMP_PREFIX,
+    Version,
+    VersionWriter,
+    remove_stale_temporaries,
+    write_json_atomic,
+)
+
+__all__ = [
+    "CHECKPOINT_PREFIX",
+    "FORMAT",
+    "LATEST",
+    "MANIFEST",
+    "PART_ROWS",
+    "SERVING",
+    "SIGNATURE",
+    "TMP_PREFIX",
+    "CorruptVersionError",
+    "DenseInput",
+    "FileEntry",
+    "Manifest",
+    "ModelDescription",
+    "SparseInput",
+    "TableEntry",
+    "Version",
+    "VersionWriter",
+    "chain",
+    "checkpoints",
+    "crash_point",
+    "latest",
+    "latest_checkpoint",
+    "load_args",
+    "remove_stale_temporaries",
+    "select_rows",
+    "versions",
+    "write_json_atomic",
+]

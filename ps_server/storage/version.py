@@ -1,0 +1,413 @@
+"""Version directories: written atomically, read with every file checked once.
+
+``VersionWriter`` writes under ``<root>/.tmp-<name>-*``, fsyncs every file,
+writes the manifest last and renames the directory into place; a crash at
+any point leaves the versions already there intact (and a ``.tmp-``
+directory that the next writer in the same root removes).
+
+``Version`` reads one: the manifest parsed into a typed ``Manifest``, and
+each file checked against its size and sha256 before its first use (a
+missing, truncated or altered file raises ``CorruptVersionError`` naming
+it, never loads silently). A ``Version`` object checks a file once:
+``verify()`` (every file) before a restore or an apply, then reading its
+rows, records or SavedModel costs no second hash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from wuliang.ps_server.interface import RowChunk
+from wuliang.ps_server.spec import TableSpec
+from wuliang.ps_server.storage.crash import crash_point
+from wuliang.ps_server.storage.manifest import (
+    KINDS,
+    CorruptVersionError,
+    FileEntry,
+    Manifest,
+    ModelDescription,
+    TableEntry,
+)
+from wuliang.ps_server.storage.rows import batch_to_rows, rows_schema, rows_to_batch, select_rows
+
+MANIFEST = "manifest.json"
+PART_ROWS = 1 << 20  # rows per part file
+TMP_PREFIX = ".tmp-"
+SERVING = "serving"  # the tower's SavedModel inside a version
+_HASH_BLOCK = 1 << 24
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                view = memoryview(m)
+                for start in range(0, size, _HASH_BLOCK):
+                    digest.update(view[start : start + _HASH_BLOCK])  # releases the GIL
+                view.release()
+    return digest.hexdigest()
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    """Writes JSON to path via a temporary file, fsync and rename."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def remove_stale_temporaries(root: Path) -> None:
+    """Removes what crashed writers left in root (``.tmp-*``)."""
+    for p in root.glob(f"{TMP_PREFIX}*"):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
+class VersionWriter:
+    """Writes one version directory atomically (see the module docstring).
+
+    Use as a context manager: leaving the block without ``commit()`` (an
+    exception) removes the temporary directory.
+    """
+
+    def __init__(self, root: str | os.PathLike, name: str, kind: str) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be checkpoint, full or delta, got {kind!r}")
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"bad version name {name!r}")
+        self.root = Path(root)
+        self.name = name
+        self.kind = kind
+        self.root.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(self.root)
+        self.final = self.root / name
+        if self.final.exists():
+            raise FileExistsError(f"version {self.final} already exists")
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}-", dir=self.root))
+        self.files: dict[str, FileEntry] = {}
+        self.tables: dict[str, TableEntry] = {}
+        self.committed = False
+        crash_point("writer-open")
+
+    def __enter__(self) -> VersionWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if not self.committed:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def path(self, relative: str) -> Path:
+        """Where a file of this version goes (its folder created)."""
+        p = self.dir / relative
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def add_file(self, relative: str, rows: int | None = None) -> None:
+        """Records a file written under ``path(relative)`` in the manifest."""
+        p = self.dir / relative
+        _fsync_path(p)
+        self.files[relative] = FileEntry(sha256_file(p), p.stat().st_size, rows)
+
+    def add_tree(self, relative: str) -> None:
+        """Records every file under the folder ``path(relative)``."""
+        base = self.dir / relative
+        for p in sorted(base.rglob("*")):
+            if p.is_file():
+                self.add_file(str(p.relative_to(self.dir)))
+
+    def write_table(self, spec: TableSpec, chunks: Iterable[RowChunk], *, state: bool) -> int:
+        """Writes a table's rows (``RowChunk`` s) in parts of at most
+        ``PART_ROWS`` rows and records its spec; returns the rows. ``state``:
+        keep the optimizer state (checkpoints) or leave it out (exports)."""
+        table, dim = spec.name, spec.dim
+        state_dim = spec.state_dim if state else 0
+        schema = rows_schema(dim, state_dim)
+        total = part = in_part = 0
+        writer: pa.ipc.RecordBatchFileWriter | None = None
+        sink: pa.OSFile | None = None
+        relative = ""
+
+        def close_part() -> None:
+            nonlocal writer, sink
+            if writer is not None and sink is not None:
+                writer.close()
+                sink.close()
+                self.add_file(relative, in_part)
+                crash_point("rows-file")
+            writer = sink = None
+
+        for chunk in chunks:
+            start = 0
+            while start < len(chunk.keys):
+                if writer is None:
+                    relative = f"tables/{table}/part-{part:05d}.arrow"
+                    sink = pa.OSFile(str(self.path(relative)), "wb")
+                    writer = pa.ipc.new_file(sink, schema)
+                    part += 1
+                    in_part = 0
+                take = min(len(chunk.keys) - start, PART_ROWS - in_part)
+                piece = chunk if take == len(chunk.keys) else _slice_rows(chunk, start, take)
+                writer.write_batch(rows_to_batch(piece, dim, state_dim))
+                in_part += take
+                total += take
+                start += take
+                if in_part == PART_ROWS:
+                    close_part()
+        close_part()
+        self.tables[table] = TableEntry(spec, state_dim, total, part)
+        return total
+
+    def write_removed(
+        self,
+        table: str,
+        keys: np.ndarray,
+        versions: np.ndarray | None = None,
+        floor: int | None = None,
+    ) -> None:
+        """Writes a table's removal records (after ``write_table``): keys and
+        the versions they were removed at; ``floor``: records of versions up
+        to it are incomplete (the engine's log had dropped them)."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        if versions is None:
+            versions = np.zeros(len(keys), np.uint64)
+        self._write_records(table, "removed", keys, "version", np.asarray(versions, np.uint64))
+        entry = self.tables[table]
+        self.tables[table] = dataclasses.replace(
+            entry, removed=len(keys), removed_floor=entry.removed_floor if floor is None else floor
+        )
+
+    def write_pending(self, table: str, keys: np.ndarray, counts: np.ndarray) -> None:
+        """Writes a table's admission counts (after ``write_table``): keys
+        seen but not admitted yet, and how often each was seen."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        self._write_records(table, "pending", keys, "count", np.asarray(counts, np.uint32))
+        self.tables[table] = dataclasses.replace(self.tables[table], pending=len(keys))
+
+    def _write_records(
+        self, table: str, kind: str, keys: np.ndarray, name: str, values: np.ndarray
+    ) -> None:
+        """``tables/<table>/<kind>.arrow``: a key column and one value column."""
+        batch = pa.record_batch([pa.array(keys), pa.array(values)], names=["key", name])
+        relative = f"tables/{table}/{kind}.arrow"
+        with (
+            pa.OSFile(str(self.path(relative)), "wb") as sink,
+            pa.ipc.new_file(sink, batch.schema) as w,
+        ):
+            w.write_batch(batch)
+        self.add_file(relative, len(keys))
+
+    def commit(
+        self,
+        *,
+        step: int,
+        engine_version: int,
+        model: ModelDescription | None = None,
+        number: int | None = None,
+        parent: int | None = None,
+        source: str = "",
+        reason: str = "",
+        reader_position: Mapping[str, Any] | None = None,
+        num_shards: int | None = None,
+    ) -> Path:
+        """Writes the manifest (``Manifest``'s fields) and renames the
+        version into place."""
+        crash_point("before-manifest")
+        manifest = Manifest(
+            kind=self.kind,
+            name=self.name,
+            step=int(step),
+            engine_version=int(engine_version),
+            tables=self.tables,
+            files=self.files,
+            model=model,
+            created=time.time(),
+            number=number,
+            parent=parent,
+            source=source,
+            reason=reason,
+            reader_position=reader_position,
+            num_shards=num_shards,
+        )
+        write_json_atomic(self.dir / MANIFEST, manifest.to_dict())
+        _fsync_path(self.dir)
+        crash_point("before-rename")
+        os.rename(self.dir, self.final)  # atomic; fails if final appeared meanwhile
+        crash_point("after-rename")
+        _fsync_path(self.root)
+        self.committed = True
+        return self.final
+
+
+def _slice_rows(chunk: RowChunk, start: int, n: int) -> RowChunk:
+    return select_rows(chunk, slice(start, start + n))
+
+
+class Version:
+    """A committed version directory (see the module docstring).
+
+    ``manifest`` is the typed ``Manifest``; ``kind``, ``tables``, ``model``,
+    ``step``, ``engine_version``, ``number`` and ``parent`` are its fields.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        manifest_path = self.path / MANIFEST
+        try:
+            data = json.loads(manifest_path.read_text())
+        except FileNotFoundError:
+            raise CorruptVersionError(f"{manifest_path} is missing") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CorruptVersionError(f"{manifest_path} is not valid JSON: {e}") from None
+        self.manifest = Manifest.from_dict(data, str(manifest_path))
+        self._checked: set[str] = set()  # files whose size and sha256 matched
+
+    def __repr__(self) -> str:
+        return f"Version({str(self.path)!r}, kind={self.kind!r})"
+
+    @property
+    def kind(self) -> str:
+        return self.manifest.kind
+
+    @property
+    def tables(self) -> Mapping[str, TableEntry]:
+        return self.manifest.tables
+
+    @property
+    def model(self) -> ModelDescription | None:
+        return self.manifest.model
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    @property
+    def engine_version(self) -> int:
+        return self.manifest.engine_version
+
+    @property
+    def number(self) -> int:
+        """An export's version number (ValueError for a checkpoint)."""
+        if self.manifest.number is None:
+            raise CorruptVersionError(f"{self.path / MANIFEST} has no export version number")
+        return self.manifest.number
+
+    @property
+    def parent(self) -> int | None:
+        return self.manifest.parent
+
+    def checked(self, relative: str) -> Path:
+        """The path of one of the version's files, after checking its size and
+        sha256 against the manifest (once per ``Version``)."""
+        p = self.path / relative
+        if relative in self._checked:
+            return p
+        entry = self.manifest.files.get(relative)
+        if entry is None:
+            raise CorruptVersionError(f"{p} is not in {self.path / MANIFEST}")
+        if not p.is_file():
+            raise CorruptVersionError(f"{p} is missing")
+        if p.stat().st_size != entry.bytes:
+            raise CorruptVersionError(
+                f"{p} has {p.stat().st_size} bytes, the manifest says {entry.bytes}"
+            )
+        if sha256_file(p) != entry.sha256:
+            raise CorruptVersionError(f"{p} does not match its sha256 in the manifest")
+        self._checked.add(relative)
+        return p
+
+    def verify(self) -> None:
+        """Checks every file of the version (those not checked yet)."""
+        for relative in self.manifest.files:
+            self.checked(relative)
+
+    def link_tree(self, folder: str, writer: VersionWriter) -> None:
+        """Puts this version's files under folder into writer's version, as
+        hard links where the file system allows (versions never change), and
+        records them."""
+        for relative in self.files_under(folder):
+            target = writer.path(relative)
+            try:
+                os.link(self.checked(relative), target)
+            except OSError:
+                shutil.copyfile(self.path / relative, target)
+        writer.add_tree(folder)
+
+    def files_under(self, folder: str) -> list[str]:
+        prefix = folder.rstrip("/") + "/"
+        return sorted(f for f in self.manifest.files if f.startswith(prefix))
+
+    def entry(self, table: str) -> TableEntry:
+        """A table's entry; KeyError listing the tables there are."""
+        entry = self.manifest.tables.get(table)
+        if entry is None:
+            known = ", ".join(sorted(self.manifest.tables)) or "none"
+            raise KeyError(f"{self.path} has no table {table!r} (tables: {known})")
+        return entry
+
+    def read_rows(self, table: str) -> Iterator[RowChunk]:
+        """The table's rows, part by part (each file checked first)."""
+        self.entry(table)
+        for relative in self.files_under(f"tables/{table}"):
+            if not relative.rsplit("/", 1)[-1].startswith("part-"):
+                continue
+            with pa.memory_map(str(self.checked(relative))) as source:
+                reader = pa.ipc.open_file(source)
+                for i in range(reader.num_record_batches):
+                    yield batch_to_rows(reader.get_batch(i))
+
+    def removed_keys(self, table: str) -> np.ndarray:
+        """The table's removed keys (uint64; none if it has no records)."""
+        return self.removed_log(table)[0]
+
+    def removed_log(self, table: str) -> tuple[np.ndarray, np.ndarray]:
+        """The table's removal records: (keys, versions), uint64."""
+        return self._records(table, "removed", "version", np.uint64)
+
+    def pending_counts(self, table: str) -> tuple[np.ndarray, np.ndarray]:
+        """The table's admission counts: (keys uint64, counts uint32); none in
+        versions written without them."""
+        return self._records(table, "pending", "count", np.uint32)
+
+    def _records(
+        self, table: str, kind: str, name: str, dtype: type
+    ) -> tuple[np.ndarray, np.ndarray]:
+        relative = f"tables/{table}/{kind}.arrow"
+        keys: list[np.ndarray] = []
+        values: list[np.ndarray] = []
+        if relative in self.manifest.files:
+            with pa.memory_map(str(self.checked(relative))) as source:
+                reader = pa.ipc.open_file(source)
+                for i in range(reader.num_record_batches):
+                    batch = reader.get_batch(i)
+                    keys.append(batch.column("key").to_numpy())
+                    values.append(batch.column(name).to_numpy())
+        if not keys:
+            return np.zeros(0, np.uint64), np.zeros(0, dtype)
+        return np.concatenate(keys), np.concatenate(values)
