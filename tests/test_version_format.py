@@ -274,3 +274,46 @@ def test_restoring_a_checkpoint_hashes_each_file_once(tmp_path: Path, hashed: li
     session.restore_checkpoint(OLD / "model" / "ckpt-2")
     assert sorted(hashed) == files_of(OLD / "model" / "ckpt-2")
     context.close()
+
+
+# -- how raw strings hash, recorded -------------------------------------------------
+
+
+def test_the_model_description_records_how_string_features_hash(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(3)
+    cities = np.array(["paris", "lima", "oslo", "kyiv"])[rng.integers(0, 4, 64)]
+    pq.write_table(
+        pa.table(
+            {
+                "city": cities,
+                "user": rng.integers(0, 9, 64),
+                "label": rng.integers(0, 2, 64).astype(np.float32),
+            }
+        ),
+        tmp_path / "data.parquet",
+    )
+
+    def model() -> tuple[wl.Session, wl.Context]:
+        table = wl.EmbeddingTable("t", 4)
+        features = [wl.SparseFeature("city", table), wl.SparseFeature("user", table)]
+        context = wl.Context(num_shards=2)
+        return wl.Session(keras.Sequential([keras.layers.Dense(1)]), features, context), context
+
+    reader = ParquetReader(tmp_path / "data.parquet", 16, ["city", "user"], label="label")
+    assert reader.hashed_features == {"city": "city"}
+    session, context = model()
+    session.train(reader)
+    ckpt = session.save_checkpoint(tmp_path / "model")
+    described = Version(ckpt).model
+    assert described is not None
+    assert described.sparse_by_name["city"].hash_field == "city"
+    assert described.sparse_by_name["user"].hash_field is None
+    context.close()
+    again, context = model()  # a restored model exports what it was trained on
+    again.restore_checkpoint(tmp_path / "model")
+    exported = again.export(tmp_path / "exports")
+    assert Version(exported.path).model.sparse_by_name["city"].hash_field == "city"
+    context.close()

@@ -197,6 +197,10 @@ def restore(context: Context, tower: TowerState, path: str | os.PathLike) -> dic
             ps.load_pending(name, *version.pending_counts(name))
     context.global_step = step
     ps.restore_version(version.engine_version + 1)
+    if version.model is not None:  # how the features' strings hash, for later exports
+        tower.hash_fields.update(
+            {f.name: f.hash_field for f in version.model.sparse if f.hash_field}
+        )
     tower.schedule_restore(str(version.path / DENSE_PREFIX))
     position = version.manifest.reader_position
     return None if position is None else dict(position)

@@ -219,6 +219,7 @@ class Session:
         self._begin(extra)
         ctx = self.context
         self._attach_preparer(reader)
+        self._record_hashing(reader)
         if steps == 0:
             for hook in extra:
                 hook.end(self)
@@ -358,6 +359,15 @@ class Session:
             reader.prepare = self.preparer
         if getattr(reader, "background", "absent") is None:
             reader.background = self.context.background
+
+    def _record_hashing(self, reader: Any) -> None:
+        """Which sparse features the reader makes from strings, and with
+        which field: the model description records it, so that serving
+        hashes a client's raw strings the same way."""
+        hashed = getattr(reader, "hashed_features", None) or {}
+        self.tower.hash_fields.update(
+            {f.name: hashed[f.name] for f in self.sparse if f.name in hashed}
+        )
 
     def _prepare(self, batch: CsrBatch) -> tuple[PreparedKeys, StepInputs]:
         if not batch.validated:  # hand-built, or from a reader that does not validate
