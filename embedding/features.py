@@ -11,7 +11,7 @@ fixed-size list of them) passed to the tower as it is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from wuliang.ps_server.spec import (
     Admission,
@@ -37,6 +37,7 @@ class EmbeddingTable:
 
     name: str
     dim: int
+    _: KW_ONLY
     optimizer: Optimizer = field(default_factory=default_optimizer)
     initializer: Initializer = field(default_factory=default_initializer)
     admission: Admission = field(default_factory=Admission)

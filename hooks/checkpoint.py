@@ -26,6 +26,7 @@ class Checkpoint(PeriodicSyncHook):
     def __init__(
         self,
         model_dir: str | os.PathLike,
+        *,
         every_steps: int | None = None,
         every_secs: float | None = None,
         keep: int | None = 5,

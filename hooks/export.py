@@ -29,6 +29,7 @@ class IncrementalExport(PeriodicSyncHook):
     def __init__(
         self,
         export_dir: str | os.PathLike,
+        *,
         every_secs: float | None = None,
         every_steps: int | None = None,
         full_every: int | None = None,

@@ -294,6 +294,7 @@ class Eval(PeriodicSyncHook):
     def __init__(
         self,
         reader: Any | Callable[[], Any],
+        *,
         every_steps: int | None = 1000,
         every_secs: float | None = None,
         steps: int | None = None,

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import KW_ONLY, dataclass, field, fields, replace
 from typing import Any, Literal, TypeVar
 
 from wuliang.ps_server import _engine
@@ -105,6 +105,7 @@ class Optimizer:
     """Base of the optimizers applied on the parameter server."""
 
     learning_rate: float = 0.01
+    _: KW_ONLY
     clip_norm: float = 0.0
 
     def __post_init__(self) -> None:
@@ -142,6 +143,7 @@ class SGD(Optimizer):
 class Adagrad(Optimizer):
     """Adagrad with a per-coordinate squared-gradient accumulator."""
 
+    _: KW_ONLY
     initial_accumulator: float = 0.1
     epsilon: float = 1e-7
 
@@ -167,6 +169,7 @@ class Adam(Optimizer):
     """Lazy Adam: only pushed rows advance, bias correction per row."""
 
     learning_rate: float = 0.001
+    _: KW_ONLY
     beta1: float = 0.9
     beta2: float = 0.999
     epsilon: float = 1e-7
@@ -190,6 +193,7 @@ class FTRL(Optimizer):
     """FTRL-Proximal (McMahan et al. 2013); learning_rate is alpha."""
 
     learning_rate: float = 0.05
+    _: KW_ONLY
     l1: float = 0.0
     l2: float = 0.0
     beta: float = 1.0
@@ -312,11 +316,9 @@ def default_initializer() -> Initializer:
     A key that was never trained reads as its initial vector, and in a time
     split (as in production) most keys of the newest users and items are such
     keys: their initial vectors go straight into the tower as noise, so the
-    default is small. On a MovieLens time split (``examples/movielens.py``)
-    stddev ``1/sqrt(dim)`` lost about 0.04-0.06 AUC against small initial
-    vectors; stddev 0.01 did at least as well as Keras's ``Embedding``
-    default (uniform in +-0.05). Zeros would leave a ReLU tower without any
-    gradient at the start (every input and bias zero).
+    default is small (measured on a MovieLens time split: docs/performance.md,
+    "Default initializer and optimizer"). Zeros would leave a ReLU tower
+    without any gradient at the start (every input and bias zero).
     """
     return TruncatedNormal(stddev=0.01)
 
@@ -343,6 +345,7 @@ class Admission:
     """
 
     min_count: int = 1
+    _: KW_ONLY
     pending_capacity: int = 1 << 20
 
     def __post_init__(self) -> None:
@@ -376,6 +379,7 @@ class Eviction:
     Combine criteria with ``|``: ``TTL(steps=10_000) | MaxRows(1_000_000)``.
     """
 
+    _: KW_ONLY
     ttl_steps: int = 0
     ttl_seconds: int = 0
     min_count: int = 0
@@ -459,6 +463,7 @@ class TableSpec:
 
     name: str
     dim: int
+    _: KW_ONLY
     optimizer: Optimizer = field(default_factory=default_optimizer)
     initializer: Initializer = field(default_factory=default_initializer)
     seed: int = 0

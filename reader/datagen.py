@@ -22,7 +22,7 @@ converters do.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +43,7 @@ _WEIGHTED = SINGLE[:8]  # fields whose keys move the label
 @dataclass(frozen=True)
 class DatagenConfig:
     rows: int
+    _: KW_ONLY
     rows_per_file: int = 100_000
     alpha: float = 1.1
     ids_per_field: int = 1_000_000_000

@@ -84,7 +84,7 @@ def make_session(
         tower = Tower(mlp)
 
     context = wl.Context(num_shards=num_shards, staleness=0, evict_every_steps=evict_every_steps)
-    return wl.Session(tower, features, context, hooks, optimizer=keras.optimizers.Adam(0.01))
+    return wl.Session(tower, features, context, hooks=hooks, optimizer=keras.optimizers.Adam(0.01))
 
 
 class Tower(keras.Model):

@@ -58,7 +58,7 @@ def ones(n: int, dim: int = 4) -> np.ndarray:
 
 def test_wrappers_build_the_specs() -> None:
     assert admission.MinCount(3) == Admission(min_count=3)
-    assert admission.MinCount(2, pending_capacity=100) == Admission(2, 100)
+    assert admission.MinCount(2, pending_capacity=100) == Admission(2, pending_capacity=100)
     assert eviction.TTL(steps=5) == Eviction(ttl_steps=5)
     assert eviction.TTL(seconds=7) == Eviction(ttl_seconds=7)
     assert eviction.MinCount(4) == Eviction(min_count=4)

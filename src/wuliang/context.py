@@ -92,6 +92,7 @@ class Context:
     def __init__(
         self,
         ps: str | Sequence[str] = "embedded",
+        *,
         num_shards: int | None = None,
         staleness: int = 0,
         prefetch: int = 2,

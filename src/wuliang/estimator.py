@@ -31,6 +31,7 @@ class Estimator:
         self,
         tower: Callable[..., Any],
         features: Sequence[Feature],
+        *,
         label: str | Sequence[str] | None = None,
         context: Context | None = None,
         hooks: Sequence[SessionRunHook] = (),
@@ -39,7 +40,7 @@ class Estimator:
     ) -> None:
         self.labels = [] if label is None else [label] if isinstance(label, str) else list(label)
         self.hooks = list(hooks)  # run by every train() call, with its own hooks
-        self.session = Session(tower, features, context, (), loss, optimizer)
+        self.session = Session(tower, features, context, loss=loss, optimizer=optimizer)
 
     @property
     def context(self) -> Context:

@@ -3,7 +3,7 @@
 from wuliang.ps_server.spec import Eviction
 
 
-def TTL(steps: int = 0, seconds: int = 0) -> Eviction:
+def TTL(*, steps: int = 0, seconds: int = 0) -> Eviction:
     """Rows not updated for more than `steps` steps or `seconds` seconds."""
     if not steps and not seconds:
         raise ValueError("TTL needs steps or seconds")

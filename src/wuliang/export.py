@@ -62,7 +62,7 @@ import os
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -202,9 +202,12 @@ class CheckpointSource:
 
 @dataclass
 class ExportResult:
+    """What ``export`` or ``compact`` did; ``status()`` is its one-line summary."""
+
     path: Path
     version: int
     kind: str
+    _: KW_ONLY
     parent: int | None
     step: int
     rows: dict[str, int] = field(default_factory=dict)
@@ -251,8 +254,8 @@ def _export(source: ExportSource, root: Path, kind: str) -> ExportResult:
                 newest.path,
                 newest.number,
                 newest.kind,
-                newest.parent,
-                newest.step,
+                parent=newest.parent,
+                step=newest.step,
                 written=False,
             )
     since, reason, removed = _delta_base(source, newest, kind)
@@ -262,8 +265,8 @@ def _export(source: ExportSource, root: Path, kind: str) -> ExportResult:
         root / str(number),
         number,
         "delta" if delta else "full",
-        newest.number if delta and newest is not None else None,
-        source.step,
+        parent=newest.number if delta and newest is not None else None,
+        step=source.step,
         reason=reason,
     )
     with VersionWriter(root, str(number), result.kind) as writer:
@@ -382,10 +385,12 @@ def _compact(root: Path) -> ExportResult:
     top = versions_[-1]
     number = top.number
     if top.kind == "full":
-        return ExportResult(top.path, number, "full", None, top.step, written=False)
+        return ExportResult(top.path, number, "full", parent=None, step=top.step, written=False)
     with parameter_server("embedded", num_shards=2) as engine:
         apply_chain(engine, root, number)
-        result = ExportResult(root / str(number + 1), number + 1, "full", None, top.step)
+        result = ExportResult(
+            root / str(number + 1), number + 1, "full", parent=None, step=top.step
+        )
         with VersionWriter(root, str(number + 1), "full") as writer:
             for table, entry in top.tables.items():
                 result.rows[table] = writer.write_table(

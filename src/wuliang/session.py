@@ -80,6 +80,7 @@ class Session:
         tower: Callable[..., Any],
         features: Sequence[Feature],
         context: Context | None = None,
+        *,
         hooks: Sequence[SessionRunHook] = (),
         loss: str | Callable | Mapping[str, str | Callable] = "binary_crossentropy",
         optimizer: Any = None,
