@@ -1,7 +1,69 @@
-"""Serving: what an online process needs to answer requests with a trained model.
+"""Online serving of exported models: ``wuliang serve`` and ``wuliang publish``.
 
-The online server comes here. Today: ``wuliang.serving.versions``, the read
-side of the model store (the export directories that ``wuliang.export``
-writes): which versions there are, the chain of a version, and applying it
-to an engine. Nothing here imports TensorFlow or the export writer.
+A serving process answers embedding lookups and full predictions of the
+newest export over gRPC (``serving.proto``) and HTTP/JSON (TensorFlow
+Serving's REST shapes), and applies each new version while it answers, each
+answer from one version. ``docs/serving.md`` describes it all.
+
+Public names (imported on first use, so ``import wuliang.serving`` stays
+cheap and never imports TensorFlow or grpcio)::
+
+    from wuliang.serving import Client, ServingClientError   # the Python client (gRPC)
+    from wuliang.serving import ModelStore, RedisModelStore  # served models
+    from wuliang.serving import Service, GrpcServer, HttpServer, ServerTls
+
+Modules:
+
+* ``model``: the ``ServedModel`` protocol both stores implement, and
+  ``ServedVersion`` (a version's snapshot: description and tower);
+* ``store``: ``ModelStore``, an export directory in an embedded engine,
+  following new versions (``versions``: applying a chain to an engine);
+* ``redis_model``: ``RedisModelStore``, a published model read from Redis
+  (``redis_replica``: the replica's reader and its cache ``redis_cache``;
+  ``redis_publish``: ``wuliang publish``; ``redis_keys``: the key layout);
+* ``service``: the transport-neutral ``Service`` (tokens, limits, metrics,
+  one version per request), with ``predict`` (pooling and the tower) and
+  ``features`` (keys from integers, digit strings and raw strings);
+* ``grpc_server``, ``http_server`` (``http_json``), ``client``: transports
+  and the Python client; ``tls``: one ``ServerTls`` for both servers;
+* ``run``: the ``wuliang serve`` process; ``metrics``: Prometheus.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_NAMES = {
+    "Client": "wuliang.serving.client",
+    "ServingClientError": "wuliang.serving.client",
+    "ModelStore": "wuliang.serving.store",
+    "RedisModelStore": "wuliang.serving.redis_model",
+    "RedisStore": "wuliang.serving.redis_replica",
+    "publish": "wuliang.serving.redis_publish",
+    "ServedModel": "wuliang.serving.model",
+    "ServedVersion": "wuliang.serving.model",
+    "Service": "wuliang.serving.service",
+    "FeatureInput": "wuliang.serving.predict",
+    "PredictAnswer": "wuliang.serving.predict",
+    "GrpcServer": "wuliang.serving.grpc_server",
+    "HttpServer": "wuliang.serving.http_server",
+    "ServerTls": "wuliang.serving.tls",
+    "TlsError": "wuliang.serving.tls",
+    "ServingError": "wuliang.serving.errors",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'wuliang.serving' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_NAMES])

@@ -34,6 +34,23 @@ class TooLarge(ServingError):
     http_status = 413
 
 
+class FailedPrecondition(ServingError):
+    """The model cannot answer this kind of request (a replica serving
+    lookups only has no tower to predict with); HTTP 400, as TensorFlow
+    Serving maps FAILED_PRECONDITION."""
+
+    code = "FAILED_PRECONDITION"
+    http_status = 400
+
+
 class Unavailable(ServingError):
+    """No version is served yet (or the Redis behind a replica is unreachable)."""
+
     code = "UNAVAILABLE"
     http_status = 503
+
+
+class VersionMoved(Unavailable):
+    """A lookup at a version the store no longer reads: the caller resolves
+    the served version again (``Service.predict`` does). Reaches a client
+    only when versions kept switching for ``SWITCH_SECONDS``."""

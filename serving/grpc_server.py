@@ -2,13 +2,18 @@
 standard health service (``grpc.health.v1.Health``).
 
 Arrays arrive and leave as raw little-endian bytes (``serving.proto``); a
-request's token, when the service has one, is the ``authorization`` metadata
-``Bearer <token>``. Every error is a gRPC status (``errors.ServingError.code``)
-with a message naming the bad input; an unexpected exception is logged and
-answered INTERNAL, and the server keeps serving. Requests arrive as bytes and
-are parsed inside the handler, so bytes that are not the request message
-(truncated, garbled) are INVALID_ARGUMENT and counted in the metrics, where
-grpcio's own deserializer would answer INTERNAL and log a traceback.
+sparse feature's raw strings as concatenated UTF-8 and their offsets
+(``string_values``, ``string_offsets``). The transport only turns messages
+into arrays and back: a prediction hands the ``Service`` a decoder that
+reads the request's features with the model description of the version
+that answers it (``features``). A request's token, when the service has
+one, is the ``authorization`` metadata ``Bearer <token>``. Every error is a
+gRPC status (``errors.ServingError.code``) with a message naming the bad
+input; an unexpected exception is logged and answered INTERNAL, and the
+server keeps serving. Requests arrive as bytes and are parsed inside the
+handler, so bytes that are not the request message (truncated, garbled) are
+INVALID_ARGUMENT and counted in the metrics, where grpcio's own deserializer
+would answer INTERNAL and log a traceback.
 """
 
 from __future__ import annotations
@@ -23,13 +28,19 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from wuliang.ps_server.storage import ModelDescription
 from wuliang.serving import proto
 from wuliang.serving.errors import InvalidArgument, ServingError
+from wuliang.serving.features import string_keys_of_bytes
+from wuliang.serving.net import grpc_address, listen_error
 from wuliang.serving.predict import FeatureInput
 from wuliang.serving.service import Service
+from wuliang.serving.tls import ServerTls
+
+__all__ = ["GrpcServer", "features", "serving_handler"]
 
 log = logging.getLogger("wuliang.serving")
-MAX_MESSAGE_BYTES = 64 << 20
+MAX_SEND_BYTES = 256 << 20  # an answer (a lookup of 100,000 keys of dim 128 is 51 MB)
 MAX_DETAILS_BYTES = 2000  # of an error's message (see details())
 
 
@@ -101,21 +112,9 @@ class _Handlers:
         return proto.lookup_response(result.rows, result.found, result.version)
 
     def predict(self, request: Any) -> Any:
-        store = self.service.store(request.model)
-        sparse = store.served().model.sparse_by_name
-        features = {}
-        for f in request.features:
-            if f.name in features:
-                raise InvalidArgument(f"feature {f.name!r} is given twice")
-            if f.name in sparse:
-                features[f.name] = FeatureInput(
-                    _array(f.values, "<u8", f"feature {f.name!r} keys"),
-                    _array(f.offsets, "<i8", f"feature {f.name!r} offsets") if f.offsets else None,
-                    _array(f.weights, "<f4", f"feature {f.name!r} weights") if f.weights else None,
-                )
-            else:
-                features[f.name] = FeatureInput(_array(f.values, "<f4", f"feature {f.name!r}"))
-        answer = self.service.predict(store.name, features, int(request.rows))
+        answer = self.service.predict(
+            request.model, lambda description: features(request, description)
+        )
         outputs = [
             proto.Output(
                 name=name,
@@ -137,10 +136,48 @@ class _Handlers:
                 precision=m["precision"],
                 applied=m["applied"],
                 refused=m["refused"],
+                lookups_only=m["lookups_only"],
             )
             for m in self.service.status(request.model)
         ]
         return proto.StatusResponse(models=models)
+
+
+def features(request: Any, description: ModelDescription) -> tuple[dict[str, FeatureInput], int]:
+    """A ``PredictRequest`` 's features as arrays, read with the model
+    description of the version that answers it (which features are sparse,
+    which hash raw strings); and its row count."""
+    sparse = description.sparse_by_name
+    out: dict[str, FeatureInput] = {}
+    for f in request.features:
+        name = f.name
+        if name in out:
+            raise InvalidArgument(f"feature {name!r} is given twice")
+        strings = bool(f.string_values or f.string_offsets)
+        spec = sparse.get(name)
+        if spec is None:
+            if strings and name in description.dense_by_name:
+                raise InvalidArgument(f"dense feature {name!r} takes float32 values, not strings")
+            out[name] = FeatureInput(_array(f.values, "<f4", f"feature {name!r}"))
+            continue
+        if strings:
+            if f.values:
+                raise InvalidArgument(
+                    f"sparse feature {name!r}: send keys (values) or strings (string_values), "
+                    "not both"
+                )
+            bounds = _array(f.string_offsets, "<i8", f"feature {name!r} string_offsets")
+            keys = string_keys_of_bytes(
+                f.string_values, bounds, spec, f"sparse feature {name!r} strings"
+            )
+        else:
+            keys = _array(f.values, "<u8", f"feature {name!r} keys")
+        out[name] = FeatureInput(
+            keys,
+            _array(f.offsets, "<i8", f"feature {name!r} offsets") if f.offsets else None,
+            _array(f.weights, "<f4", f"feature {name!r} weights") if f.weights else None,
+        )
+    return out, int(request.rows)
 
 
 def serving_handler(
@@ -184,6 +221,21 @@ class GrpcServer:
     for the GIL. Four clients on 2 cores (docs/performance.md): lookups/s
     2,390 with 2 threads, 2,260 with 1, 2,000 with 4, 1,960 on one shared
     pool of 16; predictions/s 604 with 2 threads, 498 with 4, 504 with 16.
+
+    Messages larger than the service's ``max_request_bytes`` are refused
+    (RESOURCE_EXHAUSTED). The port is bound exclusively (no
+    ``SO_REUSEPORT``): a port another server holds fails here.
+
+    Args:
+        service: what the calls answer from.
+        host: the address to listen on.
+        port: the port (0: a free one).
+        tls: serve TLS with this certificate and key (``ServerTls``); None: plain.
+        lookup_threads: threads answering lookups.
+        predict_threads: threads answering the other calls.
+
+    Raises:
+        OSError: the port cannot be bound (the message names it and why).
     """
 
     def __init__(
@@ -191,7 +243,7 @@ class GrpcServer:
         service: Service,
         host: str = "127.0.0.1",
         port: int = 0,
-        tls: tuple[bytes, bytes] | None = None,
+        tls: ServerTls | None = None,
         lookup_threads: int = 2,
         predict_threads: int = 2,
     ) -> None:
@@ -202,32 +254,38 @@ class GrpcServer:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         options = [
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", service.max_request_bytes),
+            ("grpc.max_send_message_length", MAX_SEND_BYTES),
+            ("grpc.so_reuseport", 0),
         ]
+        self.service = service
+        self.tls = tls
         self.lookup_pool = ThreadPoolExecutor(lookup_threads, thread_name_prefix="wuliang-lookup")
         self.pool = ThreadPoolExecutor(predict_threads, thread_name_prefix="wuliang-grpc")
         self.server = grpc.server(self.pool, options=options)
         self.server.add_generic_rpc_handlers((serving_handler(service, self.lookup_pool),))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        address = f"{host}:{port}"
-        if tls is None:
-            self.port = self.server.add_insecure_port(address)
-        else:
-            key, cert = tls
-            self.port = self.server.add_secure_port(
-                address, grpc.ssl_server_credentials([(key, cert)])
-            )
+        address = grpc_address(host, port)
+        try:
+            if tls is None:
+                self.port = self.server.add_insecure_port(address)
+            else:
+                self.port = self.server.add_secure_port(address, tls.grpc_credentials())
+        except RuntimeError:  # grpcio: "Failed to bind to address ..."
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {address}")
-        self.service = service
+            self.server.stop(None)
+            self.lookup_pool.shutdown(wait=False)
+            self.pool.shutdown(wait=False)
+            raise listen_error(host, port, "gRPC")
         for store in service.stores.values():
             store.on_apply.append(lambda *_: self.update_health())
         self.update_health()
         self.server.start()
 
     def update_health(self) -> None:
+        """SERVING once every model serves a version, else NOT_SERVING."""
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if self.service.healthy()

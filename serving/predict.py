@@ -1,37 +1,43 @@
-"""Predictions from raw feature values, exactly as training computed them.
+"""Predictions from raw feature values at one served version, exactly as
+training computed them.
 
 A request gives, for a batch of ``rows`` rows, each sparse feature's keys
 (CSR: ``values`` and ``offsets``, or one key per row, optional ``weights``)
-and each dense feature's floats. ``predict``:
+and each dense feature's floats. ``predict(store, served, features, rows)``,
+with ``served`` the snapshot of the version to answer from:
 
-1. checks them against the model description of the served version (the
-   manifest's ``model``: every feature present and no other, dims, dtypes,
-   offsets; errors name the feature and row);
-2. looks each table's keys up once (the unique keys of every feature that
-   reads the table), all tables at one version: a lookup names the version
-   it read, and while a new version switches in (table by table) the
-   lookups are retried until they agree;
-3. pools each feature's rows with the function training uses
+1. checks that the version has a tower (FAILED_PRECONDITION otherwise: a
+   replica serving lookups only) and a model description;
+2. checks the features against the version's model description (every
+   feature present and no other, dims, dtypes, offsets; errors name the
+   feature and row);
+3. looks each table's keys up once (the unique keys of every feature that
+   reads the table), every table at the snapshot's version
+   (``store.lookup(..., at=served)``: ``VersionMoved`` when the store has
+   moved on, and the caller starts again from a new snapshot);
+4. pools each feature's rows with the function training uses
    (``wuliang.embedding.pooling``: sum, mean, sqrtn, or a padded sequence
    and its mask);
-4. runs that version's tower (its SavedModel's ``serve``) and returns its
+5. runs the snapshot's tower (its SavedModel's ``serve``) and returns its
    outputs (``predictions``, or ``predictions_<task>`` per task).
+
+``Service.predict`` resolves the snapshot, decodes the request with its
+model description and retries on ``VersionMoved``.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from wuliang.embedding.pooling import pool_rows
-from wuliang.ps_server.storage import SparseInput
-from wuliang.serving.errors import InvalidArgument, TooLarge, Unavailable
-from wuliang.serving.store import ModelStore
+from wuliang.ps_server.storage import ModelDescription, SparseInput
+from wuliang.serving.errors import FailedPrecondition, InvalidArgument
+from wuliang.serving.model import ServedModel, ServedVersion
 
-SWITCH_RETRIES = 200  # lookups retried while a version switches in (1 ms apart)
+__all__ = ["Decoder", "FeatureInput", "PredictAnswer", "check_model", "predict"]
 
 
 @dataclass
@@ -49,19 +55,35 @@ class PredictAnswer:
     version: int
 
 
+# A transport's request decoder: the features and the row count of a request,
+# read with the model description of the version that answers it.
+Decoder = Callable[[ModelDescription], tuple[Mapping[str, FeatureInput], int]]
+
+
+def check_model(store: ServedModel, served: ServedVersion) -> None:
+    """FAILED_PRECONDITION unless the version can predict (a tower and a
+    model description)."""
+    if served.tower is None:
+        raise FailedPrecondition(
+            f"model {store.name!r} version {served.number} serves lookups only, not "
+            f"predictions: {served.no_tower}"
+        )
+    if not served.model.sparse and not served.model.dense:
+        raise FailedPrecondition(
+            f"model {store.name!r} version {served.number} has no model description "
+            "(its manifest lists no features), so its features cannot be read"
+        )
+
+
 def predict(
-    store: ModelStore, features: Mapping[str, FeatureInput], rows: int, max_rows: int = 10_000
+    store: ServedModel, served: ServedVersion, features: Mapping[str, FeatureInput], rows: int
 ) -> PredictAnswer:
-    """Scores a batch (see the module docstring)."""
+    """Scores a batch at the ``served`` version (see the module docstring)."""
+    check_model(store, served)
     if not isinstance(rows, int) or rows < 1:
         raise InvalidArgument(f"rows must be an int >= 1, got {rows!r}")
-    if rows > max_rows:
-        raise TooLarge(f"{rows} rows in one request; at most {max_rows}")
-    model = store.served().model
-    sparse = model.sparse_by_name
-    dense = model.dense_by_name
-    if not sparse and not dense:
-        raise Unavailable(f"model {store.name!r}: the served version has no model description")
+    sparse = served.model.sparse_by_name
+    dense = served.model.dense_by_name
     unknown = sorted(set(features) - set(sparse) - set(dense))
     if unknown:
         raise InvalidArgument(
@@ -73,7 +95,7 @@ def predict(
         raise InvalidArgument(f"feature {missing[0]!r} is missing from the request")
     keys = {name: _sparse(name, features[name], rows) for name in sparse}
     dense_inputs = {name: _dense(name, features[name], rows, f.dim) for name, f in dense.items()}
-    rows_by_table, version = _lookup(store, sparse, keys)
+    rows_by_table = _lookup(store, served, sparse, keys)
     inputs: dict[str, np.ndarray] = dict(dense_inputs)
     for name, f in sparse.items():
         table_rows, inverse = rows_by_table[name]
@@ -83,11 +105,8 @@ def predict(
             inputs[name], inputs[f"{name}_mask"] = pooled
         else:
             inputs[name] = pooled
-    tower = store.served(version).tower
-    if tower is None:
-        raise Unavailable(f"model {store.name!r} serves lookups only (no tower loaded)")
-    outputs = tower(inputs)
-    return PredictAnswer(outputs, version)
+    assert served.tower is not None  # check_model
+    return PredictAnswer(served.tower(inputs), served.number)
 
 
 def _sparse(
@@ -151,33 +170,24 @@ def _dense(name: str, feature: FeatureInput, rows: int, dim: int) -> np.ndarray:
 
 
 def _lookup(
-    store: ModelStore,
+    store: ServedModel,
+    served: ServedVersion,
     sparse: Mapping[str, SparseInput],
     keys: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]],
-) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], int]:
-    """Per feature (its table's unique rows, inverse index), all read at one
-    version; and that version."""
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per feature (its table's unique rows, inverse index), every table read
+    at the snapshot's version."""
     by_table: dict[str, list[str]] = {}
     for name, f in sparse.items():
         by_table.setdefault(f.table, []).append(name)
-    uniques = {}
-    for table, names in by_table.items():
-        joined = np.concatenate([keys[n][0] for n in names]) if names else np.zeros(0, np.uint64)
-        unique, inverse = np.unique(joined, return_inverse=True)
-        uniques[table] = (unique, inverse, [len(keys[n][0]) for n in names])
-    for _ in range(SWITCH_RETRIES):
-        results = {table: store.lookup(table, u[0]) for table, u in uniques.items()}
-        labels = {r.version for r in results.values()}
-        if len(labels) <= 1:
-            version = labels.pop() if labels else store.version
-            break
-        time.sleep(0.001)  # a version is switching in, table by table
-    else:
-        raise Unavailable(f"model {store.name!r}: the tables did not settle on one version")
     out = {}
-    for table, (_, inverse, sizes) in uniques.items():
+    for table, names in by_table.items():
+        joined = np.concatenate([keys[n][0] for n in names])
+        unique, inverse = np.unique(joined, return_inverse=True)
+        result = store.lookup(table, unique, at=served)  # VersionMoved: the caller retries
         start = 0
-        for name, size in zip(by_table[table], sizes, strict=True):
-            out[name] = (results[table].rows, inverse[start : start + size])
+        for name in names:
+            size = len(keys[name][0])
+            out[name] = (result.rows, inverse[start : start + size])
             start += size
-    return out, version
+    return out

@@ -1,30 +1,44 @@
 """``wuliang serve``: one serving process, gRPC and HTTP, until SIGINT/SIGTERM.
 
-It loads the newest valid version of the export directory (``ModelStore``),
-starts the gRPC server (``--port``, default 8500, TF Serving's) and the HTTP
-server (``--http-port``, default 8501; 0: any free port, -1: none), prints
-one line naming the model, the version and both addresses, and follows the
-directory every ``--poll-secs``. Both bind 127.0.0.1 unless told otherwise.
-With ``--token-file`` every request needs that token; with ``--tls-cert``
-and ``--tls-key`` both servers speak TLS.
+``start(options)`` checks the token and TLS files, makes the model's store
+(``ModelStore`` over an export directory, or with ``--redis`` the
+``RedisModelStore`` of a published model), binds the gRPC server (``--port``,
+default 8500, TF Serving's) and the HTTP server (``--http-port``, default
+8501; 0: any free port, -1: none), and only then loads the newest version:
+a busy port or a bad certificate fails at once, before a long load. Until
+the first version is served (an empty export directory, a model not yet
+published) both servers answer UNAVAILABLE and the health checks
+NOT_SERVING, and the store keeps looking for one. ``serve(options)`` also
+logs (INFO, to stderr) each version applied and each refusal, prints one
+line naming the model, its version (or that it waits for the first) and
+both addresses (``grpc+tls`` and ``https`` when they speak TLS), and runs
+until SIGINT or SIGTERM. Both servers bind 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
-import ssl
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from wuliang.serving.grpc_server import GrpcServer
-from wuliang.serving.service import Service
+from wuliang.serving.model import ServedModel
+from wuliang.serving.service import MAX_REQUEST_BYTES, Service
 from wuliang.serving.store import ModelStore
+from wuliang.serving.tls import ServerTls
+
+__all__ = ["Running", "ServeOptions", "read_token", "serve", "start"]
+
+log = logging.getLogger("wuliang.serving")
 
 
 @dataclass
 class ServeOptions:
+    """The options of ``wuliang serve`` (``wuliang serve --help`` explains each)."""
+
     exports: Path | None
     model: str | None = None
     host: str = "127.0.0.1"
@@ -38,6 +52,7 @@ class ServeOptions:
     missing: str = "zeros"
     max_keys: int = 100_000
     max_rows: int = 10_000
+    max_request_bytes: int = MAX_REQUEST_BYTES
     shards: int = 2
     redis: str | None = None
 
@@ -48,7 +63,8 @@ class Running:
 
     service: Service
     grpc: GrpcServer
-    http: object | None
+    http: object | None  # an HttpServer (imported only when serving HTTP)
+    tls: ServerTls | None = None
 
     def stop(self) -> None:
         if self.http is not None:
@@ -56,25 +72,55 @@ class Running:
         self.grpc.stop()
         self.service.close()
 
+    def addresses(self, host: str) -> str:
+        """``grpc HOST:PORT, http HOST:PORT`` (``grpc+tls``, ``https`` with TLS)."""
+        shown = f"[{host}]" if ":" in host else host
+        tls = self.tls is not None
+        out = f"{'grpc+tls' if tls else 'grpc'} {shown}:{self.grpc.port}"
+        if self.http is not None:
+            out += f", {'https' if tls else 'http'} {shown}:{self.http.port}"  # type: ignore[attr-defined]
+        return out
+
 
 def read_token(path: Path) -> str:
     """The token in a file (surrounding whitespace dropped); ValueError when empty."""
-    token = path.read_text().strip()
+    try:
+        token = path.read_text().strip()
+    except OSError as error:
+        raise OSError(f"token file {path} cannot be read: {error.strerror or error}") from None
     if not token:
         raise ValueError(f"token file {path} is empty")
     return token
 
 
-def open_store(options: ServeOptions) -> Any:
-    """The served model: an export directory in an embedded engine, or (with
-    ``--redis``) the published copy in Redis, towers from the export
-    directory when there is one."""
+def check_options(options: ServeOptions) -> None:
+    """ValueError for options that do not go together (the command line
+    reports these as usage errors)."""
+    if options.redis is None and options.exports is None:
+        raise ValueError("--exports is required (or --redis)")
+    if (options.tls_cert is None) != (options.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if options.redis is not None:
+        if options.missing != "zeros" or options.precision != "fp32":
+            raise ValueError(
+                "with --redis, keys without a row read as zeros and vectors are fp32 "
+                "(--missing zeros, --precision fp32)"
+            )
+        if options.model is None and options.exports is None:
+            raise ValueError("--redis needs --model (or --exports, whose name it is)")
+
+
+def make_store(options: ServeOptions) -> ServedModel:
+    """The served model, not started: an export directory in an embedded
+    engine, or (with ``--redis``) the published copy in Redis, towers from
+    the export directory when there is one."""
+    check_options(options)
     exports = options.exports
+    if exports is not None and not exports.is_dir():
+        what = "is not a directory" if exports.exists() else "does not exist"
+        raise FileNotFoundError(f"export directory {exports} {what}")
     if options.redis is None:
-        if exports is None:
-            raise ValueError("--exports is required (or --redis)")
-        if not exports.is_dir():
-            raise FileNotFoundError(f"export directory {exports} does not exist")
+        assert exports is not None
         return ModelStore(
             exports,
             options.model,
@@ -82,65 +128,79 @@ def open_store(options: ServeOptions) -> Any:
             precision=options.precision,
             poll_secs=options.poll_secs,
             num_shards=options.shards,
-        ).start()
+        )
     from wuliang.serving.redis_model import RedisModelStore
 
-    if options.missing != "zeros" or options.precision != "fp32":
-        raise ValueError("with --redis, keys without a row read as zeros and vectors are fp32")
-    name = options.model or (exports.resolve().name if exports is not None else None)
-    if name is None:
-        raise ValueError("--redis needs --model (or --exports, whose name it is)")
-    if exports is not None and not exports.is_dir():
-        raise FileNotFoundError(f"export directory {exports} does not exist")
-    return RedisModelStore(options.redis, name, exports, poll_secs=options.poll_secs).start()
+    name = options.model or (exports.resolve().name if exports is not None else "")
+    return RedisModelStore(options.redis, name, exports, poll_secs=options.poll_secs)
 
 
 def start(options: ServeOptions) -> Running:
-    """Loads the model and starts both servers."""
-    if (options.tls_cert is None) != (options.tls_key is None):
-        raise ValueError("--tls-cert and --tls-key go together")
+    """Binds both servers, then loads the model (see the module docstring).
+
+    Raises:
+        ValueError: options that do not go together, an empty token file, a
+            bad certificate or key (``TlsError``).
+        OSError: a missing export directory or unreadable file, a port that
+            cannot be bound (the message names it), Redis unreachable.
+    """
+    check_options(options)
     token = read_token(options.token_file) if options.token_file is not None else None
-    store = open_store(options)
-    service = Service([store], token=token, max_keys=options.max_keys, max_rows=options.max_rows)
     tls = None
     if options.tls_cert is not None and options.tls_key is not None:
-        tls = (options.tls_key.read_bytes(), options.tls_cert.read_bytes())
+        tls = ServerTls.from_files(options.tls_cert, options.tls_key)
+    store = make_store(options)
+    service = Service(
+        [store],
+        token=token,
+        max_keys=options.max_keys,
+        max_rows=options.max_rows,
+        max_request_bytes=options.max_request_bytes,
+    )
+    grpc_server = http = None
     try:
-        grpc_server = GrpcServer(service, options.host, options.port, tls=tls)
+        try:
+            grpc_server = GrpcServer(service, options.host, options.port, tls=tls)
+        except OSError as error:
+            raise OSError(f"{error} (--port {options.port})") from None
+        if options.http_port >= 0:
+            from wuliang.serving.http_server import HttpServer
+
+            try:
+                http = HttpServer(service, options.host, options.http_port, tls=tls)
+            except OSError as error:
+                raise OSError(f"{error} (--http-port {options.http_port})") from None
+        store.start()
     except BaseException:
+        if http is not None:
+            http.stop()
+        if grpc_server is not None:
+            grpc_server.stop(None)
         service.close()
         raise
-    http = None
-    if options.http_port >= 0:
-        from wuliang.serving.http_server import HttpServer
-
-        context = None
-        if options.tls_cert is not None and options.tls_key is not None:
-            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            context.load_cert_chain(options.tls_cert, options.tls_key)
-        try:
-            http = HttpServer(service, options.host, options.http_port, tls=context)
-        except BaseException:
-            grpc_server.stop()
-            service.close()
-            raise
-    return Running(service, grpc_server, http)
+    return Running(service, grpc_server, http, tls)
 
 
 def serve(options: ServeOptions) -> int:
-    """Runs until SIGINT or SIGTERM; prints the addresses once serving."""
-    running = start(options)
-    store = next(iter(running.service.stores.values()))
-    http = f", http {options.host}:{running.http.port}" if running.http is not None else ""  # type: ignore[attr-defined]
-    print(
-        f"serving model {store.name!r} version {store.version} from "
-        f"{options.redis or options.exports}: "
-        f"grpc {options.host}:{running.grpc.port}{http}",
-        flush=True,
-    )
+    """Runs until SIGINT or SIGTERM; prints the addresses once listening."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("wuliang")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
+    running = start(options)
+    store = next(iter(running.service.stores.values()))
+    version = store.version
+    what = f"version {version}" if version else "(waiting for its first version)"
+    print(
+        f"serving model {store.name!r} {what} from {store.source}: "
+        f"{running.addresses(options.host)}",
+        flush=True,
+    )
     done.wait()
+    log.info("stopping (signal received)")
     running.stop()
     return 0

@@ -1,10 +1,20 @@
 """The serving API, independent of transport: what gRPC and HTTP call.
 
-``Service(stores)`` holds the served models (``ModelStore`` s, by name) and
-answers ``lookup``, ``predict`` and ``status``, checking each request's
-token and size first. Errors are ``wuliang.serving.errors`` exceptions
-(each transport maps them to its status); anything else raised while
-answering is a bug, reported as INTERNAL without stopping the server.
+``Service(stores)`` holds the served models (``ServedModel`` s by name:
+``ModelStore``, ``RedisModelStore``) and answers ``lookup``, ``predict`` and
+``status``, checking each request's token first. The limits of a request
+(``max_keys`` a lookup, ``max_rows`` a prediction, ``max_request_bytes`` a
+request's bytes) are defined and checked here (``check_keys``,
+``check_rows``, ``check_request_bytes``); a transport calls a check early,
+before parsing what it bounds. Errors are ``wuliang.serving.errors``
+exceptions (each transport maps them to its status); anything else raised
+while answering is a bug, reported as INTERNAL without stopping the server.
+
+One version per prediction: ``predict`` takes the served version's snapshot
+once, decodes the request with that version's model description (a
+transport hands over a decoder), looks every table up at that version and
+runs its tower; if the store moved to another version meanwhile, it starts
+again from the new snapshot (for up to ``SWITCH_SECONDS``).
 """
 
 from __future__ import annotations
@@ -23,12 +33,19 @@ from wuliang.serving.errors import (
     ServingError,
     TooLarge,
     Unauthenticated,
+    Unavailable,
+    VersionMoved,
 )
 from wuliang.serving.metrics import Metrics
-from wuliang.serving.predict import FeatureInput, PredictAnswer, predict
+from wuliang.serving.model import ServedModel
+from wuliang.serving.predict import Decoder, FeatureInput, PredictAnswer, check_model, predict
+
+__all__ = ["MAX_KEYS", "MAX_REQUEST_BYTES", "MAX_ROWS", "SWITCH_SECONDS", "Service"]
 
 MAX_KEYS = 100_000  # per lookup, by default
 MAX_ROWS = 10_000  # per prediction, by default
+MAX_REQUEST_BYTES = 16 << 20  # a request's body (HTTP) or message (gRPC), by default
+SWITCH_SECONDS = 5.0  # how long a prediction follows versions that keep switching
 
 
 class _Observed:
@@ -57,20 +74,29 @@ class Service:
     """The served models and their API (see the module docstring).
 
     Args:
-        stores: the models; their names must differ.
+        stores: the models (``ServedModel`` s); their names must differ.
         token: when set, every request must carry it.
         max_keys: keys one lookup may ask for.
         max_rows: rows one prediction may ask for.
+        max_request_bytes: bytes of one request (an HTTP body, a gRPC message).
     """
 
     def __init__(
         self,
-        stores: Sequence[Any],
+        stores: Sequence[ServedModel],
         token: str | None = None,
         max_keys: int = MAX_KEYS,
         max_rows: int = MAX_ROWS,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
     ) -> None:
-        self.stores: dict[str, Any] = {}  # ModelStore or RedisModelStore, by name
+        for name, value in (
+            ("max_keys", max_keys),
+            ("max_rows", max_rows),
+            ("max_request_bytes", max_request_bytes),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self.stores: dict[str, ServedModel] = {}
         for store in stores:
             if store.name in self.stores:
                 raise ValueError(f"two models are named {store.name!r}")
@@ -80,6 +106,7 @@ class Service:
         self.token = token
         self.max_keys = max_keys
         self.max_rows = max_rows
+        self.max_request_bytes = max_request_bytes
         self.metrics = Metrics(lambda: list(self.stores.values()))
         for store in self.stores.values():
             store.on_apply.append(self._applied(store.name))
@@ -110,7 +137,7 @@ class Service:
         the error leaving it, OK when none); maps nothing."""
         return _Observed(self.metrics, transport, endpoint)
 
-    def store(self, model: str) -> Any:
+    def store(self, model: str) -> ServedModel:
         """The model named ``model`` (empty: the only one, when there is one)."""
         if not model and len(self.stores) == 1:
             return next(iter(self.stores.values()))
@@ -119,32 +146,101 @@ class Service:
             raise NotFound(f"no model {model!r} (models: {', '.join(sorted(self.stores))})")
         return store
 
+    # -- limits ------------------------------------------------------------------
+
+    def check_keys(self, n: int) -> None:
+        """TooLarge when one lookup asks for more than ``max_keys`` keys."""
+        if n > self.max_keys:
+            raise TooLarge(f"{n} keys in one lookup; at most {self.max_keys}")
+
+    def check_rows(self, n: int) -> None:
+        """TooLarge when one prediction has more than ``max_rows`` rows."""
+        if n > self.max_rows:
+            raise TooLarge(f"{n} rows in one request; at most {self.max_rows}")
+
+    def check_request_bytes(self, n: int) -> None:
+        """TooLarge when a request is larger than ``max_request_bytes``."""
+        if n > self.max_request_bytes:
+            raise TooLarge(
+                f"the request ({n} bytes) is larger than {self.max_request_bytes} bytes "
+                "(max_request_bytes)"
+            )
+
+    # -- the API -----------------------------------------------------------------
+
     def lookup(self, model: str, table: str, keys: np.ndarray) -> LookupResult:
+        """The rows of a table's keys (uint64 or int64 [n]), the version they
+        were read at named in the answer."""
         store = self.store(model)
         if not isinstance(keys, np.ndarray) or keys.ndim != 1:
             raise InvalidArgument("keys must be a 1-D array of uint64")
         if len(keys) > self.max_keys:
-            raise TooLarge(f"{len(keys)} keys in one lookup; at most {self.max_keys}")
+            self.check_keys(len(keys))
         result = store.lookup(table, keys)
         self.metrics.count_keys(store.name, table, len(keys))
         return result
 
-    def predict(self, model: str, features: Mapping[str, FeatureInput], rows: int) -> PredictAnswer:
-        return predict(self.store(model), features, rows, self.max_rows)
+    def predict(
+        self,
+        model: str,
+        features: Mapping[str, FeatureInput] | Decoder,
+        rows: int | None = None,
+    ) -> PredictAnswer:
+        """Scores of a batch, all at one version (see the module docstring).
+
+        Args:
+            model: the model's name ("": the only one).
+            features: the features by name, or a decoder that reads them
+                (and the row count) with the model description of the
+                version that answers.
+            rows: the batch's rows (with a mapping of features).
+        """
+        store = self.store(model)
+        decoded: tuple[Mapping[str, FeatureInput], int] | None = None
+        described = None
+        deadline = None
+        while True:
+            served = store.served()
+            check_model(store, served)
+            if decoded is None or served.model != described:
+                if callable(features):
+                    decoded = features(served.model)
+                else:
+                    if rows is None:
+                        raise InvalidArgument("rows is required with features by name")
+                    decoded = (features, rows)
+                described = served.model
+                if isinstance(decoded[1], int) and decoded[1] > 0:
+                    self.check_rows(decoded[1])
+            try:
+                return predict(store, served, decoded[0], decoded[1])
+            except VersionMoved:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + SWITCH_SECONDS
+                elif now > deadline:
+                    raise Unavailable(
+                        f"model {store.name!r}: versions kept switching for {SWITCH_SECONDS:g} s "
+                        "during a prediction; retry"
+                    ) from None
+                time.sleep(0.001)  # a version is switching in, table by table
 
     def status(self, model: str = "") -> list[dict[str, Any]]:
         """Per model: version, step, tables, settings and counters."""
         stores = [self.store(model)] if model else list(self.stores.values())
         out = []
         for store in stores:
-            stats = store.table_stats() if store.version else {}
-            dims = store.tables() if store.version else {}
-            step = store.served().step if store.version else 0
+            try:
+                served = store.served()
+            except Unavailable:
+                served = None
+            stats = store.table_stats() if served is not None else {}
+            dims = store.tables() if served is not None else {}
             out.append(
                 {
                     "name": store.name,
-                    "version": store.version,
-                    "step": step,
+                    "version": 0 if served is None else served.number,
+                    "step": 0 if served is None else served.step,
                     "tables": [
                         {
                             "name": name,
@@ -158,6 +254,8 @@ class Service:
                     "precision": store.precision,
                     "applied": store.counters.applied,
                     "refused": store.counters.refused,
+                    # non-empty: the version serves lookups only, and why
+                    "lookups_only": served.no_tower if served and served.tower is None else "",
                 }
             )
         return out

@@ -1,16 +1,18 @@
-"""The model store: one export directory served from an embedded engine.
+"""``ModelStore``: one export directory served from an embedded engine (a
+``ServedModel``, ``model.py``).
 
 ``ModelStore(export_dir)`` loads the newest valid version (a full export and
 its chain of deltas: ``wuliang.serving.versions``) into a parameter server,
 then follows the directory: ``refresh()`` (called every ``poll_secs`` by a
-watcher thread) applies each new version while lookups go on.
+watcher thread) applies each new version while lookups go on. An empty or
+missing directory is served as soon as its first version appears.
 
 * Atomic: each table switches wholly from one version to the next
   (``ParameterServer.apply_update``), and every lookup reports the version
   its rows were read at. A version's SavedModel is loaded before its tables
-  switch, so a prediction always finds the tower of the version its rows
-  belong to (the store keeps the towers of the current and the previous
-  version).
+  switch; the snapshot (``served()``) moves to the new version once every
+  table has, and a lookup at a snapshot (``lookup(..., at=)``) whose rows
+  come from another version raises ``VersionMoved``.
 * Refusal: a version whose manifest or checksums fail (or whose SavedModel
   does not load) is refused: logged, counted (``refused``), remembered, and
   the previous version keeps serving; so is every later delta resting on it,
@@ -27,46 +29,27 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from wuliang.ps_server import LookupResult, ParameterServer, UnknownTableError, parameter_server
 from wuliang.ps_server.interface import MISSING
 from wuliang.ps_server.storage import (
-    SERVING,
     CorruptVersionError,
     ModelDescription,
     Version,
     chain,
     versions,
 )
-from wuliang.serving.errors import NotFound, Unavailable
+from wuliang.serving.errors import NotFound, Unavailable, VersionMoved
+from wuliang.serving.model import ServedVersion, StoreCounters, Tower, load_tower
 from wuliang.serving.versions import apply
+
+__all__ = ["PRECISIONS", "ModelStore", "ServedVersion", "StoreCounters", "Tower", "load_tower"]
 
 log = logging.getLogger("wuliang.serving")
 PRECISIONS = ("fp32", "fp16", "int8")
-
-
-@dataclass
-class ServedVersion:
-    """What a version brings beside its rows: the tower and the model's shape."""
-
-    number: int
-    step: int
-    model: ModelDescription  # the manifest's (features, tables); empty when none
-    tower: Tower | None  # None when towers are not loaded
-    path: Path
-
-
-@dataclass
-class StoreCounters:
-    applied: int = 0
-    refused: int = 0
-    apply_seconds: list[float] = field(default_factory=list)  # of the last applies
 
 
 class ModelStore:
@@ -103,13 +86,14 @@ class ModelStore:
             raise ValueError(f"poll_secs must be >= 0, got {poll_secs!r}")
         self.export_dir = Path(export_dir)
         self.name = name or self.export_dir.resolve().name
+        self.source = str(self.export_dir)
         self.missing = missing
         self.precision = precision
         self.poll_secs = poll_secs
         self.load_towers = load_towers
         self.ps: ParameterServer = parameter_server("embedded", num_shards)
         self.counters = StoreCounters()
-        self._served: dict[int, ServedVersion] = {}  # current and previous
+        self._current: ServedVersion | None = None  # the snapshot requests start from
         self._chain: list[int] = []  # the versions applied, base first
         self._refused: set[int] = set()
         self._lock = threading.Lock()  # one refresh at a time
@@ -155,17 +139,15 @@ class ModelStore:
     @property
     def version(self) -> int:
         """The version served now (0: none yet)."""
-        return self._chain[-1] if self._chain else 0
+        current = self._current
+        return 0 if current is None else current.number
 
-    def served(self, number: int | None = None) -> ServedVersion:
-        """A version still held (default: the current one)."""
-        number = self.version if number is None else number
-        served = self._served.get(number)
-        if served is None:
-            if not self._chain:
-                raise Unavailable(f"model {self.name!r} has no version loaded yet")
-            raise Unavailable(f"model {self.name!r}: version {number} is no longer held")
-        return served
+    def served(self) -> ServedVersion:
+        """A snapshot of the version served now (its model description and tower)."""
+        current = self._current
+        if current is None:
+            raise Unavailable(f"model {self.name!r} has no version loaded yet")
+        return current
 
     def tables(self) -> dict[str, int]:
         """The served tables and their dims."""
@@ -175,17 +157,28 @@ class ModelStore:
         """Rows, bytes and counters of each served table."""
         return self.ps.stats()
 
-    def lookup(self, table: str, keys: Any) -> LookupResult:
-        """The rows of keys, which were found, and the version they were read at."""
-        if not self._chain:
+    def lookup(self, table: str, keys: Any, at: ServedVersion | None = None) -> LookupResult:
+        """The rows of keys, which were found, and the version they were read
+        at; with ``at``, that version's rows or ``VersionMoved``."""
+        if self._current is None:
             raise Unavailable(f"model {self.name!r} has no version loaded yet")
         try:
-            return self.ps.lookup(table, keys, missing=self.missing)  # it checks the keys
+            result = self.ps.lookup(table, keys, missing=self.missing)  # it checks the keys
         except UnknownTableError:
+            if at is not None and at is not self._current:  # a new base dropped it
+                raise VersionMoved(
+                    f"model {self.name!r} moved on from version {at.number}"
+                ) from None
             known = ", ".join(sorted(self.ps.tables())) or "none"
             raise NotFound(
                 f"model {self.name!r} has no table {table!r} (tables: {known})"
             ) from None
+        if at is not None and result.version != at.number:
+            raise VersionMoved(
+                f"model {self.name!r}: table {table!r} is at version {result.version}, "
+                f"not {at.number}"
+            )
+        return result
 
     # -- following the directory ---------------------------------------------------
 
@@ -236,46 +229,43 @@ class ModelStore:
     def _apply_chain(self, path: list[Version]) -> bool:
         for version in path:
             number = version.number
-            previous = self.version
             start = time.perf_counter()
             try:
                 version.verify()
+                tower = self._load_tower(version)
                 served = ServedVersion(
                     number,
                     version.step,
                     version.model or ModelDescription(),
-                    self._load_tower(version),
+                    tower,
+                    version.kind,
                     version.path,
+                    no_tower="" if tower else "its towers are not loaded (load_towers=False)",
                 )
-                # Held before any table switches: an answer whose rows are of
-                # the new version finds its tower, and one still on the
-                # previous version (tables switch one by one) finds that one.
-                self._served = {
-                    **{n: v for n, v in self._served.items() if n == previous},
-                    number: served,
-                }
+                # The tower is loaded before any table switches; the snapshot
+                # moves once every table has.
                 apply(self.ps, version, precision=self.precision)
-                if version.kind == "full":  # tables the new base no longer has
-                    for gone in set(self.ps.tables()) - set(version.tables):
-                        self.ps.drop_table(gone)
             except (CorruptVersionError, OSError, ValueError) as error:
-                self._served.pop(number, None)
                 self._refuse(number, error)
                 return False
-            took = time.perf_counter() - start
             if version.kind == "full":
                 self._chain = [number]
             else:
                 self._chain.append(number)
+            self._current = served
+            if version.kind == "full":  # tables the new base no longer has
+                for gone in set(self.ps.tables()) - set(version.tables):
+                    self.ps.drop_table(gone)
+            took = time.perf_counter() - start
             self.counters.applied += 1
             self.counters.apply_seconds = [*self.counters.apply_seconds[-99:], took]
-            log.info("model %s: version %d applied (%s) in %.3f s", self.name, number,
+            log.info("model %s: version %d (%s) applied in %.3f s", self.name, number,
                      version.kind, took)  # fmt: skip
             for callback in self.on_apply:
                 callback(served, took)
         return True
 
-    def _load_tower(self, version: Version) -> Any:
+    def _load_tower(self, version: Version) -> Tower | None:
         return load_tower(version) if self.load_towers else None
 
     def _refuse(self, number: int, error: object) -> None:
@@ -286,34 +276,3 @@ class ModelStore:
         log.error("model %s: version %d refused: %s", self.name, number, error)
         for callback in self.on_refuse:
             callback(number, str(error))
-
-
-class Tower:
-    """A version's loaded SavedModel and its ``serve`` function.
-
-    ``serve`` is the concrete function of the export's signature, taken once
-    at load: calling it skips the argument matching that calling the
-    restored ``tf.function`` repeats on every request (about half the
-    tower's time at batch 100)."""
-
-    def __init__(self, module: Any) -> None:
-        self.module = module  # kept: the function's variables belong to it
-        self.serve = module.serve.get_concrete_function()
-
-    def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The outputs (float32 arrays by name) of one batch of inputs."""
-        import tensorflow as tf
-
-        result = self.serve({name: tf.constant(value) for name, value in inputs.items()})
-        return {name: np.asarray(value.numpy(), np.float32) for name, value in result.items()}
-
-
-def load_tower(version: Version) -> Tower:
-    """A version's SavedModel (its tower), its files checked first."""
-    import tensorflow as tf
-
-    try:
-        module = tf.saved_model.load(str(version.checked(f"{SERVING}/saved_model.pb").parent))
-        return Tower(module)
-    except (OSError, ValueError, TypeError, AttributeError, tf.errors.OpError) as error:
-        raise ValueError(f"the SavedModel of {version.path} does not load: {error}") from None

@@ -32,9 +32,14 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     store = ModelStore(args.export_dir, "m", poll_secs=0).start()
-    service = Service([store], max_rows=args.max_rows, max_keys=args.max_keys)
+    service = Service(
+        [store],
+        max_rows=args.max_rows,
+        max_keys=args.max_keys,
+        max_request_bytes=args.max_body_bytes,
+    )
     grpc_server = GrpcServer(service)
-    http_server = HttpServer(service, max_body_bytes=args.max_body_bytes)
+    http_server = HttpServer(service)
     ports = {"grpc": grpc_server.port, "http": http_server.port, "pid": os.getpid()}
     print(json.dumps(ports), flush=True)
     sys.stdin.read()  # until the parent closes it (or dies)

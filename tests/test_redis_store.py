@@ -1,10 +1,12 @@
-"""The Redis store for a fleet (``wuliang.serving.redis_store``, ``wuliang
-publish``) against a real redis-server started on a free loopback port:
-lookups equal ``apply_chain`` into an engine; replicas switch on an
-announcement (and by polling the pointer when one is missed); the pointer
-flips only after every row is written; retention, readers' versions,
-idempotence and rollback; concurrent lookups while versions are published
-and retired (each answer exactly one version's rows); the command line."""
+"""The Redis store for a fleet (``wuliang publish``: ``redis_publish``; the
+replica's ``RedisStore``: ``redis_replica``, ``redis_cache``) against a real
+redis-server started on a free loopback port: lookups equal ``apply_chain``
+into an engine; replicas switch on an announcement (and by polling the
+pointer when one is missed), and may start before the first publish; the
+pointer flips only after every row is written; retention, readers'
+versions, idempotence and rollback; concurrent lookups while versions are
+published and retired (each answer exactly one version's rows); the command
+line."""
 
 from __future__ import annotations
 
@@ -27,8 +29,11 @@ from small_model import make_session, reader, write_data
 from wuliang.export import SessionSource, export
 from wuliang.ps_server import SGD, Engine, RowChunk, TableSpec, UnknownTableError
 from wuliang.ps_server.storage import ModelDescription, SparseInput, Version, VersionWriter
-from wuliang.serving import redis_store
-from wuliang.serving.redis_store import Keys, RedisStore, RedisStoreError, publish, row_keys
+from wuliang.serving import redis_publish, redis_replica
+from wuliang.serving.redis_cache import RowCache
+from wuliang.serving.redis_keys import Keys, RedisStoreError, row_keys
+from wuliang.serving.redis_publish import publish
+from wuliang.serving.redis_replica import NoVersionError, RedisStore
 from wuliang.serving.versions import apply_chain
 
 SCRIPT = Path(sys.executable).parent / "wuliang"
@@ -191,7 +196,7 @@ def test_a_trained_model_serves_from_redis_as_from_its_chain(
 def test_large_lookups_go_in_several_mgets(
     tmp_path: Path, redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(redis_store, "READ_BATCH", 64)
+    monkeypatch.setattr(redis_replica, "READ_BATCH", 64)
     full(tmp_path / "m", 1, n=1000)
     publish(tmp_path / "m", redis_url)
     engine = engine_at(tmp_path / "m")
@@ -243,8 +248,8 @@ def test_a_delta_switches_replicas_by_announcement_and_by_polling(
 def test_the_pointer_flips_only_after_every_row_is_written(
     tmp_path: Path, redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(redis_store, "WRITE_BATCH", 500)
-    monkeypatch.setattr(redis_store, "PIPELINE_ROWS", 1000)  # many round trips
+    monkeypatch.setattr(redis_publish, "WRITE_BATCH", 500)
+    monkeypatch.setattr(redis_publish, "PIPELINE_ROWS", 1000)  # many round trips
     root, n = tmp_path / "m", 20_000
     full(root, 1, n=n)
     publish(root, redis_url)
@@ -427,8 +432,8 @@ def test_a_publish_killed_midway_leaves_nothing_behind(
 def test_a_publisher_that_lost_its_lock_changes_nothing_it_no_longer_owns(
     tmp_path: Path, redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(redis_store, "WRITE_BATCH", 100)
-    monkeypatch.setattr(redis_store, "PIPELINE_ROWS", 100)  # a renewal every 100 rows
+    monkeypatch.setattr(redis_publish, "WRITE_BATCH", 100)
+    monkeypatch.setattr(redis_publish, "PIPELINE_ROWS", 100)  # a renewal every 100 rows
     root, keys = tmp_path / "m", Keys("m")
     full(root, 1)
     publish(root, redis_url)
@@ -581,8 +586,10 @@ def test_the_command_line(tmp_path: Path, redis_url: str, r: redis.Redis) -> Non
 
 
 def test_store_errors_name_what_is_wrong(redis_url: str, r: redis.Redis) -> None:
-    with pytest.raises(LookupError, match=r"model 'ghost' has no published version .*current"):
-        RedisStore(redis_url, "ghost")
+    with RedisStore(redis_url, "ghost") as ghost:  # waits for its first publish
+        assert ghost.version == 0 and ghost.tables() == {} and ghost.metadata() == {}
+        with pytest.raises(NoVersionError, match=r"model 'ghost' has no published version"):
+            ghost.lookup("users", [1])
     port = free_port()
     with pytest.raises(RedisStoreError, match=f"cannot reach Redis at redis://127.0.0.1:{port}"):
         RedisStore(f"redis://127.0.0.1:{port}", "m")
@@ -594,7 +601,7 @@ def test_store_errors_name_what_is_wrong(redis_url: str, r: redis.Redis) -> None
 
 
 def test_the_clock_cache_stays_bounded_and_exact() -> None:
-    cache = redis_store._Cache(64, 3)
+    cache = RowCache(64, 3)
     rng = np.random.default_rng(7)
     truth = {}  # key -> (row, found), what every insert said
 

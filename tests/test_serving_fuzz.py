@@ -125,7 +125,7 @@ def server(trained: dict[str, Any]) -> Iterator[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def oracle(trained: dict[str, Any]) -> Iterator[Service]:
     store = ModelStore(trained["exports"], "m", poll_secs=0).start()
-    service = Service([store], max_rows=MAX_ROWS, max_keys=MAX_KEYS)
+    service = Service([store], max_rows=MAX_ROWS, max_keys=MAX_KEYS, max_request_bytes=MAX_BODY)
     yield service
     service.close()
 
@@ -623,7 +623,7 @@ def http_stream(
 class HttpOracle:
     def __init__(self, service: Service) -> None:
         self.service = service
-        self.api = _Api(service, None, MAX_BODY, 0)  # type: ignore[arg-type]
+        self.api = _Api(service, None, 0)  # type: ignore[arg-type]
 
     def __call__(
         self, endpoint: str, model: str, table: str, body: bytes | None

@@ -239,7 +239,7 @@ def test_wuliang_serve_errors(tmp_path: Path) -> None:
 def test_serving_from_redis_equals_the_export(trained: dict[str, Any], redis_url: str) -> None:
     from wuliang.ps_server import parameter_server
     from wuliang.serving.redis_model import RedisModelStore
-    from wuliang.serving.redis_store import publish
+    from wuliang.serving.redis_publish import publish
     from wuliang.serving.versions import apply_chain
 
     exports = trained["exports"]

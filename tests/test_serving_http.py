@@ -24,6 +24,7 @@ from wuliang.serving.http_server import HttpServer
 from wuliang.serving.predict import FeatureInput, PredictAnswer
 from wuliang.serving.service import Service
 from wuliang.serving.store import ModelStore
+from wuliang.serving.tls import ServerTls
 
 MAX_BODY = 1 << 20
 MAX_ROWS = 1000
@@ -41,8 +42,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
 @pytest.fixture(scope="module")
 def served(trained: dict[str, Any]) -> Iterator[tuple[Service, HttpServer]]:
     store = ModelStore(trained["exports"], "m", poll_secs=0).start()
-    service = Service([store], max_rows=MAX_ROWS, max_keys=MAX_KEYS)
-    server = HttpServer(service, max_body_bytes=MAX_BODY)
+    service = Service([store], max_rows=MAX_ROWS, max_keys=MAX_KEYS, max_request_bytes=MAX_BODY)
+    server = HttpServer(service)
     yield service, server
     server.stop()
     service.close()
@@ -156,7 +157,7 @@ def test_several_outputs_by_name(
     service, server = served
     real = service.predict
 
-    def two_tasks(model: str, features: Any, rows: int) -> PredictAnswer:
+    def two_tasks(model: str, features: Any, rows: int | None = None) -> PredictAnswer:
         answer = real(model, features, rows)
         scores = answer.outputs.pop("predictions").reshape(-1)
         answer.outputs["predictions_click"] = scores
@@ -330,8 +331,7 @@ def test_tls(trained: dict[str, Any], tmp_path: Path) -> None:
          "-keyout", str(key), "-out", str(cert)],
         check=True, capture_output=True,
     )  # fmt: skip
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    tls.load_cert_chain(cert, key)
+    tls = ServerTls.from_files(cert, key)
     service = Service([ModelStore(trained["exports"], "m", poll_secs=0).start()])
     server = HttpServer(service, tls=tls)
     try:

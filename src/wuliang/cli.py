@@ -1,10 +1,13 @@
 """The ``wuliang`` command line.
 
-Errors a user can cause never show a traceback: bad option values are
-rejected by the parser (``type=`` functions below; exit status 2, as for
-any usage error), and the errors a command expects (``ValueError``,
-``OSError``, ``KeyError``: a missing file, a corrupt checkpoint) are printed
-by ``main`` as ``wuliang <command>: error: <message>`` (exit status 1).
+Errors a user can cause never show a traceback. Usage errors exit with
+status 2, as argparse's own do: bad option values are rejected by the
+parser (``type=`` functions below), and options that do not go together by
+each command's ``check`` (run before the command; its ``ValueError`` becomes
+the parser's error). Runtime failures exit with status 1: the errors a
+command expects (``ValueError``, ``OSError``, ``LookupError``: a missing
+file, a corrupt checkpoint, a busy port, an unreachable Redis) are printed by
+``main`` as one line ``wuliang <command>: error: <message>``.
 """
 
 from __future__ import annotations
@@ -13,12 +16,13 @@ import argparse
 import math
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from wuliang import __version__
 
 # What ``main`` reports as ``wuliang <command>: error: ...`` instead of a
 # traceback (``CorruptVersionError`` is a ValueError).
-EXPECTED_ERRORS = (ValueError, OSError, KeyError)
+EXPECTED_ERRORS = (ValueError, OSError, LookupError)
 
 DESCRIPTION = """Training and serving for large-scale recommendation models: \
 the engine demo, synthetic data, data set converters, exports for serving and \
@@ -142,8 +146,6 @@ def _export(args: argparse.Namespace) -> int:
     if args.compact:
         result = compact(args.export_dir)
     else:
-        if args.model_dir is None:
-            raise ValueError("--model-dir is required (or --compact)")
         path = latest_checkpoint(args.model_dir)
         if path is None:
             raise FileNotFoundError(f"no checkpoint (ckpt-<step>) in {args.model_dir}")
@@ -153,33 +155,49 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _check_export(args: argparse.Namespace) -> None:
+    if args.model_dir is None and not args.compact:
+        raise ValueError("the following arguments are required: --model-dir (or --compact)")
+
+
+def _serve_options(args: argparse.Namespace) -> Any:
     from pathlib import Path
 
-    from wuliang.serving.run import ServeOptions, serve
+    from wuliang.serving.run import ServeOptions
 
     def path(value: str | None) -> Path | None:
         return None if value is None else Path(value)
 
-    return serve(
-        ServeOptions(
-            exports=path(args.exports),
-            model=args.model,
-            host=args.host,
-            port=args.port,
-            http_port=args.http_port,
-            poll_secs=args.poll_secs,
-            token_file=path(args.token_file),
-            tls_cert=path(args.tls_cert),
-            tls_key=path(args.tls_key),
-            precision=args.precision,
-            missing=args.missing,
-            max_keys=args.max_keys,
-            max_rows=args.max_rows,
-            shards=args.shards,
-            redis=args.redis,
-        )
+    return ServeOptions(
+        exports=path(args.exports),
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        http_port=args.http_port,
+        poll_secs=args.poll_secs,
+        token_file=path(args.token_file),
+        tls_cert=path(args.tls_cert),
+        tls_key=path(args.tls_key),
+        precision=args.precision,
+        missing=args.missing,
+        max_keys=args.max_keys,
+        max_rows=args.max_rows,
+        max_request_bytes=args.max_request_bytes,
+        shards=args.shards,
+        redis=args.redis,
     )
+
+
+def _check_serve(args: argparse.Namespace) -> None:
+    from wuliang.serving.run import check_options
+
+    check_options(_serve_options(args))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from wuliang.serving.run import serve
+
+    return serve(_serve_options(args))
 
 
 def non_negative_float(text: str) -> float:
@@ -194,7 +212,7 @@ def non_negative_float(text: str) -> float:
 
 
 def _publish(args: argparse.Namespace) -> int:
-    from wuliang.serving.redis_store import publish
+    from wuliang.serving.redis_publish import publish
 
     result = publish(
         args.export_dir, args.redis, args.model, args.version, retention=args.retention
@@ -211,11 +229,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(
-        parent: argparse._SubParsersAction, name: str, func: Callable[..., int], **kw: str
+        parent: argparse._SubParsersAction,
+        name: str,
+        func: Callable[..., int],
+        check: Callable[[argparse.Namespace], None] | None = None,
+        **kw: str,
     ) -> argparse.ArgumentParser:
         kw.setdefault("description", kw.get("help", ""))
         p = parent.add_parser(name, formatter_class=HelpFormatter, **kw)
-        p.set_defaults(func=func, prog=p.prog)
+        p.set_defaults(func=func, prog=p.prog, parser=p, check=check)
         return p
 
     demo = command(sub, "demo", _demo, help="run the engine demo and print what it did")
@@ -268,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "export",
         _export,
+        _check_export,
         help="export the newest checkpoint for serving (a delta of the last export)",
         description="Writes the next version of EXPORT_DIR from the newest checkpoint in "
         "MODEL_DIR: a delta of the last version (rows changed and keys removed since), or a "
@@ -290,11 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "serve",
         _serve,
+        _check_serve,
         help="serve an export directory online (gRPC and HTTP/JSON)",
         description="Loads the newest valid version of EXPORTS (a full export and its "
         "deltas), serves lookups and predictions over gRPC and an HTTP/JSON API shaped like "
-        "TensorFlow Serving's, and applies each new version while serving. Prints one line "
-        "with the addresses once serving; runs until SIGINT or SIGTERM.",
+        "TensorFlow Serving's, and applies each new version while serving (an empty EXPORTS, "
+        "or a model not yet published to --redis, is served once its first version comes). "
+        "Prints one line with the addresses once listening and logs each version applied or "
+        "refused to stderr; runs until SIGINT or SIGTERM.",
     )
     srv.add_argument(
         "--exports", help="the trainer's export directory (with --redis: for the towers)"
@@ -337,6 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--max-rows", type=positive_int, default=10_000, help="rows one prediction may ask for"
     )
+    srv.add_argument(
+        "--max-request-bytes",
+        type=positive_int,
+        default=16 << 20,
+        help="bytes of one request (HTTP body or gRPC message)",
+    )
     srv.add_argument("--shards", type=bounded_int(1, 1024), default=2, help="engine shard threads")
     srv.add_argument(
         "--redis",
@@ -352,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="publish an export version to Redis for a fleet of serving replicas",
         description="Writes every row of a version of EXPORT_DIR (its chain applied) to Redis "
         "under the model's versioned keys, then makes it current in one atomic step and "
-        "announces it to the replicas (wuliang.serving.redis_store); deletes the versions "
+        "announces it to the replicas (wuliang.serving.redis_publish); deletes the versions "
         "beyond --retention that no replica reads. Publishing the current version again "
         "writes nothing. Prints one status line, exits 1 with a message on failure.",
     )
@@ -379,6 +411,11 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit status (argparse exits with 2
     on a usage error)."""
     args = build_parser().parse_args(argv)
+    if args.check is not None:
+        try:
+            args.check(args)
+        except ValueError as error:
+            args.parser.error(str(error))  # exits 2
     try:
         return int(args.func(args))
     except EXPECTED_ERRORS as error:

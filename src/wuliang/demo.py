@@ -1,8 +1,14 @@
-"""The demo that ``make demo`` runs: the embedding engine at work.
+"""``wuliang demo``: the parameter-server engine alone, without TensorFlow.
 
-A stream of Zipf-distributed ids (what recommendation features look like) is
-pulled and pushed like a trainer would, with admission and eviction turned on;
-then a delta of the rows changed in the last steps is exported.
+One table (dim 16, Adagrad, a key admitted at its second sighting, TTL and
+row-cap eviction) is trained on a stream of Zipf-distributed ids, which is
+what recommendation features look like: each step pulls the step's unique
+ids and pushes a gradient for each, as a trainer would. It prints the pull
+and push rates, the rows, memory per row and admission counts, what an
+eviction removed, and the size of a delta export of the last 5 steps (rows
+changed and keys removed, read from the engine, nothing written), then one
+JSON summary line. (``make demo`` runs ``examples/movielens.py`` instead:
+training, export and serving end to end.)
 """
 
 from __future__ import annotations
