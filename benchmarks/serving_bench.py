@@ -178,7 +178,7 @@ def client_process(kind: str, port: int, rows: int, seconds: float, seed: int, q
     if kind == "redis":
         import redis
 
-        from wuliang.serving.redis_store import Keys, row_keys
+        from wuliang.serving.redis_keys import Keys, row_keys
 
         db = redis.Redis(port=port)
         prefix = Keys("bench").row_prefix(int(db.get(Keys("bench").current)), "item")
@@ -400,7 +400,7 @@ def main() -> None:
         result["setup_s"] = round(setup_s, 1)
         redis_port = None
         if not args.skip_redis:
-            from wuliang.serving.redis_store import publish
+            from wuliang.serving.redis_publish import publish
 
             redis_server, redis_port = start_redis()
             publish(exports, f"redis://127.0.0.1:{redis_port}/0", model="bench", version=1)

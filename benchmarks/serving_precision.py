@@ -58,7 +58,7 @@ def score(store: Any, test: Path, names: list[str]) -> tuple[np.ndarray, np.ndar
 
     predictions, labels = [], []
     for batch in ParquetReader(test, BATCH, names, label="label"):
-        answer = predict(store, features_of(batch, names), batch.size, max_rows=BATCH)
+        answer = predict(store, store.served(), features_of(batch, names), batch.size)
         predictions.append(answer.outputs["predictions"].ravel())
         labels.append(batch.labels)
     return np.concatenate(predictions), np.concatenate(labels)
