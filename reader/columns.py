@@ -11,6 +11,9 @@ Column kinds, from the Arrow type:
 * ``list<int>`` / ``large_list<int>``: multi-valued sparse. Null lists are
   empty; null elements are dropped or raise (``null_values``).
 * ``int*`` / ``uint*``: single-valued sparse; a null makes the row empty.
+  An integer column is always read as ids, exactly, never as a dense
+  feature (no float32 rounding): a number meant as a dense feature is
+  stored as ``float``.
 * ``string`` / ``large_string`` / ``dictionary<string>``: single-valued
   sparse, uint64 keys ``hash_strings(value, column name)`` (hashed in C++
   in the reader threads); a null makes the row empty.
@@ -21,6 +24,10 @@ Column kinds, from the Arrow type:
   refused, or their rows dropped: ``finite_chunks``).
 * ``fixed_size_list<float>``: d dense columns.
 * weights: a ``list<float>`` column paired with a multi-valued feature.
+* ``timestamp`` / ``date`` / ``time`` / ``duration``: refused as a feature or
+  label, naming the column: times are for splitting and filtering files (a
+  time split); a feature derived from a time (hour of day, age in days) is a
+  column of its own.
 
 Files may differ in how a string is stored (string, large_string,
 dictionary; list or large_list), not in whether a column holds strings.
@@ -65,6 +72,22 @@ def _string_kind(t: pa.DataType) -> str | None:
     return None
 
 
+_TIME_FEATURE = (
+    "column {name!r} has type {type}: a time is not read as a feature or label; "
+    "times are for splitting and filtering files (a time split). Store a feature "
+    "derived from it (hour of day, age in days) as an int or float column of its own"
+)
+
+
+def _is_time(t: pa.DataType) -> bool:
+    return (
+        pa.types.is_timestamp(t)
+        or pa.types.is_date(t)
+        or pa.types.is_time(t)
+        or pa.types.is_duration(t)
+    )
+
+
 def _column(name: str, t: pa.DataType) -> Column:
     strings = _string_kind(t)
     if strings is not None:
@@ -77,6 +100,8 @@ def _column(name: str, t: pa.DataType) -> Column:
         return Column(name, "single", t)
     if pa.types.is_floating(t) or pa.types.is_boolean(t):
         return Column(name, "dense", t)
+    if _is_time(t):
+        raise ValueError(_TIME_FEATURE.format(name=name, type=t))
     raise ValueError(
         f"column {name!r} has type {t}; the reader reads int, string, list<int>, "
         "list<string>, float, bool and fixed_size_list<float> columns"
@@ -105,6 +130,8 @@ class Schema:
         self.labels = [Column(n, "label", self._field(arrow, n).type) for n in labels]
         for n in labels:
             t = self._field(arrow, n).type
+            if _is_time(t):
+                raise ValueError(_TIME_FEATURE.format(name=n, type=t))
             if not (pa.types.is_floating(t) or pa.types.is_integer(t) or pa.types.is_boolean(t)):
                 raise ValueError(f"label column {n!r} has type {t}; expected a number or bool")
         kinds = {c.name: c.kind for c in self.features}

@@ -14,6 +14,7 @@ strings with ``hash_strings(value, field)``.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, overload
 
 import numpy as np
 import pyarrow as pa
@@ -88,17 +89,68 @@ def string_keys(values: pa.Array, field: str) -> np.ndarray:
     return _reader.hash_strings(np.ascontiguousarray(offsets), data, field_seed(field))
 
 
-def hash_strings(values: pa.Array | pa.ChunkedArray | Iterable[str], field: str) -> pa.Array:
-    """uint64 keys of strings; nulls stay null. Accepts Arrow (string,
-    large_string, dictionary<string>) or Python strings."""
+@overload
+def hash_strings(values: pa.Array | pa.ChunkedArray, field: str) -> pa.Array: ...
+
+
+@overload
+def hash_strings(values: np.ndarray | Iterable[str], field: str) -> np.ndarray: ...
+
+
+def hash_strings(
+    values: pa.Array | pa.ChunkedArray | np.ndarray | Iterable[str], field: str
+) -> pa.Array | np.ndarray:
+    """uint64 keys ``hash(field, value)`` of strings, the keys the reader and
+    the converters make of them. What comes back follows what goes in:
+
+    * Arrow (a string, large_string or dictionary<string> ``pa.Array`` or
+      ``pa.ChunkedArray``): a ``pa.UInt64Array``; nulls stay null.
+    * a numpy array of strings (``str`` dtype, or ``object`` holding ``str``)
+      or any other iterable of ``str`` (list, tuple, generator): a 1-D numpy
+      ``uint64`` array. numpy has no null: a ``None`` (or any element that is
+      not a ``str``) raises TypeError naming its position; drop missing
+      values first, or pass an Arrow array to keep them as nulls.
+
+    A single ``str`` raises TypeError (it is not a list of strings).
+    """
     if isinstance(values, pa.ChunkedArray):
         return pa.chunked_array(
             [hash_strings(c, field) for c in values.chunks], type=pa.uint64()
         ).combine_chunks()
-    if not isinstance(values, pa.Array):
-        values = pa.array(list(values), type=pa.string())
-    keys = string_keys(values, field)
-    return pa.array(keys, type=pa.uint64(), mask=values.is_null().to_numpy(zero_copy_only=False))
+    if isinstance(values, pa.Array):
+        keys = string_keys(values, field)
+        mask = values.is_null().to_numpy(zero_copy_only=False)
+        return pa.array(keys, type=pa.uint64(), mask=mask)
+    return string_keys(_python_strings(values, field), field)
+
+
+def _python_strings(values: np.ndarray | Iterable[str], field: str) -> pa.Array:
+    """values (numpy or an iterable of str) as an Arrow string array without nulls."""
+    if isinstance(values, (str, bytes)):
+        raise TypeError(
+            f"field {field!r}: hash_strings takes a list of strings, got the single value "
+            f"{values!r}: pass [value]"
+        )
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1:
+            raise ValueError(f"field {field!r}: expected a 1-D array, got shape {values.shape}")
+        items: Any = values if values.dtype.kind == "U" else values.tolist()
+    else:
+        items = list(values)
+    try:
+        array = pa.array(items, type=pa.string())
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        array = None
+    if array is None or array.null_count:
+        for i, item in enumerate(items):
+            if not isinstance(item, str):
+                raise TypeError(
+                    f"field {field!r}: element {i} is {item!r} ({type(item).__name__}), not a "
+                    "string; numpy keys have no null: drop missing values first, or pass an "
+                    "Arrow array (nulls stay null)"
+                )
+    assert array is not None
+    return array
 
 
 def hash_ints(values: np.ndarray, field: str) -> np.ndarray:

@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import gzip
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
-from repo_data import MOVIELENS, open_movielens
+from repo_data import MOVIELENS, REPO, open_movielens
 
 from wuliang.reader import ParquetReader, hash_ints, hash_strings
 from wuliang.reader.convert import CsvSchema, convert_criteo, convert_csv, convert_movielens
+from wuliang.reader.convert import csv as csv_module
 from wuliang.reader.convert._common import PartWriter
 from wuliang.reader.convert.criteo import MISSING_BUCKET, NEGATIVE_BUCKET, bucket_ids
 from wuliang.reader.hashing import HASH_METADATA, hash_tag, hashed_field
@@ -36,11 +42,11 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def key(value: str, field: str) -> int:
-    return hash_strings([value], field)[0].as_py()
+    return int(hash_strings([value], field)[0])
 
 
 def keys(values: list[str], field: str) -> list[int]:
-    return hash_strings(values, field).to_pylist()
+    return hash_strings(values, field).tolist()
 
 
 # -- MovieLens -----------------------------------------------------------------
@@ -305,7 +311,7 @@ SCHEMA_YAML = """\
 columns:
   - {name: user, kind: sparse}
   - {name: tags, kind: sparse_list, separator: "|"}
-  - {name: age, kind: dense}
+  - {name: age, kind: dense, missing: zero, na_values: [nan]}
   - {name: click, kind: label}
   - {name: note, kind: skip}
 """
@@ -348,7 +354,7 @@ def test_csv_positional_tab_separated(tmp_path: Path) -> None:
             "header": False,
             "columns": [
                 {"name": "id", "kind": "sparse", "type": "int"},
-                {"name": "score", "kind": "dense"},
+                {"name": "score", "kind": "dense", "missing": "zero"},
                 {"name": "comment", "kind": "skip"},
                 {"name": "y", "kind": "label"},
             ],
@@ -362,7 +368,9 @@ def test_csv_positional_tab_separated(tmp_path: Path) -> None:
         "y": [1.0, 0.0],
     }
     (tmp_path / "data.tsv").write_text("12\t0.5\tok\t1\nabc\t1\tok\t0\n")
-    with pytest.raises(ValueError, match=r"column 'id': 'abc' in row 2 is not an integer"):
+    with pytest.raises(
+        ValueError, match=r"column 'id' \(sparse\), row 2 .*'abc' is not an integer"
+    ):
         convert_csv(tmp_path / "data.tsv", tmp_path / "out", schema, delimiter="\t",
                     progress=False)  # fmt: skip
     (tmp_path / "data.tsv").write_text("12\t0.5\tok\t1\n13\t0.5\t1\n")
@@ -370,7 +378,7 @@ def test_csv_positional_tab_separated(tmp_path: Path) -> None:
         convert_csv(tmp_path / "data.tsv", tmp_path / "out", schema, delimiter="\t",
                     progress=False)  # fmt: skip
     (tmp_path / "data.tsv").write_text("12\t0.5\tok\t\n")
-    with pytest.raises(ValueError, match=r"label 'y' is missing or not finite in row 1"):
+    with pytest.raises(ValueError, match=r"column 'y' \(label\), row 1 .*an empty value"):
         convert_csv(tmp_path / "data.tsv", tmp_path / "out", schema, delimiter="\t",
                     progress=False)  # fmt: skip
 
@@ -389,6 +397,32 @@ def test_csv_positional_tab_separated(tmp_path: Path) -> None:
         ({"columns": [{"name": "a", "kind": "skip"}]}, r"every column is skipped"),
         ({"columns": [{"name": "a", "kind": "sparse", "type": "float"}]}, r"unknown type"),
         ([1, 2], r"expected a mapping"),
+        ({"columns": [{"name": "a", "kind": "dense"}], "delimiter": ";"},
+         r"unknown key\(s\) 'delimiter'.*options of the command"),
+        ({"columns": [{"name": "a", "kind": "dense"}], "rows_per_file": 5, "x": 1},
+         r"unknown key\(s\) 'rows_per_file', 'x'"),
+        ({"columns": [{"name": "a", "kind": "dense", "missing": "skip"}]},
+         r"column 'a': missing must be one of error, zero, drop_row, got 'skip'"),
+        ({"columns": [{"name": "a", "kind": "label", "invalid": "zero"}]},
+         r"column 'a': invalid must be one of error, drop_row"),
+        ({"columns": [{"name": "t", "kind": "timestamp", "missing": "zero"}]},
+         r"column 't': missing must be one of error, drop_row"),
+        ({"columns": [{"name": "t", "kind": "timestamp", "unit": "ns"}]},
+         r"column 't': unit must be one of s, ms, us"),
+        ({"columns": [{"name": "t", "kind": "timestamp", "format": "YYYY"}]},
+         r"column 't': 'format' must be a strptime format"),
+        ({"columns": [{"name": "a", "kind": "dense", "na_values": "N/A"}]},
+         r"column 'a': 'na_values' must be a list of strings"),
+        ({"columns": [{"name": "a", "kind": "dense", "na_values": [-1]}]},
+         r"'na_values' must be a list of strings \(quote numbers"),
+        ({"columns": [{"name": "a", "kind": "dense", "allow_rounding": "yes"}]},
+         r"'allow_rounding' must be true or false"),
+        ({"columns": [{"name": "a", "kind": "int64", "allow_rounding": True}]},
+         r"column 'a': unknown key\(s\) 'allow_rounding' for kind 'int64'"),
+        ({"columns": [{"name": "a", "kind": "sparse", "missing": "zero"}]},
+         r"column 'a': unknown key\(s\) 'missing' for kind 'sparse'"),
+        ({"columns": [{"name": "a", "kind": "dense", "unit": "s"}]},
+         r"unknown key\(s\) 'unit' for kind 'dense'"),
     ],
 )  # fmt: skip
 def test_csv_bad_schema(schema: object, error: str) -> None:
@@ -404,6 +438,293 @@ def test_csv_schema_column_missing_from_header(tmp_path: Path) -> None:
                     progress=False)  # fmt: skip
     (tmp_path / "schema.yaml").write_text("columns: [{name: a, kind: dense}\n")
     with pytest.raises(ValueError, match=r"schema\.yaml: not valid YAML"):
+        convert_csv(tmp_path / "data.csv", tmp_path / "out", tmp_path / "schema.yaml",
+                    progress=False)  # fmt: skip
+
+
+def convert_text(tmp_path: Path, text: str, columns: list[dict[str, Any]], **options: Any) -> Any:
+    """convert_csv of text (a file data.csv with a header) by a schema of these columns."""
+    (tmp_path / "data.csv").write_text(text)
+    schema = CsvSchema.from_dict({"columns": columns})
+    return convert_csv(tmp_path / "data.csv", tmp_path / "out", schema, progress=False, **options)
+
+
+def where(column: str, kind: str, row: int) -> str:
+    """The start of a converter error about a value (a regex)."""
+    return (
+        rf"data\.csv: column '{column}' \({kind}\), row {row} "
+        r"\(rows count from 1, the header not counted\): "
+    )
+
+
+@pytest.mark.parametrize("kind", ["dense", "label"])
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("nan", r"'nan' is not finite"),
+        ("NaN", r"'NaN' is not finite"),
+        ("inf", r"'inf' is not finite"),
+        ("-inf", r"'-inf' is not finite"),
+        ("", r"an empty value; missing: zero or drop_row"),
+        ("N/A", r"'N/A' is not a number \(na_values: \['N/A'\] makes it missing\)"),
+        ("12abc", r"'12abc' is not a number"),
+        ("1e39", r"'1e39' is beyond float32's range"),
+    ],
+)
+def test_csv_bad_numbers_fail_naming_file_column_row_and_value(
+    tmp_path: Path, kind: str, value: str, error: str
+) -> None:
+    columns = [{"name": "id", "kind": "sparse"}, {"name": "x", "kind": kind}]
+    with pytest.raises(ValueError, match=where("x", kind, 3) + error):
+        convert_text(tmp_path, f"id,x\n1,0.5\n2, 1 \n3,{value}\n4,2\n", columns)
+
+
+def test_csv_missing_and_invalid_policies(tmp_path: Path) -> None:
+    text = "id,a,b,c,y\n1,1,1,1,1\n2,,N/A,2,0\n3,nan,2,,1\n4,3,inf,3,\n5,4,5,x,0\n6,5,6,7,1\n"
+    columns = [
+        {"name": "id", "kind": "int64"},
+        {"name": "a", "kind": "dense", "missing": "zero", "invalid": "drop_row"},
+        {"name": "b", "kind": "dense", "na_values": ["N/A"], "missing": "zero",
+         "invalid": "drop_row"},
+        {"name": "c", "kind": "int64", "missing": "drop_row", "invalid": "drop_row"},
+        {"name": "y", "kind": "label", "missing": "drop_row"},
+    ]  # fmt: skip
+    result = convert_text(tmp_path, text, columns)
+    assert pq.read_table(result[0]).to_pydict() == {
+        "id": [1, 2, 6],
+        "a": [1.0, 0.0, 5.0],
+        "b": [1.0, 0.0, 6.0],
+        "c": [1, 2, 7],
+        "y": [1.0, 0.0, 1.0],
+    }
+    assert result.rows == 3 and result.dropped.rows == 3  # rows 3, 4, 5
+    assert result.dropped.by_column == {
+        "a": {"invalid": 1},
+        "b": {"invalid": 1},
+        "c": {"missing": 1, "invalid": 1},
+        "y": {"missing": 1},
+    }
+    assert result.summary() == (
+        "wrote 3 rows in 1 files; dropped 3 rows "
+        "(a: 1 invalid; b: 1 invalid; c: 1 missing, 1 invalid; y: 1 missing)"
+    )
+    # The first bad value of a kept row raises; rows another column drops raise nothing.
+    columns[1] = {"name": "a", "kind": "dense"}
+    with pytest.raises(ValueError, match=where("a", "dense", 2) + "an empty value"):
+        convert_text(tmp_path, text, columns)
+    columns[1] = {"name": "a", "kind": "dense", "missing": "zero"}  # row 3's nan: c drops it
+    result = convert_text(tmp_path, text, columns)
+    assert result.rows == 3 and "a" not in result.dropped.by_column
+    columns[2] = {"name": "b", "kind": "dense", "missing": "zero"}
+    with pytest.raises(ValueError, match=where("b", "dense", 2) + r"'N/A' is not a number"):
+        convert_text(tmp_path, text, columns)
+
+
+def test_csv_row_numbers_count_input_rows_across_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(csv_module, "_BLOCK_BYTES", 256)  # many record batches
+    rows = [f"{i},{i % 7}.5,{'' if i % 10 == 3 else i},u{i}" for i in range(1, 301)]
+    rows[249] = "250,oops,250,u250"
+    text = "id,x,k,u\n" + "\n".join(rows) + "\n"
+    columns = [
+        {"name": "id", "kind": "int64"},
+        {"name": "x", "kind": "dense"},
+        {"name": "k", "kind": "sparse", "type": "int"},
+        {"name": "u", "kind": "sparse", "type": "string"},
+    ]
+    with pytest.raises(ValueError, match=where("x", "dense", 250) + "'oops' is not a number"):
+        convert_text(tmp_path, text, columns)
+    columns[1] = {"name": "x", "kind": "dense", "invalid": "drop_row"}
+    rows[279] = "280,1,k280,u280"  # rows before it were dropped: still row 280
+    text = "id,x,k,u\n" + "\n".join(rows) + "\n"
+    with pytest.raises(ValueError, match=where("k", "sparse", 280) + "'k280' is not an integer"):
+        convert_text(tmp_path, text, columns)
+    rows[279] = "280,1,280,u280"
+    text = "id,x,k,u\n" + "\n".join(rows) + "\n"
+    result = convert_text(tmp_path, text, columns, rows_per_file=100)
+    table = read_all(result)
+    assert result.rows == table.num_rows == 299 and result.summary().endswith("(x: 1 invalid)")
+    assert table.column("id").to_pylist() == [i for i in range(1, 301) if i != 250]
+    assert table.column("u").to_pylist() == keys([f"u{i}" for i in range(1, 301) if i != 250], "u")
+    assert table.column("k").to_pylist() == [
+        None if i % 10 == 3 else i for i in range(1, 301) if i != 250
+    ]
+
+
+def test_csv_errors_name_the_row_of_invalid_utf8(tmp_path: Path) -> None:
+    (tmp_path / "data.csv").write_bytes(b"u,y\nab,1\ncd,0\n\xffe,1\n")
+    schema = CsvSchema.from_dict({"columns": [{"name": "u", "kind": "sparse"},
+                                              {"name": "y", "kind": "label"}]})  # fmt: skip
+    with pytest.raises(ValueError, match=where("u", "sparse", 3) + r"b'\\xffe' is not valid UTF-8"):
+        convert_csv(tmp_path / "data.csv", tmp_path / "out", schema, progress=False)
+
+
+TIMES = list(range(1_700_000_000, 1_700_020_001, 5_000))
+
+
+def test_csv_int64_and_timestamp_keep_integers_exact(tmp_path: Path) -> None:
+    lines = [f"{t},{t},{t * 1000 + 7},{t % 1000}" for t in TIMES]
+    text = "ts,tid,ms,small\n" + "\n".join(lines) + "\n"
+    columns = [
+        {"name": "ts", "kind": "timestamp"},
+        {"name": "tid", "kind": "int64"},
+        {"name": "ms", "kind": "timestamp", "unit": "ms"},
+        {"name": "small", "kind": "dense"},  # integers float32 holds exactly
+    ]
+    (f,) = convert_text(tmp_path, text, columns)
+    table = pq.read_table(f)
+    assert table.schema.field("ts").type == pa.timestamp("ms", "UTC")
+    assert table.schema.field("ms").type == pa.timestamp("ms", "UTC")
+    assert table.schema.field("tid").type == pa.int64()
+    assert table.column("tid").to_pylist() == TIMES
+    seconds = pc.cast(table.column("ts"), pa.int64()).to_pylist()
+    assert seconds == [t * 1000 for t in TIMES]  # milliseconds: Parquet has no seconds
+    assert pc.cast(table.column("ms"), pa.int64()).to_pylist() == [t * 1000 + 7 for t in TIMES]
+    assert table.column("small").to_pylist() == [float(t % 1000) for t in TIMES]
+    with ParquetReader(f, 4, ["tid"]) as reader:  # an int column: exact ids
+        assert np.concatenate([b.sparse["tid"].values for b in reader]).tolist() == TIMES
+
+
+def test_csv_timestamps_from_iso_strings_units_and_formats(tmp_path: Path) -> None:
+    utc = dt.timezone.utc
+    text = (
+        "t,f\n"
+        "2023-11-14T22:13:20Z,14/11/2023 22:13\n"
+        "2023-11-14T22:13:20+08:00,01/01/2024 00:00\n"
+        "2023-11-14 22:13:20,31/12/1999 23:59\n"
+        "2023-11-14,01/02/2024 03:04\n"
+        " 1700000000 ,01/02/2024 03:04\n"
+    )
+    columns = [
+        {"name": "t", "kind": "timestamp"},
+        {"name": "f", "kind": "timestamp", "format": "%d/%m/%Y %H:%M"},
+    ]
+    (f,) = convert_text(tmp_path, text, columns)
+    assert pq.read_table(f).to_pydict() == {
+        "t": [
+            dt.datetime(2023, 11, 14, 22, 13, 20, tzinfo=utc),
+            dt.datetime(2023, 11, 14, 14, 13, 20, tzinfo=utc),
+            dt.datetime(2023, 11, 14, 22, 13, 20, tzinfo=utc),
+            dt.datetime(2023, 11, 14, tzinfo=utc),
+            dt.datetime(2023, 11, 14, 22, 13, 20, tzinfo=utc),
+        ],
+        "f": [
+            dt.datetime(2023, 11, 14, 22, 13, tzinfo=utc),
+            dt.datetime(2024, 1, 1, tzinfo=utc),
+            dt.datetime(1999, 12, 31, 23, 59, tzinfo=utc),
+            dt.datetime(2024, 2, 1, 3, 4, tzinfo=utc),
+            dt.datetime(2024, 2, 1, 3, 4, tzinfo=utc),
+        ],
+    }
+    bad = text + "2023-11-14T22:13:20.250Z,2023-11-14\n"
+    with pytest.raises(ValueError, match=where("t", "timestamp", 6) + r"'2023-11-14T22:13:20"
+                       r"\.250Z' is neither a unix time in seconds nor an ISO-8601"):  # fmt: skip
+        convert_text(tmp_path, bad, columns)
+    columns[0] = {"name": "t", "kind": "timestamp", "unit": "us"}
+    with pytest.raises(ValueError, match=where("f", "timestamp", 6) + r"'2023-11-14' does not "
+                       r"match format '%d/%m/%Y %H:%M'"):  # fmt: skip
+        convert_text(tmp_path, bad, columns)
+    columns[1] = {"name": "f", "kind": "timestamp", "format": "%d/%m/%Y %H:%M",
+                  "invalid": "drop_row"}  # fmt: skip
+    result = convert_text(tmp_path, bad, columns)
+    (f,) = result
+    table = pq.read_table(f)
+    assert table.schema.field("t").type == pa.timestamp("us", "UTC")
+    assert table.num_rows == 5 and result.summary().endswith("dropped 1 row (f: 1 invalid)")
+    with pytest.raises(ValueError, match=where("t", "timestamp", 2) + "an empty value; "
+                       "missing: drop_row in the column's schema accepts it"):  # fmt: skip
+        convert_text(tmp_path, 't\n1700000000\n""\n', [{"name": "t", "kind": "timestamp"}])
+
+
+def test_csv_dense_refuses_integers_float32_rounds(tmp_path: Path) -> None:
+    text = "ts,y\n" + "\n".join(f"{t},1" for t in TIMES) + "\n"
+    columns = [{"name": "ts", "kind": "dense"}, {"name": "y", "kind": "label"}]
+    with pytest.raises(
+        ValueError,
+        match=where("ts", "dense", 2) + r"'1700005000' is an integer that float32 cannot hold "
+        r"exactly \(it would read 1700004992\.0\): .*kind: int64 or kind: timestamp",
+    ):  # 1700000000 is a float32: the first row passes
+        convert_text(tmp_path, text, columns)
+    with pytest.raises(ValueError, match=where("ts", "dense", 1) + r"'16777217' is an integer"):
+        convert_text(tmp_path, "ts,y\n16777217,1\n", columns)
+    columns[0] = {"name": "ts", "kind": "dense", "allow_rounding": True}
+    (f,) = convert_text(tmp_path, text, columns)
+    assert pq.read_table(f).column("ts").to_pylist() == [float(np.float32(t)) for t in TIMES]
+    # fractions, and integers float32 holds exactly, convert as they are
+    columns[0] = {"name": "ts", "kind": "dense"}
+    values = ["16777216", "-16777216", "1e10", "2.5e9", "123456789.5", "-3.25", "1e30"]
+    (f,) = convert_text(tmp_path, "ts,y\n" + "".join(f"{v},0\n" for v in values), columns)
+    assert pq.read_table(f).column("ts").to_pylist() == [float(np.float32(v)) for v in values]
+
+
+# -- The schema reference ------------------------------------------------------------
+
+
+def doc_section(title: str) -> str:
+    text = (REPO / "docs" / "reader.md").read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def fenced_blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
+
+
+def test_schema_help_and_docs_name_every_key_and_kind() -> None:
+    docs = doc_section("Converting CSV")
+    names = {*csv_module.SCHEMA_KEYS, *csv_module.KINDS, *csv_module.KEY_TYPES,
+             *csv_module.MISSING, *csv_module.UNITS}  # fmt: skip
+    names |= set().union(*csv_module.COLUMN_KEYS.values())
+    for name in sorted(names):
+        assert re.search(rf"\b{name}\b", csv_module.SCHEMA_HELP), name
+        assert f"`{name}`" in docs, name
+    assert "--delimiter" in csv_module.SCHEMA_HELP and "--rows-per-file" in csv_module.SCHEMA_HELP
+
+
+def test_documented_example_converts_as_described(tmp_path: Path) -> None:
+    docs = doc_section("Converting CSV")
+    help_text = csv_module.SCHEMA_HELP
+    schema_text, csv_text = csv_module.EXAMPLE_SCHEMA, csv_module.EXAMPLE_CSV
+    assert fenced_blocks(docs, "yaml") == [schema_text]
+    assert textwrap.indent(schema_text, "    ") in help_text
+    assert textwrap.indent(csv_text, "    ") in help_text
+    csv_block, types_block, status_block = fenced_blocks(docs, "text")
+    assert csv_block == csv_text
+    (tmp_path / "schema.yaml").write_text(schema_text)
+    (tmp_path / "data.csv").write_text(csv_text)
+    result = convert_csv(tmp_path / "data.csv", tmp_path / "out", tmp_path / "schema.yaml",
+                         progress=False)  # fmt: skip
+    assert [f.name for f in result] == ["part-00000.parquet"]
+    assert result.summary() == status_block.strip()
+    table = pq.read_table(result[0])
+    written = {
+        "uint64": pa.uint64(),
+        "list<uint64>": pa.list_(pa.uint64()),
+        "float32": pa.float32(),
+        "int64": pa.int64(),
+        "timestamp[ms, tz=UTC]": pa.timestamp("ms", "UTC"),
+    }
+    documented = [line.split(maxsplit=1) for line in types_block.splitlines()]
+    assert [name for name, _ in documented] == table.column_names
+    for name, kind in documented:
+        hashed = kind.endswith(" (hashed strings)")
+        assert table.schema.field(name).type == written[kind.removesuffix(" (hashed strings)")]
+        assert hashed_field(table.schema.field(name)) == (name if hashed else None), name
+    (rows_block,) = fenced_blocks(docs, "python")[-1:]
+    rows = eval(rows_block, {"key": lambda c, v: key(v, c), "datetime": dt.datetime,
+                             "UTC": dt.timezone.utc})  # fmt: skip
+    assert table.to_pydict() == rows
+    # the same example through the command line
+    done = run(["convert", "csv", "data.csv", "cli_out", "--schema", "schema.yaml", "--quiet"],
+               tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert pq.read_table(tmp_path / "cli_out" / "part-00000.parquet").to_pydict() == rows
+    # without drop_row, dave's N/A stops the conversion as the docs say
+    strict = schema_text.replace(", missing: drop_row", "")
+    (tmp_path / "schema.yaml").write_text(strict)
+    with pytest.raises(ValueError, match=where("dwell", "dense", 4) + r"missing value 'N/A'"):
         convert_csv(tmp_path / "data.csv", tmp_path / "out", tmp_path / "schema.yaml",
                     progress=False)  # fmt: skip
 

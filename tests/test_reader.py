@@ -1323,3 +1323,92 @@ def test_datagen_read_by_the_reader(
     np.testing.assert_array_equal(dense, np.stack([table[n].to_numpy() for n in DENSE], axis=1))
     labels = np.concatenate([b.labels for b in batches])  # type: ignore[misc]
     np.testing.assert_array_equal(labels, table[LABEL].to_numpy())
+
+
+# -- hash_strings: numpy for Python and numpy input, Arrow for Arrow input -----------
+
+
+def test_hash_strings_returns_numpy_for_python_and_numpy_input() -> None:
+    words = ["apple", "pear", "", "apple"]
+    expected = [9069760335543976440]  # pinned: hash_strings(["apple"], "fruit")
+    for values in (words, tuple(words), (w for w in words), np.array(words),
+                   np.array(words, dtype=object)):  # fmt: skip
+        keys = hash_strings(values, "fruit")
+        assert isinstance(keys, np.ndarray) and keys.dtype == np.uint64 and keys.shape == (4,)
+        assert keys[:1].tolist() == expected and keys[0] == keys[3]
+    empty = hash_strings([], "fruit")
+    assert isinstance(empty, np.ndarray) and empty.dtype == np.uint64 and len(empty) == 0
+
+
+def test_hash_strings_returns_arrow_for_arrow_input() -> None:
+    array = pa.array(["apple", None, "pear"])
+    keys = hash_strings(array, "fruit")
+    assert isinstance(keys, pa.Array) and keys.type == pa.uint64()
+    assert keys.to_pylist() == [9069760335543976440, None, int(hash_strings(["pear"], "fruit")[0])]
+    chunked = hash_strings(pa.chunked_array([array, array]), "fruit")
+    assert isinstance(chunked, pa.Array) and chunked.null_count == 2
+
+
+@pytest.mark.parametrize(
+    ("values", "error"),
+    [
+        (["a", None, "b"], r"field 'f': element 1 is None \(NoneType\), not a string; numpy"),
+        (np.array(["a", "b", np.nan], dtype=object), r"element 2 is nan \(float\)"),
+        ([1, 2], r"element 0 is 1 \(int\)"),
+        ("apple", r"takes a list of strings, got the single value 'apple'"),
+    ],
+)
+def test_hash_strings_numpy_output_has_no_null(values: Any, error: str) -> None:
+    with pytest.raises(TypeError, match=error):
+        hash_strings(values, "f")
+
+
+# -- integer and time columns ---------------------------------------------------------
+
+
+def test_int64_column_reads_as_exact_ids_and_time_columns_are_refused(tmp_path: Path) -> None:
+    times = list(range(1_700_000_000, 1_700_020_001, 5_000))
+    table = pa.table(
+        {
+            "tid": pa.array(times, pa.int64()),
+            "ts": pa.array([t * 1000 for t in times], pa.timestamp("ms", "UTC")),
+            "day": pa.array([t // 86_400 for t in times], pa.int32()).cast(pa.date32()),
+            "x": pa.array([0.5] * len(times), pa.float32()),
+        }
+    )
+    pq.write_table(table, tmp_path / "t.parquet")
+    with ParquetReader(tmp_path, 2, ["tid", "x"]) as reader:
+        assert reader.schema.dense_columns == {"x": slice(0, 1)}  # tid: not dense
+        batches = list(reader)
+    values = np.concatenate([b.sparse["tid"].values for b in batches])
+    assert values.dtype == np.int64 and values.tolist() == times  # not float32-rounded
+    for column, type_name in (("ts", r"timestamp\[ms, tz=UTC\]"), ("day", "date32")):
+        message = (
+            rf"column '{column}' has type {type_name}.*: a time is not read as a feature or "
+            r"label; times are for splitting and filtering files \(a time split\)"
+        )
+        with pytest.raises(ValueError, match=message):
+            ParquetReader(tmp_path, 2, ["x", column])
+        with pytest.raises(ValueError, match=message):
+            ParquetReader(tmp_path, 2, ["x"], label=column)
+
+
+def test_csv_timestamp_column_refused_as_a_feature(tmp_path: Path) -> None:
+    (tmp_path / "data.csv").write_text("ts,day,y\n1700000000,19675,1\n1700000001,19675,0\n")
+    schema = CsvSchema.from_dict(
+        {
+            "columns": [
+                {"name": "ts", "kind": "timestamp"},
+                {"name": "day", "kind": "int64"},
+                {"name": "y", "kind": "label"},
+            ]
+        }
+    )
+    (f,) = convert_csv(tmp_path / "data.csv", tmp_path / "out", schema, progress=False)
+    with pytest.raises(
+        ValueError, match=r"column 'ts' has type timestamp.*splitting and filtering"
+    ):
+        ParquetReader(f, 2, ["day", "ts"], label="y")
+    with ParquetReader(f, 2, ["day"], label="y") as reader:
+        (batch,) = list(reader)
+    assert batch.sparse["day"].values.tolist() == [19675, 19675]
