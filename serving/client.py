@@ -199,15 +199,25 @@ class Client:
 
 
 def _lookup_keys(keys: Any) -> tuple[bytes, int]:
-    """A lookup's keys as uint64 little-endian bytes, and their number."""
-    kind, values = _flat_values("keys", keys)
-    if kind == "strings":
+    """A lookup's keys as uint64 little-endian bytes, and their number:
+    integers and strings of digits, read as the HTTP/JSON API reads them."""
+    if isinstance(keys, np.ndarray) and keys.ndim == 1 and keys.dtype.kind in "iu":
+        values = _int_keys("keys", keys)
+    else:
+        if isinstance(keys, np.ndarray):
+            if keys.ndim != 1 or keys.dtype.kind not in "USO":
+                raise TypeError(
+                    f"keys must be a 1-D array of integers or strings, got {keys.dtype} "
+                    f"{list(keys.shape)}"
+                )
+            keys = keys.tolist()
+        if not isinstance(keys, Sequence) or isinstance(keys, str | bytes):
+            raise TypeError(f"keys must be a list or array, got {type(keys).__name__}")
+        items = [k.item() if isinstance(k, np.generic) else k for k in keys]
         try:
-            values = parse_keys(values, "keys")
+            values = parse_keys(items, "keys")
         except InvalidArgument as error:
             raise ValueError(str(error)) from None
-    elif kind == "floats":
-        raise TypeError(f"keys must be integers or strings of digits, got {values.dtype}")
     return values.astype("<u8", copy=False).tobytes(), len(values)
 
 

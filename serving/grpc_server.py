@@ -267,6 +267,13 @@ class GrpcServer:
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = grpc_address(host, port)
+        if port:  # a port that cannot be bound: said here, not in grpcio's log
+            probe = listen_error(host, port, "gRPC", probe_only=True)
+            if probe is not None:
+                self.server.stop(None)
+                self.lookup_pool.shutdown(wait=False)
+                self.pool.shutdown(wait=False)
+                raise probe
         try:
             if tls is None:
                 self.port = self.server.add_insecure_port(address)

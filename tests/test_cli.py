@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from repo_data import REPO
 
 SCRIPT = Path(sys.executable).parent / "wuliang"
 
@@ -112,6 +115,96 @@ BAD_ARGUMENTS = [
 ]
 
 
+# -- exit status: 2 for a usage error, 1 for a failure, for every command ---------------
+
+USAGE_ERRORS = [  # (arguments, command, a part of the message)
+    (["demo", "--steps", "x"], "demo", "--steps"),
+    (["datagen", "out"], "datagen", "--rows"),
+    (["convert", "criteo", "in.tsv"], "convert criteo", "out_dir"),
+    (["convert", "movielens"], "convert movielens", "input, out_dir"),
+    (["convert", "csv", "in.csv", "out"], "convert csv", "--schema"),
+    (["export", "--export-dir", "e"], "export", "--model-dir (or --compact)"),
+    (["export", "--export-dir", "e", "--full", "--compact"], "export", "not allowed"),
+    (["serve"], "serve", "--exports is required (or --redis)"),
+    (["serve", "--exports", "e", "--tls-key", "k.pem"], "serve", "--tls-cert and --tls-key"),
+    (["serve", "--exports", "e", "--missing", "maybe"], "serve", "--missing"),
+    (["publish", "--export-dir", "e"], "publish", "--redis"),
+    (["publish", "--export-dir", "e", "--redis", "redis://x", "--retention", "0"], "publish",
+     "--retention"),
+]  # fmt: skip
+FAILURES = [  # (arguments, command, a part of the message): the arguments are fine
+    (["datagen", "/dev/null/out", "--rows", "5", "--quiet"], "datagen", "/dev/null/out"),
+    (["convert", "criteo", "none.tsv", "out"], "convert criteo", "none.tsv does not exist"),
+    (["convert", "movielens", "none", "out"], "convert movielens", "none does not exist"),
+    (["convert", "csv", "in.csv", "out", "--schema", "none.yaml"], "convert csv",
+     "schema file none.yaml does not exist"),
+    (["export", "--model-dir", "none", "--export-dir", "e"], "export", "no checkpoint"),
+    (["serve", "--exports", "none"], "serve", "export directory none does not exist"),
+    (["publish", "--export-dir", "none", "--redis", "redis://127.0.0.1:1/0"], "publish",
+     "export directory none does not exist"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "command", "named"), USAGE_ERRORS, ids=[" ".join(a[0]) for a in USAGE_ERRORS]
+)
+def test_usage_errors_exit_2(tmp_path: Path, args: list[str], command: str, named: str) -> None:
+    done = run([str(SCRIPT), *args], cwd=str(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert "usage: wuliang" in done.stderr
+    assert_user_error(done, command, named)
+
+
+@pytest.mark.parametrize(
+    ("args", "command", "named"), FAILURES, ids=[" ".join(a[0]) for a in FAILURES]
+)
+def test_failures_exit_1_with_one_line(
+    tmp_path: Path, args: list[str], command: str, named: str
+) -> None:
+    done = run([str(SCRIPT), *args], cwd=str(tmp_path))
+    assert done.returncode == 1, done.stderr
+    assert_user_error(done, command, named)
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def readme_commands() -> dict[str, str]:
+    """The README's command-line summary: the text of each command's entries."""
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"## Command line\s+```\n(.*?)```", text, flags=re.S)
+    assert block, "the README lost its command-line summary"
+    entries: dict[str, str] = {}
+    current = ""
+    for line in block[1].splitlines():
+        if line.startswith("wuliang "):
+            words = line.split()
+            current = " ".join(words[1:3] if words[1] == "convert" else words[1:2])
+        entries[current] = entries.get(current, "") + " " + line
+    return entries
+
+
+def test_the_readme_lists_every_option_of_every_command() -> None:
+    from wuliang.cli import build_parser
+
+    entries = readme_commands()
+    parser = build_parser()
+    commands: dict[str, argparse.ArgumentParser] = {}
+    for action in parser._subparsers._group_actions[0].choices.items():  # type: ignore[union-attr]
+        name, sub = action
+        nested = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]
+        if nested:
+            for inner, parser_ in nested[0].choices.items():
+                commands[f"{name} {inner}"] = parser_
+        else:
+            commands[name] = sub
+    assert set(commands) <= set(entries), set(commands) - set(entries)
+    for name, sub in commands.items():
+        for action in sub._actions:
+            for option in action.option_strings:
+                if option not in ("-h", "--help"):
+                    assert re.search(rf"{re.escape(option)}\b", entries[name]), (name, option)
+    assert "--version" in entries["--version"]
+
+
 def assert_user_error(done: subprocess.CompletedProcess[str], command: str, *named: str) -> None:
     """A clean error: non-zero exit, one ``wuliang <command>: error:`` line
     naming what is wrong, no traceback."""
@@ -199,6 +292,8 @@ HELP_COMMANDS = [
     ["convert", "movielens"],
     ["convert", "csv"],
     ["export"],
+    ["serve"],
+    ["publish"],
 ]
 
 
@@ -216,6 +311,8 @@ def test_help_shows_defaults_and_no_rest_markup(command: list[str]) -> None:
         "datagen": ["(default: 100000)", "(default: 1.1)", "(default: 0)"],
         "criteo": ["(default: 1000000)"],
         "csv": ["(default: 1000000)", "(default: ',')"],
+        "serve": ["(default: 8500)", "(default: 8501)", "(default: 16777216)"],
+        "publish": ["(default: 2)"],
     }.get(command[-1] if command else "", [])
     for default in defaults:
         assert default in " ".join(text.split()), f"{default} missing:\n{text}"
