@@ -1,5 +1,7 @@
 """What an online server imports works without TensorFlow or the export writer;
-the read side of exports keeps its old names in wuliang.export."""
+``wuliang.serving`` exports its public names, loading them on first use (so
+importing it is cheap); the read side of exports keeps its old names in
+wuliang.export."""
 
 from __future__ import annotations
 
@@ -69,6 +71,43 @@ def test_pooling_and_the_model_store_import_without_tensorflow(tmp_path: Path) -
     assert lines[0] == "[[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]"
     assert lines[1] == f"no export: {tmp_path} has no export"
     assert lines[2] == "imported: []"  # neither the writer nor anything of TensorFlow's
+
+
+PUBLIC = textwrap.dedent(
+    """
+    import sys
+    sys.modules["tensorflow"] = None  # import tensorflow -> ImportError
+
+    import wuliang.serving
+    heavy = sorted(m for m in ("grpc", "aiohttp", "redis", "numpy") if m in sys.modules)
+    print("after import:", heavy)
+    from wuliang.serving import (
+        Client, GrpcServer, HttpServer, ModelStore, RedisModelStore, ServedModel,
+        ServerTls, Service, ServingClientError, publish,
+    )
+    assert Client.__module__ == "wuliang.serving.client"
+    store = ModelStore("/nonexistent", "m", poll_secs=0)
+    assert isinstance(store, ServedModel)
+    store.close()
+    missing = [n for n in wuliang.serving.__all__ if not hasattr(wuliang.serving, n)]
+    print("missing:", missing)
+    print("tensorflow:", "tensorflow" in sys.modules and sys.modules["tensorflow"] is not None)
+    """
+)
+
+
+def test_wuliang_serving_exports_its_names_lazily(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-c", PUBLIC], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "after import: []",  # nothing heavy until a name is used
+        "missing: []",
+        "tensorflow: False",
+    ]
+    assert wuliang.serving.__doc__ is not None and "wuliang serve" in wuliang.serving.__doc__
 
 
 def test_the_export_module_keeps_the_read_side_names() -> None:
