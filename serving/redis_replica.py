@@ -117,7 +117,8 @@ class RedisStore:
             canary, a comparison); it must be in Redis.
         prepare: called with each version's ``ReplicaState`` before the
             replica switches to it (its result becomes ``state.prepared``);
-            a ``ValueError`` or ``OSError`` from it refuses the version.
+            an error from it (``ValueError``, ``OSError``: the version is bad)
+            refuses the version.
         on_switch: called with (the new state, seconds it took) after each
             switch, the first version's included.
         on_refuse: called with (version, why) for each refused version.
@@ -362,9 +363,16 @@ class RedisStore:
         if self.prepare is not None:
             try:
                 state.prepared = self.prepare(state)
-            except (ValueError, OSError) as error:  # CorruptVersionError is a ValueError
+            except Exception as error:  # CorruptVersionError is a ValueError
                 self.refused.add(target)
-                log.error("model %s: version %d refused: %s", self.keys.model, target, error)
+                expected = isinstance(error, ValueError | OSError)
+                log.error(
+                    "model %s: version %d refused: %s",
+                    self.keys.model,
+                    target,
+                    error,
+                    exc_info=None if expected else error,  # an unexpected one: its traceback
+                )
                 if self.on_refuse is not None:
                     self.on_refuse(target, str(error))
                 return False
@@ -454,10 +462,15 @@ class RedisStore:
                         self._heartbeat()
                     next_check = time.monotonic() + self.poll_s
                 pause = 0.1
-            except (redis.RedisError, RedisStoreError, ValueError) as error:
+            except Exception as error:  # the thread never dies; it tries again
                 self.last_error = error
+                expected = isinstance(error, redis.RedisError | RedisStoreError | ValueError)
                 log.warning(
-                    "model %s: following versions at %s: %s", self.keys.model, self.url, error
+                    "model %s: following versions at %s: %s",
+                    self.keys.model,
+                    self.url,
+                    error,
+                    exc_info=None if expected else error,
                 )
                 if pubsub is not None:
                     with contextlib.suppress(redis.RedisError):
