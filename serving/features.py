@@ -98,12 +98,29 @@ def parse_keys(
     return out
 
 
-def hash_keys(strings: list[str] | pa.Array, field: str) -> np.ndarray:
-    """The keys training made of these strings: ``hash_strings(s, field)``."""
+def hash_keys(strings: list[str] | pa.Array, field: str, what: str = "strings") -> np.ndarray:
+    """The keys training made of these strings: ``hash_strings(s, field)``.
+
+    Raises:
+        InvalidArgument: a string is not valid Unicode (a lone surrogate).
+    """
     from wuliang.reader.hashing import string_keys
 
-    array = strings if isinstance(strings, pa.Array) else pa.array(strings, pa.string())
-    return string_keys(array, field)
+    if not isinstance(strings, pa.Array):
+        try:
+            strings = pa.array(strings, pa.string())
+        except UnicodeEncodeError:
+            bad = next(i for i, s in enumerate(strings) if not _encodes(s))
+            raise InvalidArgument(f"{what}: string {strings[bad]!r} is not valid Unicode") from None
+    return string_keys(strings, field)
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def sparse_keys(
@@ -126,7 +143,7 @@ def sparse_keys(
     keys = parse_keys(
         placeholders, what, offsets, "a key must be an integer or a string (hashed as in training)"
     )
-    keys[where] = hash_keys([values[i] for i in where], feature.hash_field)
+    keys[where] = hash_keys([values[i] for i in where], feature.hash_field, what)
     return keys
 
 
@@ -143,6 +160,8 @@ def string_keys_of_bytes(
     """
     n = len(bounds) - 1
     if n < 0:
+        if data:
+            raise InvalidArgument(f"{what}: string_values come without string_offsets")
         return np.zeros(0, np.uint64)
     if bounds[0] != 0 or bounds[-1] != len(data) or (np.diff(bounds) < 0).any():
         raise InvalidArgument(
@@ -157,7 +176,7 @@ def string_keys_of_bytes(
         bad = next(i for i in range(n) if not _utf8(data[bounds[i] : bounds[i + 1]]))
         raise InvalidArgument(f"{what}: string {bad} is not UTF-8") from None
     if feature.hash_field is not None:
-        return hash_keys(array, feature.hash_field)
+        return hash_keys(array, feature.hash_field, what)
     return sparse_keys(array.to_pylist(), feature, what, None)
 
 

@@ -218,6 +218,11 @@ def test_strings_are_checked(served: dict[str, Any]) -> None:
         "string 0 is not UTF-8"
         in raw_predict(string_values=b"\xff\xfe\xfd\xfc\xfb", string_offsets=bounds).message
     )
+    assert "string_values come without string_offsets" in raw_predict(string_values=b"x").message
+    lone = {"instances": [{**row, "city": "\ud800"}]}  # JSON allows a lone surrogate
+    status, answer = rest(port, "/v1/models/m:predict", lone)
+    assert status == 400 and "sparse feature 'city'" in answer["error"]
+    assert "is not valid Unicode" in answer["error"]
     status, answer = rest(port, "/v1/models/m:predict", {"instances": [{**row, "age": "old"}]})
     assert status == 400 and "dense feature 'age', row 0: expected a number" in answer["error"]
 
