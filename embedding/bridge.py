@@ -262,11 +262,16 @@ def sequence(
 class Tower:
     """How a step calls the user's tower.
 
-    * A Keras model or layer whose ``call`` takes one input (a
-      ``keras.Sequential``, a functional model with one input, a ``Dense``
-      layer) gets one ``[B, sum of dims]`` tensor: the pooled sparse features
-      and the dense features concatenated in the order the features were
-      declared (``order``).
+    * A functional Keras model whose inputs are named after features (the
+      usual Keras form: ``keras.Input(shape=(dim,), name="user_id")``, as a
+      dict or a list) gets a dict of those features by name, each ``[B,
+      dim]`` (pooled sparse features, dense features); every input must name
+      a feature, with its dim.
+    * Any other Keras model or layer whose ``call`` takes one input (a
+      ``keras.Sequential``, a functional model with one unnamed input, a
+      ``Dense`` layer) gets one ``[B, sum of dims]`` tensor: the pooled
+      sparse features and the dense features concatenated in the order the
+      features were declared (``order``).
     * Anything else (a Keras model whose ``call`` takes two inputs, a
       ``tf.Module``, a function) is called ``tower(embeddings, dense)`` with
       two dicts by feature name.
@@ -296,14 +301,21 @@ class Tower:
             and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         ]
         self.one_input = _is_keras_layer(tower) and len(positional) == 1
+        self.named: list[str] | None = None  # the features a named-input model takes
         if not self.one_input:
             return
         inputs = _functional_inputs(tower)
-        if inputs is not None and inputs > 1:
+        if inputs is not None:
+            self.named = _named_inputs(tower, inputs, sparse, dense)
+            if self.named is not None:
+                return
+        if inputs is not None and len(inputs) > 1:
             raise ValueError(
-                f"the tower is a functional Keras model with {inputs} inputs; wuliang calls a "
-                "one-input model with the concatenated features, and any other tower as "
-                "tower(embeddings, dense) with dicts by feature name"
+                f"the tower is a functional Keras model with {len(inputs)} inputs "
+                f"({', '.join(repr(_input_name(t)) for t in inputs)}), not named after "
+                f"features ({', '.join(map(repr, self.order))}): name each input after the "
+                'feature it takes (keras.Input(shape=(dim,), name="<feature>")), or give the '
+                "model one input (the features concatenated)"
             )
         sequences = [f.name for f in sparse if f.is_sequence]
         if sequences:
@@ -315,6 +327,9 @@ class Tower:
 
     def __call__(self, embeddings: dict[str, Any], dense: dict[str, Any], training: bool) -> Any:
         kwargs = {"training": training} if self.takes_training else {}
+        if self.named is not None:
+            inputs = {**embeddings, **dense}
+            return self.fn({name: inputs[name] for name in self.named}, **kwargs)
         if self.one_input:
             inputs = {**embeddings, **dense}
             return self.fn(concat([inputs[name] for name in self.order]), **kwargs)
@@ -333,12 +348,50 @@ def _is_keras_layer(tower: Any) -> bool:
     return isinstance(tower, keras.layers.Layer)
 
 
-def _functional_inputs(model: Any) -> int | None:
-    """How many inputs a functional Keras model has (None: not functional)."""
+def _functional_inputs(model: Any) -> list[Any] | None:
+    """The inputs of a functional Keras model (None: not functional)."""
     try:
-        return len(model.inputs)
+        inputs = model.inputs
     except (AttributeError, TypeError, ValueError):
         return None
+    return list(inputs) if inputs else None
+
+
+def _input_name(tensor: Any) -> str:
+    return str(getattr(tensor, "name", "") or "")
+
+
+def _named_inputs(
+    model: Any, inputs: list[Any], sparse: Sequence[SparseFeature], dense: Sequence[DenseFeature]
+) -> list[str] | None:
+    """The feature each input of a functional model takes, when the inputs
+    are named after features; None when no input is. ValueError naming the
+    input when only some are, or a dim differs."""
+    dims = {f.name: f.table.dim for f in sparse if not f.is_sequence}
+    dims.update({f.name: f.dim for f in dense})
+    names = [_input_name(t) for t in inputs]
+    if not any(name in dims for name in names):
+        return None
+    unknown = [name for name in names if name not in dims]
+    if unknown:
+        sequences = [f.name for f in sparse if f.is_sequence and f.name in unknown]
+        why = (
+            " (a sequence feature: write a tower(embeddings, dense) that takes its values and mask)"
+            if sequences
+            else ""
+        )
+        raise ValueError(
+            f"the tower's input {unknown[0]!r} names no feature{why}; its inputs are matched "
+            f"to features by name (features: {', '.join(dims)})"
+        )
+    for name, tensor in zip(names, inputs, strict=True):
+        width = tuple(getattr(tensor, "shape", ()) or ())[1:]
+        if width not in ((dims[name],), (None,)):
+            raise ValueError(
+                f"the tower's input {name!r} has shape {(None, *width)}; feature {name!r} "
+                f"gives [B, {dims[name]}]"
+            )
+    return names
 
 
 def _call_parameters(tower: Any) -> Mapping[str, inspect.Parameter] | None:
@@ -350,27 +403,53 @@ def _call_parameters(tower: Any) -> Mapping[str, inspect.Parameter] | None:
         return None
 
 
+class TowerOutputError(ValueError):
+    """The tower's output does not fit the loss (its shape)."""
+
+
 class LossFn:
     """A loss by name (``binary_crossentropy``, ``mse``, ``softmax_crossentropy``)
-    or a callable ``(labels, logits) -> scalar``; and how logits become
-    predictions."""
+    or a callable ``(labels, logits) -> scalar``; and how the tower's output
+    becomes predictions.
 
-    def __init__(self, loss: str | Callable[[tf.Tensor, tf.Tensor], tf.Tensor]) -> None:
+    ``from_logits=False``: the tower's output is already probabilities (it
+    ends in a sigmoid, or a softmax for ``softmax_crossentropy``): the loss
+    takes them as such (Keras's cross-entropy, which recovers the logits of
+    a Keras sigmoid or softmax output for a stable loss) and the predictions
+    are the output itself."""
+
+    def __init__(
+        self, loss: str | Callable[[tf.Tensor, tf.Tensor], tf.Tensor], from_logits: bool = True
+    ) -> None:
         if isinstance(loss, str) and loss not in LOSSES:
             raise ValueError(f"unknown loss {loss!r}; use one of {', '.join(LOSSES)} or a callable")
         if not isinstance(loss, str) and not callable(loss):
             raise TypeError(f"loss must be a name or a callable, got {loss!r}")
         self.loss = loss
+        self.from_logits = from_logits
+        self.shape_error: str | None = None  # found while tracing (TensorFlow wraps it)
 
     def __call__(self, labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
         if self.loss == "binary_crossentropy":
-            logits = _squeeze_last(logits)
+            logits = self._one_per_example(logits)
+            if not self.from_logits:
+                import keras
+
+                return tf.reduce_mean(
+                    keras.losses.binary_crossentropy(labels[:, None], logits[:, None])
+                )
             return tf.reduce_mean(
                 tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)
             )
         if self.loss == "mse":
-            return tf.reduce_mean(tf.square(_squeeze_last(logits) - labels))
+            return tf.reduce_mean(tf.square(self._one_per_example(logits) - labels))
         if self.loss == "softmax_crossentropy":
+            if not self.from_logits:
+                import keras
+
+                return tf.reduce_mean(
+                    keras.losses.sparse_categorical_crossentropy(tf.cast(labels, tf.int32), logits)
+                )
             return tf.reduce_mean(
                 tf.nn.sparse_softmax_cross_entropy_with_logits(
                     labels=tf.cast(labels, tf.int32), logits=logits
@@ -378,12 +457,60 @@ class LossFn:
             )
         return self.loss(labels, logits)  # type: ignore[operator]
 
+    def _one_per_example(self, logits: tf.Tensor) -> tf.Tensor:
+        """[B, 1] or [B] as [B]; TowerOutputError for any other shape (at
+        trace time, before any step runs)."""
+        shape = logits.shape
+        if shape.rank == 1 or (shape.rank == 2 and shape[-1] in (1, None)):
+            return _squeeze_last(logits)
+        self.shape_error = (
+            f"the tower returns shape {_shape_text(shape)}; with loss {self.loss!r} it must "
+            "return one value per example, [B, 1] or [B] (e.g. end it in Dense(1))"
+        )
+        raise TowerOutputError(self.shape_error)
+
     def predictions(self, logits: tf.Tensor) -> tf.Tensor:
         if self.loss == "binary_crossentropy":
-            return tf.sigmoid(_squeeze_last(logits))
+            logits = self._one_per_example(logits)
+            return logits if not self.from_logits else tf.sigmoid(logits)
         if self.loss == "softmax_crossentropy":
-            return tf.nn.softmax(logits)
-        return _squeeze_last(logits) if self.loss == "mse" else logits
+            return logits if not self.from_logits else tf.nn.softmax(logits)
+        return self._one_per_example(logits) if self.loss == "mse" else logits
+
+
+def _traced(fn: Any, losses: Any, *args: Any) -> Any:
+    """``fn(*args)``; a ``TowerOutputError`` found while tracing (which
+    AutoGraph re-raises as its own error) is raised alone, without
+    TensorFlow's tracing frames around it."""
+    try:
+        return fn(*args)
+    except Exception:
+        for loss in losses.values() if isinstance(losses, Mapping) else [losses]:
+            if loss.shape_error is not None:
+                raise TowerOutputError(loss.shape_error) from None
+        raise
+
+
+def _shape_text(shape: tf.TensorShape) -> str:
+    if shape.rank is None:
+        return "of unknown rank"
+    return "[" + ", ".join("B" if i == 0 else str(d) for i, d in enumerate(shape.as_list())) + "]"
+
+
+def ends_in_probabilities(tower: Any) -> bool:
+    """Whether a Keras tower's last layer is a sigmoid or softmax (a
+    ``Dense(..., activation="sigmoid")``, an ``Activation("sigmoid")``): the
+    usual Keras habit, whose output is probabilities, not logits. False for
+    anything that is not a Sequential or functional Keras model."""
+    import keras
+
+    if not isinstance(tower, keras.Sequential) and _functional_inputs(tower) is None:
+        return False
+    layers = tower.layers
+    if not layers:
+        return False
+    activation = getattr(layers[-1], "activation", None)
+    return getattr(activation, "__name__", "") in ("sigmoid", "softmax")
 
 
 def _squeeze_last(x: tf.Tensor) -> tf.Tensor:
@@ -625,14 +752,16 @@ class StepFunctions:
         if inputs.labels is None:
             raise ValueError("training needs labels: the batch has none (reader label=...)")
         fn = self._function("train", inputs.single, inputs.labels)
-        return fn(*self._feed(inputs, rows), self._labels_in(inputs.labels))
+        return _traced(fn, self.loss, *self._feed(inputs, rows), self._labels_in(inputs.labels))
 
     def evaluate(self, inputs: StepInputs, rows: Sequence[np.ndarray], labels: bool = True) -> dict:
         """Forward only; loss too when ``labels`` and the batch has them."""
         given = inputs.labels if labels else None
         fn = self._function("eval", inputs.single, given)
         args = self._feed(inputs, rows)
-        return fn(*args) if given is None else fn(*args, self._labels_in(given))
+        if given is None:
+            return _traced(fn, self.loss, *args)
+        return _traced(fn, self.loss, *args, self._labels_in(given))
 
     def _labels_in(self, labels: Any) -> Any:
         if isinstance(labels, dict):

@@ -75,8 +75,12 @@ class Metrics:
             self._loss_rows += rows
 
     def result(self) -> dict[str, float]:
-        if not self._labels:
-            return {"examples": 0}
+        """auc, logloss, calibration, mean_prediction, mean_label, examples
+        (and loss when batch losses were given); NaN metrics of no examples."""
+        if not sum(map(len, self._labels)):
+            nan = math.nan
+            names = ("auc", "logloss", "calibration", "mean_prediction", "mean_label")
+            return {**dict.fromkeys(names, nan), "examples": 0, "loss": nan}
         y = np.concatenate(self._labels)
         p = np.concatenate(self._scores)
         mean_label = float(y.mean())

@@ -109,17 +109,23 @@ class StopAtStep(SessionRunHook):
 
 
 class ProgressBar(SessionRunHook):
-    """A tqdm progress bar of training steps with the loss."""
+    """A tqdm progress bar of the global training step, with the loss: a
+    resumed run starts at the step it resumed from; ``total``: the steps of
+    this run (the bar ends at that many past the start)."""
 
     def __init__(self, total: int | None = None, desc: str = "train") -> None:
         self.total = total
         self.desc = desc
         self._bar: Any = None
 
-    def begin(self) -> None:
+    def after_create_session(self, session: HookSession) -> None:
         from tqdm import tqdm
 
-        self._bar = tqdm(total=self.total, desc=self.desc, unit="step", dynamic_ncols=True)
+        start = session.global_step  # restored by now
+        total = None if self.total is None else start + self.total
+        self._bar = tqdm(
+            total=total, initial=start, desc=self.desc, unit="step", dynamic_ncols=True
+        )
 
     def before_run(self, run_context: SessionRunContext) -> SessionRunArgs:
         return SessionRunArgs(["loss"] if run_context.train else [])

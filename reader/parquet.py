@@ -28,6 +28,7 @@ thread.
 
 from __future__ import annotations
 
+import dataclasses
 import glob as globlib
 import logging
 import os
@@ -90,21 +91,43 @@ class ReaderPosition:
     next one, ``file``. With shuffling the shuffle buffer's content is part
     of the state, so the reader replays: it reads and drops the first
     ``batches`` batches (same seed, same files: the same batches).
+
+    The last batch of a pass over a bounded number of epochs says so
+    (``finished_epochs``: the epochs read). A reader started there reads
+    the epochs after them from their beginning, whatever its own
+    ``epochs`` (more epochs than the run that wrote the position: the new
+    ones are read whole; as many or fewer: nothing is left).
     """
 
     batches: int  # batches yielded from the beginning
     unit: int  # files of the sequence (all epochs) before `file`
     file: str  # the file the next row comes from ("" at the end)
     row: int  # rows of `file` already yielded
+    finished_epochs: int | None = None  # the pass ended here, after this many epochs
 
     def to_dict(self) -> dict[str, Any]:
-        return {"batches": self.batches, "unit": self.unit, "file": self.file, "row": self.row}
+        out: dict[str, Any] = {
+            "batches": self.batches,
+            "unit": self.unit,
+            "file": self.file,
+            "row": self.row,
+        }
+        if self.finished_epochs is not None:
+            out["finished_epochs"] = self.finished_epochs
+        return out
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> ReaderPosition:
         try:
-            return ReaderPosition(int(d["batches"]), int(d["unit"]), str(d["file"]), int(d["row"]))
-        except (KeyError, TypeError, ValueError) as e:
+            finished = d.get("finished_epochs")
+            return ReaderPosition(
+                int(d["batches"]),
+                int(d["unit"]),
+                str(d["file"]),
+                int(d["row"]),
+                None if finished is None else int(finished),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"not a reader position: {d!r} ({e})") from None
 
 
@@ -176,7 +199,7 @@ class ParquetReader:
         self,
         paths: str | os.PathLike | Sequence[str | os.PathLike],
         batch_size: int,
-        features: Sequence[str],
+        features: Sequence[str] | None = None,
         label: str | Sequence[str] | None = None,
         *,
         shuffle_buffer: int = 0,
@@ -229,7 +252,7 @@ class ParquetReader:
         )
         if isinstance(features, str):
             features = [features]
-        _require(len(features) > 0, "features must name at least one column")
+        _require(features is None or len(features) > 0, "features must name at least one column")
         files = resolve_paths(paths)
         mine = files[worker_index::num_workers]
         if not mine:
@@ -239,8 +262,12 @@ class ParquetReader:
         self.files = mine
         self.labels = [] if label is None else [label] if isinstance(label, str) else list(label)
         self.single_label = isinstance(label, str)
-        first, arrow = _first_schema(mine, on_bad_file)
-        self.schema = Schema(arrow, first, list(features), self.labels, weights or {})
+        self._first = _first_schema(mine, on_bad_file)
+        self._weights = dict(weights or {})
+        self.schema: Schema | None = None  # until the features are known
+        if features is not None:
+            self.schema = Schema(self._first[1], self._first[0], list(features), self.labels,
+                                 self._weights)  # fmt: skip
         self.batch_size = batch_size
         self.shuffle_buffer = shuffle_buffer
         self.seed = seed
@@ -261,12 +288,56 @@ class ParquetReader:
         self._finalizer = weakref.finalize(self, _close_runs, self._runs)
 
     @property
+    def features(self) -> list[str] | None:
+        """The columns read as features (None: not given yet, see ``read_model``)."""
+        return None if self.schema is None else [c.name for c in self.schema.features]
+
+    def read_model(
+        self, *, sparse: Sequence[str], dense: Sequence[str], label: str | Sequence[str] | None
+    ) -> None:
+        """What a model reads (``Session`` and ``Estimator`` call it before
+        iterating): a reader built without ``features`` (or ``label``)
+        reads the model's; one built with them is checked now, before any
+        thread starts, so a feature it lacks, or reads as the wrong kind,
+        is a ValueError naming it instead of a failure in a reader thread."""
+        if self.schema is None:
+            if label is not None and not self.labels:
+                self.labels = [label] if isinstance(label, str) else list(label)
+                self.single_label = isinstance(label, str)
+            path, arrow = self._first
+            self.schema = Schema(arrow, path, [*sparse, *dense], self.labels, self._weights)
+        kinds = {c.name: c.kind for c in self.schema.features}
+        types = {c.name: c.type for c in self.schema.features}
+        missing = [name for name in [*sparse, *dense] if name not in kinds]
+        if missing:
+            raise ValueError(
+                f"the model reads feature(s) {', '.join(map(repr, missing))}, which this reader "
+                f"does not (features={list(kinds)}): add them to features=, or build the reader "
+                "without features= and it reads what the model needs"
+            )
+        for name in dense:
+            if kinds[name] != "dense":
+                raise ValueError(
+                    f"DenseFeature {name!r}: the column is {types[name]}, which the "
+                    "reader reads as ids (a SparseFeature); a dense feature needs a float or "
+                    "bool column (or a fixed-size list of floats): store it as a float column "
+                    "(`wuliang convert csv` kind dense), or use it as a SparseFeature"
+                )
+        for name in sparse:
+            if kinds[name] == "dense":
+                raise ValueError(
+                    f"SparseFeature {name!r}: the column is {types[name]}, which "
+                    "the reader reads as numbers (a DenseFeature); a sparse feature needs "
+                    "integer ids or strings (or lists of them)"
+                )
+
+    @property
     def hashed_features(self) -> dict[str, str]:
         """Requested sparse features whose keys are hashed strings, each mapped
         to the field that seeds the hash (``hash_strings(value, field)``):
         string columns (field: the column name) and key columns whose field
         metadata in the first file carries a ``hashing.HASH_METADATA`` tag."""
-        return dict(self.schema.hashed_features)
+        return {} if self.schema is None else dict(self.schema.hashed_features)
 
     @property
     def start(self) -> ReaderPosition | None:
@@ -289,6 +360,11 @@ class ParquetReader:
 
     def __iter__(self) -> Iterator[CsrBatch]:
         """A new pass over the data, on its own threads (iterations are independent)."""
+        if self.schema is None:
+            raise ValueError(
+                "the reader has no features: give features=[...], or hand it to an Estimator "
+                "or Session, which tells it what the model reads"
+            )
         run = _Run(self, self._runs.discard)
         self._runs.add(run)
         return run.batches(owner=self)
@@ -507,6 +583,7 @@ class _Run:
     def _assemble(self) -> None:
         cfg = self.cfg
         set_background(cfg.background)
+        held: CsrBatch | None = None  # one batch back: the last one learns it is
         try:
             batcher = _ShuffleBatcher(cfg) if cfg.shuffle_buffer > 0 else _Batcher(cfg)
             count = cfg.first_batch - cfg.replay  # batches before the first one read
@@ -517,15 +594,28 @@ class _Run:
                 batch = chunk.to_batch(cfg.single_label)
                 batch.dense_columns = cfg.schema.dense_columns
                 batch.position = ReaderPosition(count, unit, source, row)
-                with cfg.lock:
-                    self.stats.rows += batch.size
-                    self.stats.batches += 1
-                item = batch if self.pool is None else self.pool.submit(_finish, batch, cfg)
-                if not self._put(self.out, item):
+                last, held = held, batch
+                if last is not None and not self._emit(last):
+                    return
+            last, held = held, None
+            if last is not None:
+                if cfg.epochs is not None:
+                    last.position = dataclasses.replace(last.position, finished_epochs=cfg.epochs)
+                if not self._emit(last):
                     return
             self._put(self.out, _END)
         except BaseException as e:
+            if held is not None:
+                self._emit(held)  # the batches before the failure come first
             self._put(self.out, _Failure(e))
+
+    def _emit(self, batch: CsrBatch) -> bool:
+        """Counts the batch and hands it on (to the pool first, if any)."""
+        with self.cfg.lock:
+            self.stats.rows += batch.size
+            self.stats.batches += 1
+        item = batch if self.pool is None else self.pool.submit(_finish, batch, self.cfg)
+        return self._put(self.out, item)
 
 
 def _finish(batch: CsrBatch, cfg: _Config) -> CsrBatch:
@@ -564,6 +654,10 @@ class _Config:
         self.skip_rows = r.start.row if seek and r.start else 0
         self.replay = r.start.batches if r.start is not None and not seek else 0
         self.first_batch = r.start.batches if r.start is not None else 0
+        finished = None if r.start is None else r.start.finished_epochs
+        if finished is not None:  # a pass that ended: the epochs after it, from their start
+            self.skip_units = finished * len(self.files)
+            self.skip_rows = self.replay = 0
         self.lock = threading.Lock()
 
 

@@ -224,7 +224,7 @@ def test_errors_are_clear_and_corruption_is_refused_by_name(tmp_path: Path) -> N
     missing = cli("--model-dir", str(model_dir), "--export-dir", str(exports), cwd=tmp_path)
     assert missing.returncode == 1 and "no checkpoint" in missing.stderr
     no_model = cli("--export-dir", str(exports), cwd=tmp_path)
-    assert no_model.returncode == 1 and "--model-dir" in no_model.stderr
+    assert no_model.returncode == 2 and "--model-dir" in no_model.stderr  # usage
     nothing = cli("--compact", "--export-dir", str(exports), cwd=tmp_path)
     assert nothing.returncode == 1 and "has no export" in nothing.stderr
 

@@ -89,7 +89,9 @@ def test_metrics_accepts_column_vectors_and_empty() -> None:
     m = Metrics()
     m.update(np.array([[0.0], [1.0]]), np.array([[0.2], [0.8]]))
     assert m.result()["auc"] == 1.0
-    assert Metrics().result() == {"examples": 0}
+    empty = Metrics().result()
+    assert empty["examples"] == 0
+    assert all(np.isnan(v) for k, v in empty.items() if k != "examples")
 
 
 def test_loss_is_weighted_by_batch_rows() -> None:

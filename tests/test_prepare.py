@@ -298,7 +298,11 @@ def test_prepare_from_several_threads(rng: np.random.Generator) -> None:
 # -- hashing -------------------------------------------------------------------------------
 
 
-def keys_of(array: pa.Array) -> list[int | None]:
+def keys_of(array: pa.Array | np.ndarray) -> list[int | None]:
+    """Keys as a list: numpy uint64 (Python and numpy input) or Arrow uint64 (Arrow input)."""
+    if isinstance(array, np.ndarray):
+        assert array.dtype == np.uint64
+        return array.tolist()
     assert array.type == pa.uint64()
     return array.to_pylist()
 
@@ -342,13 +346,15 @@ def test_hash_strings_keeps_nulls() -> None:
     assert out.null_count == 2
     assert keys_of(out)[1] is None and keys_of(out)[3] is None
     assert [keys_of(out)[0], keys_of(out)[2]] == keys_of(hash_strings(["a", "b"], "f"))
-    assert keys_of(hash_strings([None, None], "f")) == [None, None]  # type: ignore[list-item]
+    assert keys_of(hash_strings(pa.array([None, None], pa.string()), "f")) == [None, None]
+    with pytest.raises(TypeError, match=r"element 0 is None"):  # numpy keys have no null
+        hash_strings([None, None], "f")  # type: ignore[list-item]
 
 
 @pytest.mark.parametrize("string_type", [pa.string(), pa.large_string()])
 def test_hash_strings_arrow_types_agree(string_type: pa.DataType) -> None:
     words = ["apple", None, "", "banana split", "日本語", "x" * 100]
-    expected = keys_of(hash_strings(words, "f"))
+    expected = keys_of(hash_strings(pa.array(words, pa.string()), "f"))
     array = pa.array(words, string_type)
     assert keys_of(hash_strings(array, "f")) == expected
     # a slice (non-zero offset into the buffers)

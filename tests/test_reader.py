@@ -816,7 +816,7 @@ def hashed_rows(cells: Sequence[Any], field: str) -> tuple[list[int], list[int]]
     lengths: list[int] = []
     for cell in cells:
         words = [w for w in (cell if isinstance(cell, list) else [cell]) if w is not None]
-        keys.extend(hash_strings(words, field).to_pylist())
+        keys.extend(hash_strings(words, field).tolist())
         lengths.append(len(words))
     return keys, lengths
 
@@ -871,9 +871,9 @@ def test_string_storage_may_differ_between_files(tmp_path: Path) -> None:
     )
     write_files(tmp_path, [a, b])
     (batch,) = list(ParquetReader(tmp_path, 10, ["city", "tags"]))
-    assert batch.sparse["city"].values.tolist() == hash_strings(["a", "b", "a"], "city").to_pylist()
+    assert batch.sparse["city"].values.tolist() == hash_strings(["a", "b", "a"], "city").tolist()
     assert batch.sparse["city"].lengths().tolist() == [1, 0, 1, 1]
-    assert batch.sparse["tags"].values.tolist() == hash_strings(["x", "y"], "tags").to_pylist()
+    assert batch.sparse["tags"].values.tolist() == hash_strings(["x", "y"], "tags").tolist()
     assert batch.sparse["tags"].lengths().tolist() == [1, 0, 1, 0]
 
 
@@ -928,7 +928,7 @@ def test_hashed_features_of_tagged_key_columns(tmp_path: Path) -> None:
     assert "ids" not in reader.hashed_features
     assert ParquetReader(tmp_path, 2, ["ids", "c7"]).hashed_features == {"c7": "C7"}
     (batch,) = list(reader)
-    assert batch.sparse["c7"].values.tolist() == keys.to_pylist()
+    assert batch.sparse["c7"].values.tolist() == keys.tolist()
 
 
 def test_list_of_dictionary_strings() -> None:
@@ -937,7 +937,7 @@ def test_list_of_dictionary_strings() -> None:
     rb = pa.record_batch({"tags": words})
     schema = Schema(rb.schema, "mem", ["tags"], [], {})
     csr = chunk_from_record_batch(rb, schema, "drop", "mem", 0).sparse["tags"]
-    assert csr.values.tolist() == hash_strings(["b", "a", "c"], "tags").to_pylist()
+    assert csr.values.tolist() == hash_strings(["b", "a", "c"], "tags").tolist()
     assert csr.lengths().tolist() == [2, 0, 1, 0]
     with pytest.raises(ValueError, match=r"mem: feature 'tags' has a null value at row 2"):
         chunk_from_record_batch(rb, schema, "raise", "mem", 0)

@@ -61,6 +61,7 @@ from wuliang.ps_server.storage import (
     latest_checkpoint,
     load_args,
 )
+from wuliang.saved_model import quiet_tensorflow
 from wuliang.tower import DENSE_PREFIX, TowerState
 
 __all__ = ["checkpoints", "cut_version", "latest_checkpoint", "restore", "save"]
@@ -129,7 +130,8 @@ def save(
             writer.write_pending(name, *ps.pending_counts(name))
         restored = tower.restored_version()
         if restored is None:
-            tower.checkpoint().write(str(writer.path(DENSE_PREFIX)))
+            with quiet_tensorflow():  # TensorFlow's INFO lines of every write
+                tower.checkpoint().write(str(writer.path(DENSE_PREFIX)))
             writer.add_tree("dense")
             tower.write_saved_model(writer.path(SERVING))
             writer.add_tree(SERVING)

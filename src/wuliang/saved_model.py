@@ -32,9 +32,11 @@ Those leave out ``fingerprint.pb``, whose checkpoint hash would be stale.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -129,8 +131,29 @@ _TEMPLATES: weakref.WeakKeyDictionary[Any, _Template] = weakref.WeakKeyDictionar
 _NOT_COPIED = ("variables/", "fingerprint.pb")
 
 
+@contextlib.contextmanager
+def quiet_tensorflow() -> Iterator[None]:
+    """TensorFlow's INFO lines of every save ("Assets written to …", inputs
+    "with unsupported characters" renamed, sharding callbacks) held back: a
+    user who logs wuliang at INFO sees one line per checkpoint, not four."""
+    loggers = [logging.getLogger(name) for name in ("tensorflow", "absl")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
 def write_saved_model(tower: Servable, path: str | Path) -> None:
     """Writes the tower as a SavedModel into the (new or empty) folder path."""
+    with quiet_tensorflow():
+        _write_saved_model(tower, path)
+
+
+def _write_saved_model(tower: Servable, path: str | Path) -> None:
     import tensorflow as tf
 
     path = Path(path)

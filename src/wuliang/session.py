@@ -37,6 +37,7 @@ from wuliang.embedding.bridge import (
     aligned_empty,
     batch_inputs,
     embedding_of,
+    ends_in_probabilities,
 )
 from wuliang.embedding.features import Feature, split_features
 from wuliang.embedding.kernels import index_in
@@ -73,6 +74,13 @@ class Session:
         loss: a name (``binary_crossentropy``, ``mse``, ``softmax_crossentropy``),
             a callable ``(labels, logits) -> scalar``, or a dict of them per task.
         optimizer: a Keras optimizer for the tower's variables (default Adam(1e-3)).
+        from_logits: whether the tower returns logits (True) or probabilities
+            (False: it ends in a sigmoid, or a softmax for
+            ``softmax_crossentropy``; the loss takes them as probabilities
+            and predictions are the output itself). None (the default): a
+            Keras Sequential or functional tower whose last layer is a
+            sigmoid or softmax (``Dense(1, activation="sigmoid")``, the usual
+            Keras habit) returns probabilities, any other tower logits.
     """
 
     def __init__(
@@ -84,6 +92,7 @@ class Session:
         hooks: Sequence[SessionRunHook] = (),
         loss: str | Callable | Mapping[str, str | Callable] = "binary_crossentropy",
         optimizer: Any = None,
+        from_logits: bool | None = None,
     ) -> None:
         import keras
 
@@ -102,8 +111,11 @@ class Session:
             if self.sparse
             else None
         )
+        logits = _from_logits(tower, loss, from_logits)
         losses: LossFn | dict[str, LossFn] = (
-            {k: LossFn(v) for k, v in loss.items()} if isinstance(loss, Mapping) else LossFn(loss)
+            {k: LossFn(v, logits) for k, v in loss.items()}
+            if isinstance(loss, Mapping)
+            else LossFn(loss, logits)
         )
         self.optimizer = optimizer if optimizer is not None else keras.optimizers.Adam(1e-3)
         self.layout = Layout.of(self.sparse)
@@ -130,6 +142,7 @@ class Session:
         self._hooks_begun = False
         self._failed = False  # a step raised: close() does not end the session hooks
         self._resume_position: dict[str, Any] | None = None  # for the next train()
+        self.restored: Path | None = None  # the checkpoint restored last
 
     # -- public ----------------------------------------------------------------
 
@@ -167,6 +180,7 @@ class Session:
                 raise FileNotFoundError(f"no checkpoint in {target}")
             target = latest
         self._resume_position = checkpoint.restore(self.context, self.tower, target)
+        self.restored = target
 
     def export(self, export_dir: str | os.PathLike, kind: str = "auto") -> Any:
         """Writes the next version of ``export_dir`` from this model
@@ -219,6 +233,7 @@ class Session:
             raise ValueError(f"steps must be an int >= 0 or None, got {steps!r}")
         self._begin(extra)
         ctx = self.context
+        self.prepare_reader(reader, train=True)
         self._attach_preparer(reader)
         self._record_hashing(reader)
         if steps == 0:
@@ -294,7 +309,10 @@ class Session:
                     "evaluate() handles one label; use predict() for multi-task models"
                 )
             metrics.update(labels, out["predictions"].numpy(), float(out["loss"].numpy()))
-        return metrics.result()
+        result = metrics.result()
+        if not result["examples"]:
+            log.warning("evaluate: the reader yielded no examples: the metrics are NaN")
+        return result
 
     def predict(self, reader: Any, steps: int | None = None) -> Iterator[Any]:
         """Predictions per batch (float32 [B], or a dict per task)."""
@@ -352,6 +370,28 @@ class Session:
             self._check_fetches(names, strict=True)
         except KeyError as error:
             raise KeyError(f"{who}: {error.args[0]}") from None
+
+    def prepare_reader(
+        self, reader: Any, label: str | Sequence[str] | None = None, train: bool = True
+    ) -> None:
+        """Tells a reader what this model reads, or checks it up front: a
+        ``ParquetReader`` without features reads the model's (and
+        ``label``); one with features must read every feature of the model
+        (as ids for a sparse feature, as numbers for a dense one) and, to
+        train, a label. ValueError naming what is missing."""
+        use = getattr(reader, "read_model", None)
+        if use is not None:
+            use(
+                sparse=[f.name for f in self.sparse],
+                dense=[f.name for f in self.dense],
+                label=label,
+            )
+        read = getattr(reader, "labels", None)
+        wanted = [] if label is None else [label] if isinstance(label, str) else list(label)
+        if wanted and read is not None and sorted(read) != sorted(wanted):
+            raise ValueError(f"the reader reads label(s) {list(read)}, the model expects {wanted}")
+        if train and read is not None and not read:
+            raise ValueError("training needs labels: the reader reads none (label=...)")
 
     def _attach_preparer(self, reader: Any) -> None:
         """Lets a ParquetReader prepare keys in its own threads, scheduled as
@@ -535,6 +575,7 @@ class Session:
     ) -> Iterator[tuple[Any, dict[str, Any]]]:
         if steps is not None and (not isinstance(steps, int) or steps < 0):
             raise ValueError(f"steps must be an int >= 0 or None, got {steps!r}")
+        self.prepare_reader(reader, train=False)
         self._attach_preparer(reader)
         pipeline = Pipeline(
             iter(reader),
@@ -556,6 +597,29 @@ class Session:
                 yield step, self.functions.evaluate(step.inputs, step.rows, labels=with_labels)
         finally:
             pipeline.close()
+
+
+def _from_logits(tower: Any, loss: Any, from_logits: bool | None) -> bool:
+    """Whether the tower returns logits (see ``Session``'s ``from_logits``)."""
+    if from_logits is not None and not isinstance(from_logits, bool):
+        raise TypeError(f"from_logits must be True, False or None, got {from_logits!r}")
+    probabilities = ends_in_probabilities(tower)
+    cross_entropy = isinstance(loss, str) and loss != "mse"
+    if from_logits is None:
+        if probabilities and cross_entropy:
+            log.info(
+                "the tower ends in a %s: its output is taken as probabilities, not logits "
+                "(from_logits=False)",
+                getattr(tower.layers[-1].activation, "__name__", "sigmoid"),
+            )
+        return not (probabilities and cross_entropy)
+    if from_logits and probabilities and cross_entropy:
+        raise ValueError(
+            "from_logits=True, but the tower's last layer is a "
+            f"{tower.layers[-1].activation.__name__}: its output is probabilities. Remove the "
+            "activation (Dense(1) returns logits) or pass from_logits=False"
+        )
+    return from_logits
 
 
 class _Steps:

@@ -66,6 +66,7 @@ class TowerState:
         # ``hashed_features``), recorded in the model description
         self.hash_fields: dict[str, str] = {}
         self._restore: str | None = None  # checkpoint prefix, read at the next step
+        self._restored_tower: str | None = None  # prefix whose tower variables are in
 
     @property
     def tower(self) -> Any:
@@ -119,6 +120,7 @@ class TowerState:
         """Restores the tower and its optimizer from a TF checkpoint prefix
         at the next step, once traced (so that every variable exists)."""
         self._restore = prefix
+        self._restored_tower = None
 
     @property
     def pending_restore(self) -> str | None:
@@ -137,16 +139,27 @@ class TowerState:
 
     def restore_pending(self, inputs: Any, rows: Sequence[np.ndarray], train: bool) -> None:
         """A scheduled restore: trace (variables exist), then read. A
-        training step clears it; an evaluation keeps it for the first
-        training step (the optimizer's variables exist only once that is
-        traced)."""
+        training step reads the tower and its optimizer and clears it; an
+        evaluation reads the tower's variables only, once, and keeps the
+        rest for the first training step (the optimizer's variables exist
+        only once that is traced), so nothing is left unread and TensorFlow
+        has nothing to warn about."""
+        import tensorflow as tf
+
         if self._restore is None or (train and inputs.labels is None):
             return
+        if not train and self._restored_tower == self._restore:
+            return
         self.functions.trace(inputs, rows, train)
-        status = self.checkpoint().read(self._restore)
-        status.assert_existing_objects_matched()
         if train:
-            self._restore = None
+            status = self.checkpoint().read(self._restore)
+            status.assert_existing_objects_matched()
+            self._restore = self._restored_tower = None
+            return
+        status = tf.train.Checkpoint(**self.trackables()).read(self._restore)
+        status.assert_existing_objects_matched()
+        status.expect_partial()  # the optimizer's values wait for a training step
+        self._restored_tower = self._restore
 
 
 def _trackables_of(fn: Any) -> dict[str, Any]:
