@@ -31,7 +31,7 @@ import socket
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +94,7 @@ class PublishResult:
     model: str
     version: int
     url: str  # without its password
+    _: KW_ONLY
     step: int = 0
     written: bool = True  # rows written (False: they were in Redis already)
     made_current: bool = True  # False: it was current already, nothing changed

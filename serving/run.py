@@ -21,7 +21,7 @@ import logging
 import signal
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 from wuliang.serving.grpc_server import GrpcServer
@@ -40,6 +40,7 @@ class ServeOptions:
     """The options of ``wuliang serve`` (``wuliang serve --help`` explains each)."""
 
     exports: Path | None
+    _: KW_ONLY
     model: str | None = None
     host: str = "127.0.0.1"
     port: int = 8500

@@ -16,6 +16,7 @@ import argparse
 import math
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from wuliang import __version__
@@ -93,6 +94,25 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{help_} (default: {shown})".lstrip()
 
 
+class _SchemaHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, and the description (the schema reference) as written."""
+
+
+class _CsvParser(argparse.ArgumentParser):
+    """``convert csv``: its description is the schema reference, read only
+    when help is shown (it lives with the converter, which imports pyarrow)."""
+
+    @property  # type: ignore[override]
+    def description(self) -> str:
+        from wuliang.reader.convert.csv import SCHEMA_HELP
+
+        return "Converts delimited text to Parquet as a YAML schema describes.\n\n" + SCHEMA_HELP
+
+    @description.setter
+    def description(self, value: str | None) -> None:
+        pass
+
+
 # -- commands ------------------------------------------------------------------------
 
 
@@ -134,6 +154,8 @@ def _convert(args: argparse.Namespace) -> int:
         files = convert.convert_csv(
             args.input, args.out_dir, args.schema, args.rows_per_file, args.delimiter, progress
         )
+        print(f"{files.summary()} to {args.out_dir}")  # rows dropped by the schema's policies
+        return 0
     rows = sum(pq.read_metadata(f).num_rows for f in files)
     print(f"wrote {rows:,} rows in {len(files)} files to {args.out_dir}")
     return 0
@@ -146,9 +168,13 @@ def _export(args: argparse.Namespace) -> int:
     if args.compact:
         result = compact(args.export_dir)
     else:
-        path = latest_checkpoint(args.model_dir)
+        model_dir = Path(args.model_dir)
+        if not model_dir.is_dir():
+            what = "is not a folder" if model_dir.exists() else "does not exist"
+            raise FileNotFoundError(f"model directory {model_dir} {what}")
+        path = latest_checkpoint(model_dir)
         if path is None:
-            raise FileNotFoundError(f"no checkpoint (ckpt-<step>) in {args.model_dir}")
+            raise FileNotFoundError(f"no checkpoint (ckpt-<step>) in {model_dir}")
         kind = "full" if args.full else "auto"
         result = export(CheckpointSource(path), args.export_dir, kind)
     print(result.status())
@@ -275,7 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     movielens = command(formats, "movielens", _convert, help="MovieLens CSVs, one file per day")
     movielens.add_argument("input", help="directory with ratings.csv, movies.csv [, tags.csv]")
     movielens.add_argument("out_dir", help="written: YYYY-MM-DD.parquet, one per day")
+    formats._parser_class = _CsvParser  # its --help shows the whole schema reference
     csv = command(formats, "csv", _convert, help="delimited text described by a YAML schema")
+    formats._parser_class = argparse.ArgumentParser
+    csv.formatter_class = _SchemaHelpFormatter
     csv.add_argument("input", help="the text file (.gz, .bz2, .zst: decompressed)")
     csv.add_argument("out_dir", help="written: part-00000.parquet ...")
     csv.add_argument("--schema", required=True, help="YAML schema of the columns")
