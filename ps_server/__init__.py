@@ -6,7 +6,7 @@ picks the implementation (``factory``); ``Engine`` is the embedded one. See
 ``docs/ps_engine.md`` for the design.
 """
 
-from wuliang.ps_server.engine import Engine, server_of, shard_of
+from wuliang.ps_server.engine import Engine
 from wuliang.ps_server.factory import address_kind, parameter_server, register_backend
 from wuliang.ps_server.interface import (
     Handle,
@@ -20,6 +20,7 @@ from wuliang.ps_server.interface import (
     UnknownTableError,
     as_keys,
 )
+from wuliang.ps_server.routing import server_of, shard_of
 from wuliang.ps_server.spec import (
     FTRL,
     SGD,

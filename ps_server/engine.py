@@ -36,6 +36,13 @@ from typing import Any
 import numpy as np
 
 from wuliang.ps_server import _engine
+from wuliang.ps_server.checks import (
+    as_column,
+    as_float32,
+    check_float32,
+    check_step,
+    check_version,
+)
 from wuliang.ps_server.interface import (
     MISSING,
     ONLY,
@@ -53,49 +60,6 @@ from wuliang.ps_server.interface import (
 from wuliang.ps_server.spec import TableSpec
 
 _ONLY = {name: i for i, name in enumerate(ONLY)}  # C++ Engine::Only
-
-
-def _check_float32(values: Any, shape: tuple[int, ...], what: str) -> None:
-    if not isinstance(values, np.ndarray):
-        raise TypeError(f"{what} must be a numpy float32 array, got {type(values).__name__}")
-    if values.dtype != np.float32:
-        raise TypeError(f"{what} must be float32, got dtype {values.dtype}")
-    if values.shape != shape:
-        raise ValueError(f"{what} has shape {values.shape}, expected {shape}")
-
-
-def _as_float32(values: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
-    """An input array: checked, then made contiguous (no copy if it is)."""
-    _check_float32(values, shape, what)
-    return np.ascontiguousarray(values)
-
-
-def _check_step(step: int | None) -> int | None:
-    if step is None:
-        return None
-    if isinstance(step, bool) or not isinstance(step, int | np.integer) or not 0 <= step < 2**63:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    return int(step)
-
-
-def _check_version(version: Any, what: str) -> int:
-    """A version argument (``since``, ``upto``, ``floor``, ``version``) as an int."""
-    if (
-        isinstance(version, bool)
-        or not isinstance(version, int | np.integer)
-        or not 0 <= version < 2**64
-    ):
-        raise ValueError(f"{what} must be a version >= 0, got {version!r}")
-    return int(version)
-
-
-def _as_column(values: Any, dtype: type, shape: tuple[int, ...], what: str) -> np.ndarray | None:
-    if values is None:
-        return None
-    array = np.ascontiguousarray(values, dtype=dtype)
-    if array.shape != shape:
-        raise ValueError(f"{what} has shape {array.shape}, expected {shape}")
-    return array
 
 
 class Engine(ParameterServer):
@@ -169,7 +133,7 @@ class Engine(ParameterServer):
 
     def restore_version(self, version: int) -> None:
         """Raises the version to at least ``version`` (after restoring rows)."""
-        self.native.restore_version(_check_version(version, "version"))
+        self.native.restore_version(check_version(version, "version"))
 
     # -- tables --------------------------------------------------------------
 
@@ -249,7 +213,7 @@ class Engine(ParameterServer):
             if part.out is None:
                 raise ValueError(f"pull_many: the part for table {part.table!r} has no out")
             args.append(self._pull_args(part))
-        self.native.pull_many(args, train, _check_step(step))
+        self.native.pull_many(args, train, check_step(step))
 
     def push(
         self,
@@ -300,14 +264,14 @@ class Engine(ParameterServer):
         if only != "all" and not unique:
             raise ValueError(f"push_many(only={only!r}) needs unique=True")
         args = [self._push_args(part) for part in parts]
-        return PushResult(**self.native.push_many(args, unique, _ONLY[only], _check_step(step)))
+        return PushResult(**self.native.push_many(args, unique, _ONLY[only], check_step(step)))
 
     def _pull_args(self, part: PullPart) -> tuple:
         tid, spec = self._table(part.table)
         keys = as_keys(part.keys)
         out = part.out
         if out is not None:
-            _check_float32(out, (len(keys), spec.dim), "out")
+            check_float32(out, (len(keys), spec.dim), "out")
             if not out.flags.c_contiguous or not out.flags.writeable:
                 raise ValueError("out must be a writeable C-contiguous array")
         return tid, keys, out, self._offsets(part.shard_offsets)
@@ -316,7 +280,7 @@ class Engine(ParameterServer):
         table = part.table
         tid, spec = self._table(table)
         keys = as_keys(part.keys)
-        grads = _as_float32(part.grads, (len(keys), spec.dim), f"grads for table {table!r}")
+        grads = as_float32(part.grads, (len(keys), spec.dim), f"grads for table {table!r}")
         updated, updated_rows = part.updated, part.updated_rows
         if updated_rows is not None:
             updated_rows = np.asarray(updated_rows)
@@ -330,7 +294,7 @@ class Engine(ParameterServer):
             updated_rows = np.ascontiguousarray(updated_rows)
         if updated is not None:
             rows = len(keys) if updated_rows is None else getattr(updated, "shape", (0,))[0]
-            _check_float32(updated, (rows, spec.dim), "updated")
+            check_float32(updated, (rows, spec.dim), "updated")
             if not updated.flags.c_contiguous or not updated.flags.writeable:
                 raise ValueError("updated must be a writeable C-contiguous array")
         return tid, keys, grads, self._offsets(part.shard_offsets), updated, updated_rows
@@ -362,7 +326,7 @@ class Engine(ParameterServer):
         """See ``ParameterServer.apply_update``: every table staged in C++
         (full: a new table beside the live one; delta: an overlay of its rows
         and removals), then each switched over in turn."""
-        label = _check_version(label, "label")
+        label = check_version(label, "label")
         staged: list[tuple[str, int, TableSpec]] = []
         native = self.native
         try:
@@ -377,12 +341,12 @@ class Engine(ParameterServer):
                     native.stage_rows(
                         handle,
                         as_keys(rows.keys),
-                        _as_float32(rows.weights, (n, spec.dim), f"rows of table {name!r}"),
-                        None if state is None else _as_float32(state, (n, spec.state_dim), "state"),
-                        _as_column(rows.counts, np.uint32, (n,), "counts"),
-                        _as_column(rows.steps, np.uint64, (n,), "steps"),
-                        _as_column(rows.times, np.uint32, (n,), "times"),
-                        _as_column(rows.versions, np.uint64, (n,), "versions"),
+                        as_float32(rows.weights, (n, spec.dim), f"rows of table {name!r}"),
+                        None if state is None else as_float32(state, (n, spec.state_dim), "state"),
+                        as_column(rows.counts, np.uint32, (n,), "counts"),
+                        as_column(rows.steps, np.uint64, (n,), "steps"),
+                        as_column(rows.times, np.uint32, (n,), "times"),
+                        as_column(rows.versions, np.uint64, (n,), "versions"),
                     )
                 if update.removed is not None and len(update.removed):
                     if update.full:
@@ -427,7 +391,33 @@ class Engine(ParameterServer):
     def evict(self, table: str | None = None, *, step: int | None = None) -> dict[str, int]:
         """Applies the eviction policy of one table (or all) now; TTLs in
         steps count back from ``step`` (default: ``self.step``)."""
-        return self.native.evict(-1 if table is None else self._id(table), _check_step(step))
+        return self.native.evict(-1 if table is None else self._id(table), check_step(step))
+
+    # -- eviction's phases, for one table spread over several engines --------
+
+    def evict_by_age(self, table: str, *, step: int | None = None) -> dict[str, int]:
+        """The table's TTL and min-count criteria only (``Eviction``)."""
+        return self.native.evict_by_age(self._id(table), check_step(step))
+
+    def count_histogram(self, table: str) -> np.ndarray:
+        """Rows per update count, uint64 ``[65536]`` (the last bucket: every
+        larger count): what a cut by count needs."""
+        return self.native.count_histogram(self._id(table))
+
+    def steps_at_count(self, table: str, count: int) -> np.ndarray:
+        """The last-update step of every row whose count is in bucket ``count``."""
+        return self.native.steps_at_count(self._id(table), int(count))
+
+    def evict_least_frequent(
+        self, table: str, threshold: int, cutoff: int, quota: int, *, step: int | None = None
+    ) -> dict[str, int]:
+        """Evicts the rows below count bucket ``threshold``, those at it
+        updated before step ``cutoff``, and ``quota`` of those updated at
+        ``cutoff``: one engine's part of a cut found over several engines
+        the way ``evict`` finds it over shards (``max_rows``)."""
+        return self.native.evict_least_frequent(
+            self._id(table), int(threshold), int(cutoff), int(quota), check_step(step)
+        )
 
     def stats(self, table: str | None = None) -> dict[str, Any]:
         """Rows, bytes and counters of one table, or of every table by name."""
@@ -455,7 +445,7 @@ class Engine(ParameterServer):
         tid = self._id(table)
         if not isinstance(chunk_rows, int) or chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows!r}")
-        return self._export_chunks(tid, _check_version(since, "since"), chunk_rows)
+        return self._export_chunks(tid, check_version(since, "since"), chunk_rows)
 
     def _export_chunks(self, tid: int, since: int, chunk_rows: int) -> Iterator[RowChunk]:
         cursor = _engine.ExportCursor()
@@ -469,7 +459,7 @@ class Engine(ParameterServer):
         first. The log is bounded: it is complete only when ``since`` >=
         ``stats(table)["removed_floor"]``."""
         tid = self._id(table)
-        return self.native.removed_log(tid, _check_version(since, "since"))
+        return self.native.removed_log(tid, check_version(since, "since"))
 
     def load_removed(
         self, table: str, keys: KeyArray, versions: np.ndarray, floor: int = 0
@@ -477,9 +467,9 @@ class Engine(ParameterServer):
         """Restores removal records (e.g. a checkpoint's), sorted by version;
         ``floor``: the records are incomplete up to this version."""
         keys = as_keys(keys)
-        versions = _as_column(versions, np.uint64, (len(keys),), "versions")
+        versions = as_column(versions, np.uint64, (len(keys),), "versions")
         tid = self._id(table)
-        self.native.load_removed(tid, keys, versions, _check_version(floor, "floor"))
+        self.native.load_removed(tid, keys, versions, check_version(floor, "floor"))
 
     def pending_counts(self, table: str) -> tuple[np.ndarray, np.ndarray]:
         """(keys uint64, counts uint32) of the keys seen but not admitted yet
@@ -491,13 +481,13 @@ class Engine(ParameterServer):
         checkpoint's). Keys that have a row are skipped; a count of 0 forgets
         the key."""
         keys = as_keys(keys)
-        counts = _as_column(counts, np.uint32, (len(keys),), "counts")
+        counts = as_column(counts, np.uint32, (len(keys),), "counts")
         self.native.load_pending(self._id(table), keys, counts)
 
     def trim_removed(self, table: str, upto: int) -> None:
         """Forgets removal records of versions <= upto (after exporting them)."""
         tid = self._id(table)
-        self.native.trim_removed(tid, _check_version(upto, "upto"))
+        self.native.trim_removed(tid, check_version(upto, "upto"))
 
     def load(
         self,
@@ -523,36 +513,11 @@ class Engine(ParameterServer):
         self.native.load(
             tid,
             keys,
-            _as_float32(weights, (n, spec.dim), "weights"),
-            None if state is None else _as_float32(state, (n, spec.state_dim), "state"),
-            _as_column(counts, np.uint32, (n,), "counts"),
-            _as_column(steps, np.uint64, (n,), "steps"),
-            _as_column(times, np.uint32, (n,), "times"),
-            _as_column(versions, np.uint64, (n,), "versions"),
-            _check_step(step),
+            as_float32(weights, (n, spec.dim), "weights"),
+            None if state is None else as_float32(state, (n, spec.state_dim), "state"),
+            as_column(counts, np.uint32, (n,), "counts"),
+            as_column(steps, np.uint64, (n,), "steps"),
+            as_column(times, np.uint32, (n,), "times"),
+            as_column(versions, np.uint64, (n,), "versions"),
+            check_step(step),
         )
-
-
-def shard_of(keys: KeyArray, num_shards: int) -> np.ndarray:
-    """Shard of every key (uint32) in an engine of ``num_shards`` shards, as the
-    engine and the reader's key preparation compute it: the high 32 bits of
-    ``Mix64(key)`` scaled to ``[0, num_shards)``. Stable across releases."""
-    return _engine.shard_of(as_keys(keys), _check_count(num_shards, "num_shards"))
-
-
-def server_of(keys: KeyArray, num_servers: int) -> np.ndarray:
-    """Parameter server of every key (uint32) among ``num_servers`` servers.
-
-    Inside server ``server_of(k, N)`` key ``k`` lives in shard
-    ``shard_of(k, S)``. The two are computed from independent hashes
-    (``Mix64(key + 0x9E3779B97F4A7C15)`` for the server, ``Mix64(key)`` for
-    the shard), so every (server, shard) pair gets ``1 / (N * S)`` of the keys;
-    routing servers by ``shard_of(k, N)`` would leave most shards of every
-    server empty."""
-    return _engine.server_of(as_keys(keys), _check_count(num_servers, "num_servers"))
-
-
-def _check_count(n: int, what: str) -> int:
-    if isinstance(n, bool) or not isinstance(n, int | np.integer) or not 1 <= n < 2**32:
-        raise ValueError(f"{what} must be an int in [1, 2**32), got {n!r}")
-    return int(n)

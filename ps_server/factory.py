@@ -4,7 +4,9 @@
 parameter server:
 
 * ``"embedded"``: the C++ engine in this process (``Engine``);
-* a list of ``"host:port"``: remote servers (``"remote"`` backend);
+* a list of ``"host:port"`` (or one string of them separated by commas):
+  remote servers, ``wuliang ps`` processes (``RemoteServer``, loaded on
+  first use: it needs grpcio, the ``remote`` extra);
 * more kinds (a GPU-cached front) register with ``register_backend``.
 
 A backend is a function ``(address, num_shards) -> ParameterServer``. An
@@ -28,7 +30,7 @@ _BACKENDS: dict[str, Backend] = {}
 _HOST_PORT = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(?P<port>\d{1,5})")
 FORMS = {
     "embedded": '"embedded" (the engine in this process)',
-    "remote": '["host:port", ...] (remote parameter servers)',
+    "remote": '["host:port", ...] or "host:port,host:port" (remote parameter servers)',
 }
 
 
@@ -53,6 +55,8 @@ def parameter_server(
             CPU, at most 16).
     """
     kind = address_kind(address)
+    if kind == "remote" and isinstance(address, str):
+        address = [a.strip() for a in address.split(",")]
     backend = _BACKENDS.get(kind)
     if backend is None:
         available = ", ".join(FORMS.get(k, repr(k)) for k in _BACKENDS)
@@ -67,6 +71,8 @@ def address_kind(address: object) -> str:
     """``"embedded"`` or ``"remote"``; ValueError naming a bad address."""
     if address == "embedded":
         return "embedded"
+    if isinstance(address, str) and ":" in address:
+        address = [a.strip() for a in address.split(",")]
     if isinstance(address, list | tuple) and address:
         bad = [a for a in address if not isinstance(a, str) or not _valid_host_port(a)]
         if not bad:
@@ -90,4 +96,20 @@ def _embedded(address: Any, num_shards: int | None) -> ParameterServer:
     return Engine(num_shards if num_shards is not None else default_shards())
 
 
+def _remote(address: Any, num_shards: int | None) -> ParameterServer:
+    if num_shards is not None:
+        raise ValueError(
+            "num_shards is for an embedded engine: remote servers have the shard threads "
+            "they were started with (wuliang ps --threads)"
+        )
+    try:
+        from wuliang.ps_server.remote.client import RemoteServer
+    except ImportError as error:  # grpcio is an extra
+        raise ImportError(
+            f"remote parameter servers need grpcio ({error}): pip install 'wuliang[remote]'"
+        ) from error
+    return RemoteServer(list(address))
+
+
 register_backend("embedded", _embedded)
+register_backend("remote", _remote)

@@ -45,17 +45,24 @@ tables there are.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Generic, NamedTuple, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 
 from wuliang.ps_server import _engine
+from wuliang.ps_server.checks import as_keys
+from wuliang.ps_server.chunk import RowChunk
 from wuliang.ps_server.spec import TableSpec
 from wuliang.ps_server.threads import check_background, set_background
+
+if TYPE_CHECKING:
+    from wuliang.ps_server.storage.manifest import FileEntry
 
 T = TypeVar("T")
 KeyArray = np.ndarray | Sequence[int]
@@ -86,28 +93,13 @@ class PushResult:
 
 
 @dataclass(frozen=True)
-class RowChunk:
-    """Rows of one table, as ``export`` yields them and ``load`` takes them."""
-
-    keys: np.ndarray  # uint64 [n]
-    weights: np.ndarray  # float32 [n, dim]
-    state: np.ndarray  # float32 [n, state_dim] optimizer state
-    counts: np.ndarray  # uint32 [n] updates (+ sightings before admission)
-    steps: np.ndarray  # uint64 [n] step of the last update
-    times: np.ndarray  # uint32 [n] unix time of the last update
-    versions: np.ndarray  # uint64 [n] version of the last modification
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-
-@dataclass(frozen=True)
 class PullPart:
     """One table's part of ``pull_many``: the arguments of a ``pull``.
 
-    ``shard_offsets`` (int64, ``num_shards + 1``): the keys are already
-    grouped by shard (``wuliang.reader.KeyPreparer``), so the server skips
-    grouping them (and checks the grouping).
+    ``shard_offsets`` (int64, ``num_servers * num_shards + 1``): the keys
+    are already grouped by (server, shard) cell (``wuliang.reader.
+    KeyPreparer``), so the server skips grouping them (and checks the
+    grouping).
     """
 
     table: str
@@ -193,8 +185,14 @@ class ParameterServer(abc.ABC):
     @property
     @abc.abstractmethod
     def num_shards(self) -> int:
-        """How many groups a batch's keys are split into (``shard_of``); key
-        preparation groups keys the same way ahead of ``pull_many``."""
+        """Shards of each server (``shard_of``); key preparation groups a
+        batch's keys by (server, shard) ahead of ``pull_many``."""
+
+    @property
+    def num_servers(self) -> int:
+        """Servers the keys are partitioned over (``server_of``); 1 for an
+        embedded engine."""
+        return 1
 
     def close(self) -> None:
         """Releases the server (its tables, for an embedded one)."""
@@ -432,6 +430,53 @@ class ParameterServer(abc.ABC):
         its version stages land before the version; writes during the short
         switch are refused (RuntimeError naming the table)."""
 
+    # -- admin half: rows of a version on disk --------------------------------
+
+    def write_rows(
+        self, folder: Path, spec: TableSpec, *, since: int = 0, state: bool
+    ) -> tuple[list[tuple[str, FileEntry]], int]:
+        """Writes a table's rows modified after ``since`` (0: all) as part
+        files into a version's folder (``wuliang.ps_server.storage``; with
+        the optimizer state when ``state``); returns ((relative path, entry)
+        of each file, rows). This one streams the rows through this
+        process; remote servers write their own parts."""
+        from wuliang.ps_server.storage.version import write_parts
+
+        chunks = self.export(spec.name, since=since)
+        return write_parts(Path(folder), spec, chunks, state=state)
+
+    def load_rows(
+        self,
+        folder: Path,
+        table: str,
+        files: Sequence[str],
+        *,
+        step: int | None = None,
+        since: int = 0,
+        owned: tuple[int, int] | None = None,
+    ) -> int:
+        """Loads a table's rows from part files of a version (relative to
+        its folder, checked by the caller), those modified after ``since``;
+        returns how many. ``owned=(i, n)``: only the keys of server i of n
+        (``server_of``). Remote servers each load the rows they own."""
+        from wuliang.ps_server.routing import server_of
+        from wuliang.ps_server.storage.rows import read_part, select_rows
+
+        loaded = 0
+        for relative in files:
+            for chunk in read_part(Path(folder) / relative):
+                keep = np.ones(len(chunk), bool)
+                if since:
+                    keep &= chunk.versions > since
+                if owned is not None:
+                    keep &= server_of(chunk.keys, owned[1]) == owned[0]
+                if not keep.all():
+                    chunk = select_rows(chunk, keep)
+                if len(chunk):
+                    self.load(table, **load_columns(chunk), step=step)
+                    loaded += len(chunk)
+        return loaded
+
     # -- admin half: versions ------------------------------------------------
 
     @property
@@ -448,14 +493,10 @@ class ParameterServer(abc.ABC):
         """Raises the version to at least ``version`` (after restoring rows)."""
 
 
-def as_keys(keys: Any, what: str = "keys") -> np.ndarray:
-    """Keys as a contiguous 1-D int64/uint64 array (no copy if already)."""
-    if not isinstance(keys, np.ndarray):
-        keys = np.asarray(keys)
-        if keys.size == 0:
-            keys = keys.astype(np.uint64)
-    if keys.dtype != np.int64 and keys.dtype != np.uint64:
-        raise TypeError(f"{what} must be an int64 or uint64 array, got dtype {keys.dtype}")
-    if keys.ndim != 1:
-        raise ValueError(f"{what} must be 1-D, got shape {keys.shape}")
-    return np.ascontiguousarray(keys)
+def load_columns(rows: RowChunk) -> dict[str, np.ndarray | None]:
+    """``load`` keyword arguments of a chunk (its field names; no state
+    where none was stored)."""
+    args = {f.name: getattr(rows, f.name) for f in dataclasses.fields(rows)}
+    if rows.state.shape[1] == 0:
+        args["state"] = None
+    return args

@@ -3,7 +3,7 @@
 import numpy as np
 
 def prepare_keys(
-    features: list[tuple[int, np.ndarray]], num_tables: int, num_shards: int
+    features: list[tuple[int, np.ndarray]], num_tables: int, num_shards: int, num_servers: int = 1
 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[np.ndarray]]: ...
 def field_seed(field: str) -> int: ...
 def hash_strings(

@@ -44,9 +44,10 @@ class FeatureIndex:
 class PreparedKeys:
     tables: dict[str, TableKeys]
     features: dict[str, FeatureIndex]
-    num_shards: int
+    num_shards: int  # per server
     feature_tables: dict[str, str] = field(default_factory=dict)  # the map they were prepared for
     max_lens: dict[str, int] = field(default_factory=dict)  # the trims they were prepared with
+    num_servers: int = 1  # uniques grouped by (server, shard) cells
 
 
 class KeyPreparer:
@@ -56,6 +57,11 @@ class KeyPreparer:
         feature_tables: sparse feature name -> table name; several features
             may share a table (their keys are deduplicated together).
         num_shards: the engine's shard count (uniques are grouped by shard).
+        num_servers: parameter servers of ``num_shards`` shards each: the
+            uniques are grouped by cell, ``server_of(key, num_servers) *
+            num_shards + shard_of(key, num_shards)``, so each server's keys
+            are one run (``shard_offsets`` has ``num_servers * num_shards +
+            1`` entries).
         max_lens: feature name -> the most values a row keeps (its first
             ones): a sequence feature's ``max_len``. The rest are dropped
             before the keys are found, so they are neither pulled nor pushed.
@@ -66,11 +72,15 @@ class KeyPreparer:
         feature_tables: Mapping[str, str],
         num_shards: int = 1,
         max_lens: Mapping[str, int] | None = None,
+        *,
+        num_servers: int = 1,
     ) -> None:
         if not feature_tables:
             raise ValueError("feature_tables must map at least one feature to a table")
         if not isinstance(num_shards, int) or num_shards < 1:
             raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+        if not isinstance(num_servers, int) or num_servers < 1:
+            raise ValueError(f"num_servers must be an int >= 1, got {num_servers!r}")
         self.max_lens = dict(max_lens or {})
         for name, n in self.max_lens.items():
             if name not in feature_tables:
@@ -81,6 +91,7 @@ class KeyPreparer:
         self.tables = list(dict.fromkeys(self.feature_tables.values()))
         self._table_index = {t: i for i, t in enumerate(self.tables)}
         self.num_shards = num_shards
+        self.num_servers = num_servers
 
     def __call__(self, batch: CsrBatch) -> PreparedKeys:
         inputs = []
@@ -101,7 +112,9 @@ class KeyPreparer:
                 csr = _first_values(csr, self.max_lens[name])
             csrs[name] = csr
             inputs.append((self._table_index[table], np.ascontiguousarray(csr.values)))
-        tables, inverses = _reader.prepare_keys(inputs, len(self.tables), self.num_shards)
+        tables, inverses = _reader.prepare_keys(
+            inputs, len(self.tables), self.num_shards, self.num_servers
+        )
         features = {
             name: FeatureIndex(table, inverse, csrs[name].offsets, csrs[name].weights)
             for (name, table), inverse in zip(self.feature_tables.items(), inverses, strict=True)
@@ -112,6 +125,7 @@ class KeyPreparer:
             num_shards=self.num_shards,
             feature_tables=self.feature_tables,
             max_lens=self.max_lens,
+            num_servers=self.num_servers,
         )
 
 

@@ -48,8 +48,8 @@ _NAMES = {
     "PredictAnswer": "wuliang.serving.predict",
     "GrpcServer": "wuliang.serving.grpc_server",
     "HttpServer": "wuliang.serving.http_server",
-    "ServerTls": "wuliang.serving.tls",
-    "TlsError": "wuliang.serving.tls",
+    "ServerTls": "wuliang.ps_server.rpc.tls",
+    "TlsError": "wuliang.ps_server.rpc.tls",
     "ServingError": "wuliang.serving.errors",
 }
 

@@ -41,6 +41,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from wuliang.ps_server import LookupResult
+from wuliang.ps_server.rpc.auth import bearer
 from wuliang.serving import proto
 from wuliang.serving.errors import InvalidArgument
 from wuliang.serving.features import parse_keys
@@ -86,7 +87,7 @@ class Client:
             self.channel = grpc.secure_channel(address, credentials, options=options)
         self.timeout = timeout
         self.model = model
-        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.metadata = bearer(token) if token else ()
         self._calls = {
             method: self.channel.unary_unary(
                 proto.method_path(method),

@@ -28,14 +28,15 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from wuliang.ps_server.rpc.auth import metadata_token
+from wuliang.ps_server.rpc.net import grpc_address, listen_error
+from wuliang.ps_server.rpc.tls import ServerTls
 from wuliang.ps_server.storage import ModelDescription
 from wuliang.serving import proto
 from wuliang.serving.errors import InvalidArgument, ServingError
 from wuliang.serving.features import string_keys_of_bytes
-from wuliang.serving.net import grpc_address, listen_error
 from wuliang.serving.predict import FeatureInput
 from wuliang.serving.service import Service
-from wuliang.serving.tls import ServerTls
 
 __all__ = ["GrpcServer", "features", "serving_handler"]
 
@@ -45,10 +46,7 @@ MAX_DETAILS_BYTES = 2000  # of an error's message (see details())
 
 
 def _token(context: grpc.ServicerContext) -> str | None:
-    for key, value in context.invocation_metadata():
-        if key == "authorization":
-            return value.removeprefix("Bearer ").strip()
-    return None
+    return metadata_token(context.invocation_metadata())
 
 
 def _array(data: bytes, dtype: str, what: str) -> np.ndarray:

@@ -87,12 +87,12 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from wuliang.ps_server.rpc.net import listen_error
+from wuliang.ps_server.rpc.tls import ServerTls
 from wuliang.serving.errors import NotFound, ServingError, TooLarge
 from wuliang.serving.http_json import PredictRequest, lookup_keys
 from wuliang.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from wuliang.serving.net import listen_error
 from wuliang.serving.service import Service
-from wuliang.serving.tls import ServerTls
 
 log = logging.getLogger("wuliang.serving")
 

@@ -15,11 +15,11 @@ serializers.
 
 from __future__ import annotations
 
-import base64
 from typing import Any
 
 import numpy as np
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+from wuliang.ps_server.rpc.messages import decode_descriptor, message_classes
 
 SERVICE = "wuliang.serving.Serving"
 METHODS = ("Lookup", "Predict", "Status")
@@ -56,21 +56,10 @@ _DESCRIPTOR = (
 
 def descriptor_bytes() -> bytes:
     """The serialized ``FileDescriptorProto`` of ``serving.proto``."""
-    return base64.b64decode("".join(_DESCRIPTOR))
+    return decode_descriptor("".join(_DESCRIPTOR))
 
 
-def _messages() -> dict[str, Any]:
-    proto = descriptor_pb2.FileDescriptorProto.FromString(descriptor_bytes())
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(proto)
-    file = pool.FindFileByName(proto.name)
-    return {
-        name: message_factory.GetMessageClass(file.message_types_by_name[name])
-        for name in file.message_types_by_name
-    }
-
-
-_M = _messages()
+_M = message_classes(descriptor_bytes())
 LookupRequest = _M["LookupRequest"]
 LookupResponse = _M["LookupResponse"]
 Feature = _M["Feature"]

@@ -24,11 +24,12 @@ import threading
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
+from wuliang.ps_server.rpc.auth import read_token
+from wuliang.ps_server.rpc.tls import ServerTls
 from wuliang.serving.grpc_server import GrpcServer
 from wuliang.serving.model import ServedModel
 from wuliang.serving.service import MAX_REQUEST_BYTES, Service
 from wuliang.serving.store import ModelStore
-from wuliang.serving.tls import ServerTls
 
 __all__ = ["Running", "ServeOptions", "read_token", "serve", "start"]
 
@@ -81,17 +82,6 @@ class Running:
         if self.http is not None:
             out += f", {'https' if tls else 'http'} {shown}:{self.http.port}"  # type: ignore[attr-defined]
         return out
-
-
-def read_token(path: Path) -> str:
-    """The token in a file (surrounding whitespace dropped); ValueError when empty."""
-    try:
-        token = path.read_text().strip()
-    except OSError as error:
-        raise OSError(f"token file {path} cannot be read: {error.strerror or error}") from None
-    if not token:
-        raise ValueError(f"token file {path} is empty")
-    return token
 
 
 def check_options(options: ServeOptions) -> None:

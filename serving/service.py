@@ -19,7 +19,6 @@ again from the new snapshot (for up to ``SWITCH_SECONDS``).
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from wuliang.ps_server import LookupResult
+from wuliang.ps_server.rpc.auth import token_matches
 from wuliang.serving.errors import (
     InvalidArgument,
     NotFound,
@@ -127,9 +127,7 @@ class Service:
 
     def authorize(self, token: str | None) -> None:
         """Unauthenticated unless the request's token is the service's."""
-        if self.token is None:
-            return
-        if token is None or not hmac.compare_digest(token.encode(), self.token.encode()):
+        if not token_matches(token, self.token):
             raise Unauthenticated("a valid token is required (authorization: Bearer <token>)")
 
     def observed(self, transport: str, endpoint: str) -> _Observed:

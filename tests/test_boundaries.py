@@ -53,6 +53,8 @@ TF_FREE = (
     "wuliang.export",
     "wuliang.embedding",
     "wuliang.embedding.kernels",
+    "wuliang.serving",
+    "wuliang.serving.versions",
 )
 
 

@@ -128,6 +128,9 @@ USAGE_ERRORS = [  # (arguments, command, a part of the message)
     (["serve"], "serve", "--exports is required (or --redis)"),
     (["serve", "--exports", "e", "--tls-key", "k.pem"], "serve", "--tls-cert and --tls-key"),
     (["serve", "--exports", "e", "--missing", "maybe"], "serve", "--missing"),
+    (["ps"], "ps", "--port"),
+    (["ps", "--port", "1", "--tls-cert", "c.pem"], "ps", "--tls-cert and --tls-key"),
+    (["ps", "--port", "70000"], "ps", "--port"),
     (["publish", "--export-dir", "e"], "publish", "--redis"),
     (["publish", "--export-dir", "e", "--redis", "redis://x", "--retention", "0"], "publish",
      "--retention"),
@@ -138,7 +141,9 @@ FAILURES = [  # (arguments, command, a part of the message): the arguments are f
     (["convert", "movielens", "none", "out"], "convert movielens", "none does not exist"),
     (["convert", "csv", "in.csv", "out", "--schema", "none.yaml"], "convert csv",
      "schema file none.yaml does not exist"),
-    (["export", "--model-dir", "none", "--export-dir", "e"], "export", "no checkpoint"),
+    (["export", "--model-dir", "none", "--export-dir", "e"], "export",
+     "model directory none does not exist"),
+    (["ps", "--port", "1", "--token-file", "none"], "ps", "token file none cannot be read"),
     (["serve", "--exports", "none"], "serve", "export directory none does not exist"),
     (["publish", "--export-dir", "none", "--redis", "redis://127.0.0.1:1/0"], "publish",
      "export directory none does not exist"),
@@ -278,6 +283,7 @@ def test_export_compact_of_a_missing_folder_creates_nothing(tmp_path: Path) -> N
 
 def test_export_without_a_checkpoint_is_a_clean_error(tmp_path: Path) -> None:
     model_dir, exports = tmp_path / "model", tmp_path / "exports"
+    model_dir.mkdir()  # a folder without checkpoints (a missing one is named as such)
     done = run([str(SCRIPT), "export", "--model-dir", str(model_dir), "--export-dir", str(exports)])
     assert_user_error(done, "export", "no checkpoint", str(model_dir))
     assert not exports.exists()
@@ -293,6 +299,7 @@ HELP_COMMANDS = [
     ["convert", "csv"],
     ["export"],
     ["serve"],
+    ["ps"],
     ["publish"],
 ]
 

@@ -222,7 +222,10 @@ def test_errors_are_clear_and_corruption_is_refused_by_name(tmp_path: Path) -> N
     files = write_data(tmp_path)
     model_dir, exports = tmp_path / "model", tmp_path / "exports"
     missing = cli("--model-dir", str(model_dir), "--export-dir", str(exports), cwd=tmp_path)
-    assert missing.returncode == 1 and "no checkpoint" in missing.stderr
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    model_dir.mkdir()
+    empty = cli("--model-dir", str(model_dir), "--export-dir", str(exports), cwd=tmp_path)
+    assert empty.returncode == 1 and "no checkpoint" in empty.stderr
     no_model = cli("--export-dir", str(exports), cwd=tmp_path)
     assert no_model.returncode == 2 and "--model-dir" in no_model.stderr  # usage
     nothing = cli("--compact", "--export-dir", str(exports), cwd=tmp_path)

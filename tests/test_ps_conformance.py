@@ -1,7 +1,8 @@
 """Conformance suite of the parameter-server interface (``wuliang.ps_server.ParameterServer``).
 
-Every implementation of the interface (the embedded engine today; a remote
-gRPC client and a GPU-cached front later) must pass this file unchanged.
+Every implementation of the interface (the embedded engine; the remote
+client over two parameter servers on threads of this process; a GPU-cached
+front later) must pass this file unchanged.
 
 How an implementation joins: add one entry to ``IMPLEMENTATIONS``, a name and
 a function ``num_shards -> ParameterServer`` that returns a fresh, empty
@@ -69,18 +70,44 @@ from wuliang.ps_server import (
     PushResult,
     RowChunk,
     TableSpec,
+    TableUpdate,
     TruncatedNormal,
     Uniform,
     UnknownTableError,
     Zeros,
     parameter_server,
+    server_of,
+    shard_of,
 )
 
 MakeServer = Callable[[int], ParameterServer]
 
+
+def remote_on_threads(shards: int, servers: int = 2) -> ParameterServer:
+    """A RemoteServer over ``servers`` parameter servers running on threads
+    of this process (each an engine of ``shards`` shards behind gRPC on a
+    free loopback port); closing the client stops them."""
+    from wuliang.ps_server import Engine
+    from wuliang.ps_server.remote.client import RemoteServer
+    from wuliang.ps_server.remote.server import PsServer
+
+    running = [PsServer(Engine(shards), "127.0.0.1", 0, threads=8) for _ in range(servers)]
+    client = RemoteServer([f"127.0.0.1:{s.port}" for s in running], timeout=30.0)
+    close = client.close
+
+    def close_all() -> None:
+        close()
+        for server in running:
+            server.stop(grace=None)
+
+    client.close = close_all  # type: ignore[method-assign]
+    return client
+
+
 # name -> a fresh, empty server with that many shards. One entry per implementation.
 IMPLEMENTATIONS: dict[str, MakeServer] = {
     "embedded": lambda shards: parameter_server("embedded", num_shards=shards),
+    "remote": remote_on_threads,
 }
 SHARDS = (1, 3)
 OTHER_SHARDS = {1: 4, 3: 2}  # the shard count of a second server, for round trips
@@ -1089,3 +1116,94 @@ def test_pull_many_equals_pulls_one_by_one(ps: ParameterServer) -> None:
     assert ps.contains(b, keys).all()  # the training pull created b's rows
     assert ps.pull(a, []).shape == (0, 4)
     assert ps.push(a, [], np.zeros((0, 4), F32)) == PushResult(0, 0, 0, 0)
+
+
+# --- 10. keys grouped by (server, shard), lookups, versions applied --------------------
+
+
+def grouped(ps: ParameterServer, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Keys sorted by (server, shard) cell as the key preparer groups them,
+    and the cells' offsets (``num_servers * num_shards + 1``)."""
+    n, s = ps.num_servers, ps.num_shards
+    cells = server_of(keys, n).astype(np.int64) * s + shard_of(keys, s)
+    order = np.argsort(cells, kind="stable")
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(cells, minlength=n * s))])
+    return keys[order], offsets.astype(np.int64)
+
+
+def test_keys_grouped_by_cell_pull_and_push_as_ungrouped(ps: ParameterServer) -> None:
+    """Pulls and pushes of keys grouped by (server, shard) cell with their
+    offsets give what the same keys give ungrouped; offsets that do not fit
+    the keys are a ValueError."""
+    a = sgd_table(ps, "a", dim=4)
+    keys, offsets = grouped(ps, np.unique(np.arange(0, 500, 7, dtype=np.uint64) * 977))
+    out = np.empty((len(keys), 4), F32)
+    ps.pull_many([PullPart(a, keys, out, offsets)], step=1)
+    np.testing.assert_array_equal(out, ps.pull(a, keys, train=False))
+    grads = np.arange(len(keys) * 4, dtype=F32).reshape(-1, 4) / 100
+    before = ps.pull(a, keys, train=False)
+    part = PushPart(a, keys, grads, offsets)
+    assert ps.push_many([part], unique=True, step=1).applied == len(keys)
+    np.testing.assert_allclose(ps.pull(a, keys, train=False), before - grads, rtol=1e-6)
+    for bad in (offsets[:-1], offsets + 1, offsets[::-1].copy()):
+        with pytest.raises(ValueError, match="offsets"):
+            ps.pull_many([PullPart(a, keys, out, bad)])
+
+
+def test_lookup_reads_rows_found_and_the_version_label(ps: ParameterServer) -> None:
+    """``lookup`` gives each key's row and whether it has one; a key without a
+    row reads as zeros (``missing="zeros"``) or its initial vector
+    (``"initial"``); the label is the last applied version's (0 before)."""
+    t = sgd_table(ps, dim=3)
+    keys = np.array([1, 2, 3, -9], np.int64)
+    ps.push(t, keys[:2], full(2, 3), step=1)
+    rows, found, label = ps.lookup(t, keys)
+    np.testing.assert_array_equal(found, [True, True, False, False])
+    np.testing.assert_array_equal(rows[:2], ps.pull(t, keys[:2], train=False))
+    np.testing.assert_array_equal(rows[2:], np.zeros((2, 3), F32))
+    initial, _, _ = ps.lookup(t, keys, missing="initial")
+    np.testing.assert_array_equal(initial[2:], ps.pull(t, keys[2:], train=False))
+    assert label == 0
+    assert not ps.contains(t, keys[2:]).any()  # a lookup creates nothing
+    with pytest.raises(ValueError, match="missing"):
+        ps.lookup(t, keys, missing="mean")
+
+
+def rows_of(keys: np.ndarray, weights: np.ndarray, version: int = 1) -> RowChunk:
+    n = len(keys)
+    return RowChunk(
+        keys=np.asarray(keys, np.uint64),
+        weights=weights.astype(F32),
+        state=np.zeros((n, 0), F32),
+        counts=np.ones(n, np.uint32),
+        steps=np.full(n, 5, np.uint64),
+        times=np.full(n, 1_700_000_000, np.uint32),
+        versions=np.full(n, version, np.uint64),
+    )
+
+
+def test_apply_update_full_then_delta(ps: ParameterServer) -> None:
+    """A full version replaces a table (created from its spec when missing),
+    a delta replaces or adds its rows and removes its keys; lookups then
+    report each version's label."""
+    spec = TableSpec("served", 2, optimizer=SGD(), initializer=Zeros(), serving=True)
+    keys = np.arange(1, 201, dtype=np.uint64) * 31
+    first = rows_of(keys, np.stack([keys.astype(F32), np.ones(len(keys), F32)], axis=1))
+    ps.apply_update({"served": TableUpdate(spec, full=True, rows=[first])}, label=7)
+    rows, found, label = ps.lookup("served", keys)
+    assert found.all() and label == 7
+    np.testing.assert_array_equal(rows, first.weights)
+    changed, gone = keys[:50], keys[150:]
+    new = np.arange(1, 11, dtype=np.uint64) * 1_000_003
+    delta = rows_of(np.concatenate([changed, new]), np.full((60, 2), -1, F32), version=2)
+    update = TableUpdate(spec, full=False, rows=[delta], removed=gone)
+    ps.apply_update({"served": update}, label=8)
+    rows, found, label = ps.lookup("served", np.concatenate([keys, new]))
+    assert label == 8
+    np.testing.assert_array_equal(found, np.concatenate([np.ones(150, bool), np.zeros(50, bool),
+                                                         np.ones(10, bool)]))  # fmt: skip
+    np.testing.assert_array_equal(rows[:50], np.full((50, 2), -1, F32))
+    np.testing.assert_array_equal(rows[50:150], first.weights[50:150])
+    assert ps.stats("served")["rows"] == 160
+    with pytest.raises(ValueError, match="served"):
+        ps.push("served", keys[:1], full(1, 2))  # a serving table takes versions only

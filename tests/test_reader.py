@@ -50,7 +50,13 @@ BIG_U64 = [2**64 - 1, 2**63, 2**63 + 12345, 2**40 + 7]
 
 
 def wuliang_threads() -> list[str]:
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("wuliang-"))
+    """wuliang's threads, but parameter servers' call threads (their
+    ``*_async`` calls), which live until the server is closed."""
+    return sorted(
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith("wuliang-") and not t.name.startswith("wuliang-ps-call")
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from small_model import trained_export
 
+from wuliang.ps_server.rpc.tls import ServerTls
 from wuliang.serving.http_server import HttpServer
 from wuliang.serving.predict import FeatureInput, PredictAnswer
 from wuliang.serving.service import Service
 from wuliang.serving.store import ModelStore
-from wuliang.serving.tls import ServerTls
 
 MAX_BODY = 1 << 20
 MAX_ROWS = 1000

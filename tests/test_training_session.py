@@ -545,7 +545,9 @@ def test_a_reader_shared_by_two_sessions(tmp_path: Path, maps: str) -> None:
 
 def test_context_arguments() -> None:
     with pytest.raises(ValueError, match="embedded"):
-        wl.Context(ps="host:1234")
+        wl.Context(ps="nowhere")
+    with pytest.raises(ValueError, match="'host:99999' is not a host:port"):
+        wl.Context(ps=["host:99999"])
     with pytest.raises(ValueError, match="staleness"):
         wl.Context(staleness=2)
     with pytest.raises(ValueError, match="prefetch"):

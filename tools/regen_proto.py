@@ -1,7 +1,9 @@
-"""Rebuilds the descriptor in serving/proto.py from serving/serving.proto.
+"""Rebuilds the descriptors kept in Python beside each ``.proto``:
+serving/proto.py from serving/serving.proto, ps_server/remote/proto.py from
+ps_server/remote/ps.proto.
 
-Run as ``make protos`` after editing serving.proto (needs grpcio-tools, a
-test dependency).
+Run as ``make protos`` after editing a .proto (needs grpcio-tools, a test
+dependency).
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PROTO = REPO / "serving" / "serving.proto"
-MODULE = REPO / "serving" / "proto.py"
+# .proto -> (the module keeping its descriptor, the name it is compiled under)
+PROTOS = {
+    PROTO: (REPO / "serving" / "proto.py", "wuliang/serving/serving.proto"),
+    REPO / "ps_server" / "remote" / "ps.proto": (
+        REPO / "ps_server" / "remote" / "proto.py",
+        "wuliang/ps_server/remote/ps.proto",
+    ),
+}
 
 
 def compiled_descriptor(proto: Path = PROTO) -> bytes:
@@ -26,7 +35,7 @@ def compiled_descriptor(proto: Path = PROTO) -> bytes:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        target = root / "wuliang" / "serving" / "serving.proto"
+        target = root / PROTOS[proto][1]
         target.parent.mkdir(parents=True)
         target.write_bytes(proto.read_bytes())
         out = root / "set.pb"
@@ -43,12 +52,15 @@ def compiled_descriptor(proto: Path = PROTO) -> bytes:
 
 
 def main() -> None:
-    encoded = base64.b64encode(compiled_descriptor()).decode()
-    lines = "\n".join(f'    "{line}"' for line in textwrap.wrap(encoded, 76))
-    text = MODULE.read_text()
-    text = re.sub(r"_DESCRIPTOR = \(\n.*?\n\)", f"_DESCRIPTOR = (\n{lines}\n)", text, flags=re.S)
-    MODULE.write_text(text)
-    print(f"updated {MODULE.relative_to(REPO)}")
+    for proto, (module, _) in PROTOS.items():
+        encoded = base64.b64encode(compiled_descriptor(proto)).decode()
+        lines = "\n".join(f'    "{line}"' for line in textwrap.wrap(encoded, 76))
+        text = module.read_text()
+        text = re.sub(
+            r"_DESCRIPTOR = \(\n.*?\n\)", f"_DESCRIPTOR = (\n{lines}\n)", text, flags=re.S
+        )
+        module.write_text(text)
+        print(f"updated {module.relative_to(REPO)}")
 
 
 if __name__ == "__main__":

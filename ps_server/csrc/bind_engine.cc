@@ -391,6 +391,57 @@ void BindEngine(py::module_& m) {
           },
           "table"_a, "step"_a = py::none())
       .def(
+          "evict_by_age",
+          [](Engine& e, int table, const std::optional<uint64_t>& step) {
+            EvictResult r;
+            {
+              py::gil_scoped_release release;
+              r = e.EvictByAge(table, StepOr(step));
+            }
+            return py::dict("ttl"_a = r.ttl, "min_count"_a = r.min_count, "lfu"_a = r.lfu,
+                            "total"_a = r.total());
+          },
+          "table"_a, "step"_a = py::none())
+      .def(
+          "count_histogram",
+          [](Engine& e, int table) {
+            std::vector<uint64_t> hist;
+            {
+              py::gil_scoped_release release;
+              hist = e.CountHistogram(table);
+            }
+            py::array_t<uint64_t> out(hist.size());
+            std::copy(hist.begin(), hist.end(), out.mutable_data());
+            return out;
+          },
+          "table"_a)
+      .def(
+          "steps_at_count",
+          [](Engine& e, int table, uint32_t count) {
+            std::vector<uint64_t> steps;
+            {
+              py::gil_scoped_release release;
+              steps = e.StepsAtCount(table, count);
+            }
+            py::array_t<uint64_t> out(steps.size());
+            std::copy(steps.begin(), steps.end(), out.mutable_data());
+            return out;
+          },
+          "table"_a, "count"_a)
+      .def(
+          "evict_least_frequent",
+          [](Engine& e, int table, uint32_t threshold, uint64_t cutoff, uint64_t quota,
+             const std::optional<uint64_t>& step) {
+            EvictResult r;
+            {
+              py::gil_scoped_release release;
+              r = e.EvictLeastFrequent(table, threshold, cutoff, quota, StepOr(step));
+            }
+            return py::dict("ttl"_a = r.ttl, "min_count"_a = r.min_count, "lfu"_a = r.lfu,
+                            "total"_a = r.total());
+          },
+          "table"_a, "threshold"_a, "cutoff"_a, "quota"_a, "step"_a = py::none())
+      .def(
           "stats",
           [](Engine& e, int table) {
             TableStats t;

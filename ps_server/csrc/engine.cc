@@ -713,6 +713,20 @@ EvictResult Engine::Evict(int table, uint64_t step) {
   return total;
 }
 
+namespace {
+
+EvictResult Sum(const std::vector<EvictResult>& parts) {
+  EvictResult total;
+  for (const EvictResult& r : parts) {
+    total.ttl += r.ttl;
+    total.min_count += r.min_count;
+    total.lfu += r.lfu;
+  }
+  return total;
+}
+
+}  // namespace
+
 EvictResult Engine::EvictTable(TableDef* def, uint64_t step) {
   const Clock clock = ClockAt(step);
   std::vector<EvictResult> per_shard(num_shards_);
@@ -752,14 +766,7 @@ EvictResult Engine::EvictTable(TableDef* def, uint64_t step) {
         const uint64_t cutoff = all[need - 1];
         uint64_t before_cutoff = 0;
         for (uint64_t step : all) before_cutoff += step < cutoff;
-        uint64_t ties_left = need - before_cutoff;
-        std::vector<uint64_t> quota(num_shards_, 0);
-        for (int s = 0; s < num_shards_ && ties_left > 0; ++s) {
-          const auto at =
-              static_cast<uint64_t>(std::count(steps[s].begin(), steps[s].end(), cutoff));
-          quota[s] = std::min(at, ties_left);
-          ties_left -= quota[s];
-        }
+        const std::vector<uint64_t> quota = SplitTies(steps, cutoff, need - before_cutoff);
         RunOnShards([&](int s) {
           def->shards[s]->EvictLeastFrequent(threshold, cutoff, quota[s], clock, &per_shard[s]);
         });
@@ -767,13 +774,76 @@ EvictResult Engine::EvictTable(TableDef* def, uint64_t step) {
     }
   }
   RunOnShards([&](int s) { def->shards[s]->Compact(); });
-  EvictResult total;
-  for (const EvictResult& r : per_shard) {
-    total.ttl += r.ttl;
-    total.min_count += r.min_count;
-    total.lfu += r.lfu;
+  return Sum(per_shard);
+}
+
+std::vector<uint64_t> Engine::SplitTies(const std::vector<std::vector<uint64_t>>& steps,
+                                        uint64_t cutoff, uint64_t ties) const {
+  std::vector<uint64_t> quota(steps.size(), 0);
+  for (size_t s = 0; s < steps.size() && ties > 0; ++s) {
+    const auto at = static_cast<uint64_t>(std::count(steps[s].begin(), steps[s].end(), cutoff));
+    quota[s] = std::min(at, ties);
+    ties -= quota[s];
   }
-  return total;
+  return quota;
+}
+
+EvictResult Engine::EvictByAge(int table, uint64_t step) {
+  const GracePeriod::ReadScope scope(*grace_);
+  TableDef* def = MutableDef(table);
+  const Clock clock = ClockAt(step);
+  std::vector<EvictResult> per_shard(num_shards_);
+  RunOnShards([&](int s) { def->shards[s]->EvictByAge(clock, &per_shard[s]); });
+  return Sum(per_shard);
+}
+
+std::vector<uint64_t> Engine::CountHistogram(int table) {
+  const GracePeriod::ReadScope scope(*grace_);
+  TableDef* def = Def(table);
+  std::vector<std::vector<uint64_t>> hist(num_shards_);
+  RunOnShards([&](int s) {
+    hist[s].assign(details::kHistogramBuckets, 0);
+    def->shards[s]->CountHistogram(&hist[s]);
+  });
+  std::vector<uint64_t> merged(details::kHistogramBuckets, 0);
+  for (const auto& h : hist) {
+    for (size_t c = 0; c < h.size(); ++c) merged[c] += h[c];
+  }
+  return merged;
+}
+
+std::vector<uint64_t> Engine::StepsAtCount(int table, uint32_t count) {
+  const GracePeriod::ReadScope scope(*grace_);
+  TableDef* def = Def(table);
+  if (count >= details::kHistogramBuckets) {
+    throw std::invalid_argument("count bucket " + std::to_string(count) + " is not below " +
+                                std::to_string(details::kHistogramBuckets));
+  }
+  std::vector<std::vector<uint64_t>> steps(num_shards_);
+  RunOnShards([&](int s) { def->shards[s]->StepsAtCount(count, &steps[s]); });
+  std::vector<uint64_t> all;
+  for (const auto& v : steps) all.insert(all.end(), v.begin(), v.end());
+  return all;
+}
+
+EvictResult Engine::EvictLeastFrequent(int table, uint32_t threshold, uint64_t cutoff,
+                                       uint64_t quota, uint64_t step) {
+  const GracePeriod::ReadScope scope(*grace_);
+  TableDef* def = MutableDef(table);
+  if (threshold >= details::kHistogramBuckets) {
+    throw std::invalid_argument("count bucket " + std::to_string(threshold) + " is not below " +
+                                std::to_string(details::kHistogramBuckets));
+  }
+  const Clock clock = ClockAt(step);
+  std::vector<std::vector<uint64_t>> steps(num_shards_);
+  RunOnShards([&](int s) { def->shards[s]->StepsAtCount(threshold, &steps[s]); });
+  const std::vector<uint64_t> quotas = SplitTies(steps, cutoff, quota);
+  std::vector<EvictResult> per_shard(num_shards_);
+  RunOnShards([&](int s) {
+    def->shards[s]->EvictLeastFrequent(threshold, cutoff, quotas[s], clock, &per_shard[s]);
+  });
+  RunOnShards([&](int s) { def->shards[s]->Compact(); });
+  return Sum(per_shard);
 }
 
 TableStats Engine::Stats(int table) {

@@ -47,7 +47,7 @@ from wuliang.ps_server.storage.manifest import (
     SparseInput,
     TableEntry,
 )
-from wuliang.ps_server.storage.rows import load_args, select_rows
+from wuliang.ps_server.storage.rows import read_part, select_rows
 from wuliang.ps_server.storage.version import (
     MANIFEST,
     PART_ROWS,
@@ -82,7 +82,7 @@ __all__ = [
     "crash_point",
     "latest",
     "latest_checkpoint",
-    "load_args",
+    "read_part",
     "remove_stale_temporaries",
     "select_rows",
     "versions",

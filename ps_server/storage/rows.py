@@ -13,11 +13,13 @@ encoding, and the reader maps the file and hands the columns on as views.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
-from wuliang.ps_server.interface import RowChunk
+from wuliang.ps_server.chunk import RowChunk
 
 
 def _fsl(values: np.ndarray, width: int) -> pa.Array:
@@ -77,10 +79,9 @@ def select_rows(chunk: RowChunk, which: slice | np.ndarray) -> RowChunk:
     return RowChunk(**{f.name: getattr(chunk, f.name)[which] for f in dataclasses.fields(chunk)})
 
 
-def load_args(rows: RowChunk) -> dict[str, np.ndarray | None]:
-    """``ParameterServer.load`` keyword arguments of a chunk (same names as
-    its fields; no state where none was stored)."""
-    args = {f.name: getattr(rows, f.name) for f in dataclasses.fields(rows)}
-    if rows.state.shape[1] == 0:
-        args["state"] = None
-    return args
+def read_part(path: Path) -> Iterator[RowChunk]:
+    """The rows of one part file (mapped, not copied), batch by batch."""
+    with pa.memory_map(str(path)) as source:
+        reader = pa.ipc.open_file(source)
+        for i in range(reader.num_record_batches):
+            yield batch_to_rows(reader.get_batch(i))

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from wuliang.ps_server.interface import RowChunk
+from wuliang.ps_server.chunk import RowChunk
 from wuliang.ps_server.spec import TableSpec
 from wuliang.ps_server.storage.crash import crash_point
 from wuliang.ps_server.storage.manifest import (
@@ -90,6 +90,61 @@ def remove_stale_temporaries(root: Path) -> None:
             p.unlink(missing_ok=True)
 
 
+def write_parts(
+    folder: Path,
+    spec: TableSpec,
+    chunks: Iterable[RowChunk],
+    *,
+    state: bool,
+    prefix: str = "part-",
+) -> tuple[list[tuple[str, FileEntry]], int]:
+    """Writes a table's rows into ``folder/tables/<table>/<prefix>NNNNN.arrow``
+    files of at most ``PART_ROWS`` rows, each fsynced and checksummed;
+    returns ((relative path, entry) of each file, rows). ``state``: keep the
+    optimizer state. Parameter servers write their parts of a version this
+    way (each with its own prefix), the client records them."""
+    table, dim = spec.name, spec.dim
+    state_dim = spec.state_dim if state else 0
+    schema = rows_schema(dim, state_dim)
+    files: list[tuple[str, FileEntry]] = []
+    total = part = in_part = 0
+    writer: pa.ipc.RecordBatchFileWriter | None = None
+    sink: pa.OSFile | None = None
+    relative = ""
+
+    def close_part() -> None:
+        nonlocal writer, sink
+        if writer is not None and sink is not None:
+            writer.close()
+            sink.close()
+            path = folder / relative
+            _fsync_path(path)
+            files.append((relative, FileEntry(sha256_file(path), path.stat().st_size, in_part)))
+            crash_point("rows-file")
+        writer = sink = None
+
+    for chunk in chunks:
+        start = 0
+        while start < len(chunk.keys):
+            if writer is None:
+                relative = f"tables/{table}/{prefix}{part:05d}.arrow"
+                (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+                sink = pa.OSFile(str(folder / relative), "wb")
+                writer = pa.ipc.new_file(sink, schema)
+                part += 1
+                in_part = 0
+            take = min(len(chunk.keys) - start, PART_ROWS - in_part)
+            piece = chunk if take == len(chunk.keys) else _slice_rows(chunk, start, take)
+            writer.write_batch(rows_to_batch(piece, dim, state_dim))
+            in_part += take
+            total += take
+            start += take
+            if in_part == PART_ROWS:
+                close_part()
+    close_part()
+    return files, total
+
+
 class VersionWriter:
     """Writes one version directory atomically (see the module docstring).
 
@@ -146,43 +201,26 @@ class VersionWriter:
         """Writes a table's rows (``RowChunk`` s) in parts of at most
         ``PART_ROWS`` rows and records its spec; returns the rows. ``state``:
         keep the optimizer state (checkpoints) or leave it out (exports)."""
-        table, dim = spec.name, spec.dim
-        state_dim = spec.state_dim if state else 0
-        schema = rows_schema(dim, state_dim)
-        total = part = in_part = 0
-        writer: pa.ipc.RecordBatchFileWriter | None = None
-        sink: pa.OSFile | None = None
-        relative = ""
-
-        def close_part() -> None:
-            nonlocal writer, sink
-            if writer is not None and sink is not None:
-                writer.close()
-                sink.close()
-                self.add_file(relative, in_part)
-                crash_point("rows-file")
-            writer = sink = None
-
-        for chunk in chunks:
-            start = 0
-            while start < len(chunk.keys):
-                if writer is None:
-                    relative = f"tables/{table}/part-{part:05d}.arrow"
-                    sink = pa.OSFile(str(self.path(relative)), "wb")
-                    writer = pa.ipc.new_file(sink, schema)
-                    part += 1
-                    in_part = 0
-                take = min(len(chunk.keys) - start, PART_ROWS - in_part)
-                piece = chunk if take == len(chunk.keys) else _slice_rows(chunk, start, take)
-                writer.write_batch(rows_to_batch(piece, dim, state_dim))
-                in_part += take
-                total += take
-                start += take
-                if in_part == PART_ROWS:
-                    close_part()
-        close_part()
-        self.tables[table] = TableEntry(spec, state_dim, total, part)
+        files, total = write_parts(self.dir, spec, chunks, state=state)
+        self.record_table(spec, files, total, state=state)
         return total
+
+    def record_table(
+        self,
+        spec: TableSpec,
+        files: Iterable[tuple[str, FileEntry]],
+        rows: int,
+        *,
+        state: bool,
+    ) -> None:
+        """Records a table whose part files are in place (written here by
+        ``write_parts``, or by parameter servers into this version's
+        folder, ``dir``), with their checksums."""
+        files = list(files)
+        for relative, entry in files:
+            self.files[relative] = entry
+        state_dim = spec.state_dim if state else 0
+        self.tables[spec.name] = TableEntry(spec, state_dim, rows, len(files))
 
     def write_removed(
         self,
@@ -263,6 +301,12 @@ class VersionWriter:
         _fsync_path(self.root)
         self.committed = True
         return self.final
+
+
+def _is_part(relative: str) -> bool:
+    """A rows part file (``part-00000.arrow``, or a server's ``part-s1-00000.arrow``)."""
+    name = relative.rsplit("/", 1)[-1]
+    return name.startswith("part-") and name.endswith(".arrow")
 
 
 def _slice_rows(chunk: RowChunk, start: int, n: int) -> RowChunk:
@@ -371,11 +415,16 @@ class Version:
             raise KeyError(f"{self.path} has no table {table!r} (tables: {known})")
         return entry
 
+    def part_files(self, table: str) -> list[str]:
+        """A table's rows files (relative paths), in order."""
+        self.entry(table)
+        return [f for f in self.files_under(f"tables/{table}") if _is_part(f)]
+
     def read_rows(self, table: str) -> Iterator[RowChunk]:
         """The table's rows, part by part (each file checked first)."""
         self.entry(table)
         for relative in self.files_under(f"tables/{table}"):
-            if not relative.rsplit("/", 1)[-1].startswith("part-"):
+            if not _is_part(relative):
                 continue
             with pa.memory_map(str(self.checked(relative))) as source:
                 reader = pa.ipc.open_file(source)

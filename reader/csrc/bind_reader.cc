@@ -37,7 +37,8 @@ py::array_t<T> ToArray(std::vector<T>&& v) {
   return py::array_t<T>(owned->size(), owned->data(), free);
 }
 
-py::tuple Prepare(const py::list& features, int num_tables, uint32_t num_shards) {
+py::tuple Prepare(const py::list& features, int num_tables, uint32_t num_shards,
+                  uint32_t num_servers) {
   std::vector<FeatureKeys> fks;
   std::vector<py::array> keep;  // values stay alive while the GIL is released
   py::list inverses;
@@ -55,7 +56,7 @@ py::tuple Prepare(const py::list& features, int num_tables, uint32_t num_shards)
   std::vector<TableKeys> tables;
   {
     py::gil_scoped_release release;
-    PrepareKeys(fks.data(), fks.size(), num_tables, num_shards, &tables);
+    PrepareKeys(fks.data(), fks.size(), num_tables, num_shards, num_servers, &tables);
   }
   py::list out;
   for (TableKeys& t : tables) {
@@ -87,8 +88,9 @@ py::array_t<uint64_t> HashStringArray(const py::array_t<Offset>& offsets, const 
 
 PYBIND11_MODULE(_reader, m) {
   m.doc() = "wuliang reader helpers (C++): key preparation, string hashing";
-  m.def("prepare_keys", &Prepare, "features"_a, "num_tables"_a, "num_shards"_a,
-        "features: [(table_index, values)], returns ([(uniques, shard_offsets)], [inverse])");
+  m.def("prepare_keys", &Prepare, "features"_a, "num_tables"_a, "num_shards"_a, "num_servers"_a = 1,
+        "features: [(table_index, values)], returns ([(uniques, shard_offsets)], [inverse]); "
+        "uniques grouped by cell: server * num_shards + shard");
   m.def("field_seed", [](const std::string& field) { return FieldSeed(field); }, "field"_a);
   m.def("hash_strings", &HashStringArray<int32_t>, "offsets"_a, "data"_a, "seed"_a);
   m.def("hash_strings", &HashStringArray<int64_t>, "offsets"_a, "data"_a, "seed"_a);

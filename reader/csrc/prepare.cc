@@ -28,8 +28,9 @@ struct Scratch {
 }  // namespace
 
 void PrepareKeys(FeatureKeys* features, size_t num_features, int num_tables, uint32_t num_shards,
-                 std::vector<TableKeys>* tables) {
+                 uint32_t num_servers, std::vector<TableKeys>* tables) {
   if (num_shards == 0) throw std::invalid_argument("num_shards must be >= 1");
+  if (num_servers == 0) throw std::invalid_argument("num_servers must be >= 1");
   std::vector<size_t> values_per_table(num_tables, 0);
   for (size_t f = 0; f < num_features; ++f) {
     const int t = features[f].table;
@@ -79,8 +80,9 @@ void PrepareKeys(FeatureKeys* features, size_t num_features, int num_tables, uin
       }
     }
     const size_t u = provisional.size();
-    out.shard_offsets.assign(num_shards + 1, 0);
-    if (num_shards == 1) {
+    const uint32_t cells = num_servers * num_shards;
+    out.shard_offsets.assign(cells + 1, 0);
+    if (cells == 1) {
       out.shard_offsets[1] = static_cast<int64_t>(u);
       out.uniques = std::move(provisional);
       continue;
@@ -90,9 +92,10 @@ void PrepareKeys(FeatureKeys* features, size_t num_features, int num_tables, uin
     local.resize(u);
     for (size_t k = 0; k < u; ++k) {
       shard[k] = ps::ShardOfHash(hashes[k], num_shards);
+      if (num_servers > 1) shard[k] += ps::ServerOf(provisional[k], num_servers) * num_shards;
       local[k] = static_cast<int32_t>(out.shard_offsets[shard[k] + 1]++);
     }
-    for (uint32_t s = 0; s < num_shards; ++s) out.shard_offsets[s + 1] += out.shard_offsets[s];
+    for (uint32_t s = 0; s < cells; ++s) out.shard_offsets[s + 1] += out.shard_offsets[s];
     out.uniques.resize(u);
     for (size_t k = 0; k < u; ++k) {
       local[k] += static_cast<int32_t>(out.shard_offsets[shard[k]]);  // now the final position

@@ -59,7 +59,6 @@ from wuliang.ps_server.storage import (
     checkpoints,
     crash_point,
     latest_checkpoint,
-    load_args,
 )
 from wuliang.saved_model import quiet_tensorflow
 from wuliang.tower import DENSE_PREFIX, TowerState
@@ -123,8 +122,10 @@ def save(
         return final
     version = cut_version(ps)  # later changes: versions above every row saved here
     with VersionWriter(model_dir, final.name, "checkpoint") as writer:
-        for name in context.tables:
-            writer.write_table(ps.spec(name), ps.export(name), state=True)
+        for name in context.tables:  # each parameter server writes its own parts
+            spec = ps.spec(name)
+            files, rows = ps.write_rows(writer.dir, spec, state=True)
+            writer.record_table(spec, files, rows, state=True)
             keys, versions = ps.removed_log(name)
             writer.write_removed(name, keys, versions, ps.stats(name)["removed_floor"])
             writer.write_pending(name, *ps.pending_counts(name))
@@ -191,9 +192,8 @@ def restore(context: Context, tower: TowerState, path: str | os.PathLike) -> dic
     for name in context.tables:
         ps.drop_table(name)
         ps.create_table(context.tables[name].spec())
-        if name in version.tables:
-            for rows in version.read_rows(name):
-                ps.load(name, **load_args(rows), step=step)
+        if name in version.tables:  # the files verified: the server reads them as they are
+            ps.load_rows(version.path, name, version.part_files(name), step=step)
             keys, versions = version.removed_log(name)
             ps.load_removed(name, keys, versions, version.tables[name].removed_floor)
             ps.load_pending(name, *version.pending_counts(name))

@@ -247,6 +247,32 @@ def _publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ps_options(args: argparse.Namespace) -> Any:
+    from wuliang.ps_server.remote.run import PsOptions
+
+    return PsOptions(
+        args.port,
+        host=args.host,
+        threads=args.threads,
+        token_file=None if args.token_file is None else Path(args.token_file),
+        tls_cert=None if args.tls_cert is None else Path(args.tls_cert),
+        tls_key=None if args.tls_key is None else Path(args.tls_key),
+        max_message_mb=args.max_message_mb,
+    )
+
+
+def _check_ps(args: argparse.Namespace) -> None:
+    from wuliang.ps_server.remote.run import check_options
+
+    check_options(_ps_options(args))
+
+
+def _ps(args: argparse.Namespace) -> int:
+    from wuliang.ps_server.remote.run import run
+
+    return run(_ps_options(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="wuliang", description=DESCRIPTION, formatter_class=HelpFormatter
@@ -404,6 +430,34 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="serve the version wuliang publish made current in this Redis, through a local "
         "hot cache, switching on each announcement",
+    )
+
+    ps = command(
+        sub,
+        "ps",
+        _ps,
+        _check_ps,
+        help="run a parameter server (the engine behind gRPC) for remote training",
+        description="Serves an engine of --threads shard threads over gRPC until SIGTERM or "
+        "SIGINT (wuliang.ps_server.remote); a trainer reaches it with "
+        "Context(ps=['host:port', ...]). Prints one line with its address once it listens.",
+    )
+    ps.add_argument("--port", type=bounded_int(0, 65535), required=True, help="0: a free port")
+    ps.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    ps.add_argument(
+        "--threads",
+        type=bounded_int(1, 1024),
+        default=2,
+        help="engine shard threads (the same on every server of a job)",
+    )
+    ps.add_argument("--token-file", help="every call must carry the token in this file")
+    ps.add_argument("--tls-cert", help="PEM certificate chain (with --tls-key: TLS)")
+    ps.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    ps.add_argument(
+        "--max-message-mb",
+        type=bounded_int(1, 2047),
+        default=64,
+        help="the largest message received or sent (clients split larger batches)",
     )
 
     pub = command(

@@ -118,11 +118,19 @@ class ExportSource(Protocol):
     model: ModelDescription
     origin: str  # for messages: "session", "ckpt-1200"
 
-    def rows(self, table: str, since: int) -> Iterable[RowChunk]: ...
+    def write_rows(self, writer: VersionWriter, spec: TableSpec, since: int) -> int:
+        """Writes the table's rows modified after version since (0: all)
+        into the version; returns how many."""
+        ...
 
     def removed(self, table: str, since: int) -> np.ndarray | None:
         """Keys removed after version since; None when the log does not
         reach back that far."""
+        ...
+
+    def still_removed(self, table: str, keys: np.ndarray) -> np.ndarray:
+        """Those of ``keys`` that are not back (after ``write_rows``: a key
+        removed, then back, is among the rows written)."""
         ...
 
     def write_serving(self, writer: VersionWriter) -> None: ...
@@ -143,13 +151,19 @@ class LiveSource:
         self.model = tower.model_description()
         self.origin = "session"
 
-    def rows(self, table: str, since: int) -> Iterable[RowChunk]:
-        return self.ps.export(table, since=since)
+    def write_rows(self, writer: VersionWriter, spec: TableSpec, since: int) -> int:
+        # each parameter server writes its own part files
+        files, rows = self.ps.write_rows(writer.dir, spec, since=since, state=False)
+        writer.record_table(spec, files, rows, state=False)
+        return rows
 
     def removed(self, table: str, since: int) -> np.ndarray | None:
         if self.ps.stats(table)["removed_floor"] > since:
             return None
         return self.ps.removed_keys(table, since)
+
+    def still_removed(self, table: str, keys: np.ndarray) -> np.ndarray:
+        return keys[~self.ps.contains(table, keys)] if len(keys) else keys
 
     def write_serving(self, writer: VersionWriter) -> None:
         restored = self.tower.restored_version()
@@ -180,8 +194,20 @@ class CheckpointSource:
         self.tables = {name: t.spec for name, t in self.version.tables.items()}
         self.model = self.version.model
         self.origin = self.version.path.name
+        self._written: dict[str, np.ndarray] = {}  # keys write_rows wrote, by table
 
-    def rows(self, table: str, since: int) -> Iterator[RowChunk]:
+    def write_rows(self, writer: VersionWriter, spec: TableSpec, since: int) -> int:
+        written: list[np.ndarray] = []
+        rows = writer.write_table(spec, _keys_into(self._rows(spec.name, since), written),
+                                  state=False)  # fmt: skip
+        self._written[spec.name] = np.concatenate(written) if written else np.zeros(0, np.uint64)
+        return rows
+
+    def still_removed(self, table: str, keys: np.ndarray) -> np.ndarray:
+        back = self._written.get(table)
+        return keys if back is None or not len(keys) else keys[~np.isin(keys, back)]
+
+    def _rows(self, table: str, since: int) -> Iterator[RowChunk]:
         for chunk in self.version.read_rows(table):
             if since:
                 keep = chunk.versions > since
@@ -271,16 +297,9 @@ def _export(source: ExportSource, root: Path, kind: str) -> ExportResult:
     )
     with VersionWriter(root, str(number), result.kind) as writer:
         for table, spec in source.tables.items():
-            written: list[np.ndarray] = []  # a delta's keys, to drop from its removals
-            chunks = source.rows(table, since if delta else 0)
-            if delta:
-                chunks = _keys_into(chunks, written)
-            result.rows[table] = writer.write_table(spec, chunks, state=False)
-            if delta:
-                gone = removed[table]
-                if written and len(gone):  # removed, then back: the rows say so
-                    gone = gone[~np.isin(gone, np.concatenate(written))]
-                gone = np.unique(gone)
+            result.rows[table] = source.write_rows(writer, spec, since if delta else 0)
+            if delta:  # removed, then back: the rows say so
+                gone = np.unique(source.still_removed(table, removed[table]))
                 writer.write_removed(table, gone)
                 result.removed[table] = len(gone)
         source.write_serving(writer)

@@ -107,6 +107,7 @@ class Session:
                 {f.name: f.table.name for f in self.sparse},
                 self.context.num_shards,
                 {f.name: f.max_len for f in self.sparse if f.is_sequence and f.max_len},
+                num_servers=self.context.ps.num_servers,
             )
             if self.sparse
             else None
@@ -418,6 +419,7 @@ class Session:
             self.preparer is not None
             and (
                 prepared.num_shards != self.context.num_shards
+                or prepared.num_servers != self.preparer.num_servers
                 or prepared.max_lens != self.preparer.max_lens
                 or any(
                     prepared.feature_tables.get(name) != table

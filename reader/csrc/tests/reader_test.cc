@@ -55,7 +55,7 @@ void TestPrepareRandom(uint32_t shards, uint64_t seed) {
     fks.push_back({table[f], values[f].data(), values[f].size(), inverse[f].data()});
   }
   std::vector<TableKeys> tables;
-  PrepareKeys(fks.data(), fks.size(), 3, shards, &tables);
+  PrepareKeys(fks.data(), fks.size(), 3, shards, 1, &tables);
   CheckPrepared(values, table, inverse, tables, shards);
 }
 

@@ -239,6 +239,19 @@ class Engine {
   // Applies the table's EvictionSpec now (all tables if table < 0); TTLs in
   // steps count back from `step`.
   EvictResult Evict(int table, uint64_t step = kCurrentStep);
+  // Evict's phases, for one table spread over several engines (remote
+  // servers), whose caller finds the table-wide cut the way Evict does:
+  //   EvictByAge        the TTL and min-count criteria;
+  //   CountHistogram    rows per update count (kHistogramBuckets buckets);
+  //   StepsAtCount      the last-update step of every row at one count;
+  //   EvictLeastFrequent  every row below count `threshold`, every row at it
+  //                     updated before step `cutoff`, and `quota` of those
+  //                     updated at `cutoff`; then compacts.
+  EvictResult EvictByAge(int table, uint64_t step = kCurrentStep);
+  std::vector<uint64_t> CountHistogram(int table);
+  std::vector<uint64_t> StepsAtCount(int table, uint32_t count);
+  EvictResult EvictLeastFrequent(int table, uint32_t threshold, uint64_t cutoff, uint64_t quota,
+                                 uint64_t step = kCurrentStep);
   TableStats Stats(int table);
 
   // A pure lookup for serving: out[i] = weights of keys[i] and found[i] = 1,
@@ -368,6 +381,9 @@ class Engine {
                              std::vector<details::Plan>* plans) const;
   void CheckFinite(const details::TableDef& def, const TablePart& part) const;
   EvictResult EvictTable(details::TableDef* def, uint64_t step);
+  // How many of `ties` rows updated at step `cutoff` each shard evicts.
+  std::vector<uint64_t> SplitTies(const std::vector<std::vector<uint64_t>>& steps, uint64_t cutoff,
+                                  uint64_t ties) const;
   // The clock of a data call: its own step, or kCurrentStep for step().
   details::Clock ClockAt(uint64_t step) const;
 

@@ -28,13 +28,17 @@ struct FeatureKeys {
 };
 
 struct TableKeys {
-  std::vector<uint64_t> uniques;       // grouped by shard, first-seen order within a shard
-  std::vector<int64_t> shard_offsets;  // (num_shards + 1,)
+  std::vector<uint64_t> uniques;       // grouped by cell, first-seen order within a cell
+  std::vector<int64_t> shard_offsets;  // (num_servers * num_shards + 1,)
 };
 
+// Groups by cell: with num_servers > 1 (remote servers of num_shards shards
+// each), a key's cell is ServerOf(key, num_servers) * num_shards +
+// ShardOf(key, num_shards), so each server's keys are one contiguous run,
+// grouped by its shards; with one server the cell is the shard.
 // Throws std::invalid_argument for a table index out of [0, num_tables) or a
 // table with 2^31 or more values.
 void PrepareKeys(FeatureKeys* features, size_t num_features, int num_tables, uint32_t num_shards,
-                 std::vector<TableKeys>* tables);
+                 uint32_t num_servers, std::vector<TableKeys>* tables);
 
 }  // namespace wuliang::reader

@@ -1,0 +1,74 @@
+"""Argument checks that every parameter server makes the same way, so that
+the same bad argument raises the same error, naming it, whichever
+implementation gets it (the conformance suite checks the messages)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "as_column",
+    "as_float32",
+    "as_keys",
+    "check_float32",
+    "check_step",
+    "check_version",
+]
+
+
+def check_float32(values: Any, shape: tuple[int, ...], what: str) -> None:
+    if not isinstance(values, np.ndarray):
+        raise TypeError(f"{what} must be a numpy float32 array, got {type(values).__name__}")
+    if values.dtype != np.float32:
+        raise TypeError(f"{what} must be float32, got dtype {values.dtype}")
+    if values.shape != shape:
+        raise ValueError(f"{what} has shape {values.shape}, expected {shape}")
+
+
+def as_float32(values: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
+    """An input array: checked, then made contiguous (no copy if it is)."""
+    check_float32(values, shape, what)
+    return np.ascontiguousarray(values)
+
+
+def check_step(step: int | None) -> int | None:
+    if step is None:
+        return None
+    if isinstance(step, bool) or not isinstance(step, int | np.integer) or not 0 <= step < 2**63:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    return int(step)
+
+
+def check_version(version: Any, what: str) -> int:
+    """A version argument (``since``, ``upto``, ``floor``, ``version``) as an int."""
+    if (
+        isinstance(version, bool)
+        or not isinstance(version, int | np.integer)
+        or not 0 <= version < 2**64
+    ):
+        raise ValueError(f"{what} must be a version >= 0, got {version!r}")
+    return int(version)
+
+
+def as_column(values: Any, dtype: type, shape: tuple[int, ...], what: str) -> np.ndarray | None:
+    if values is None:
+        return None
+    array = np.ascontiguousarray(values, dtype=dtype)
+    if array.shape != shape:
+        raise ValueError(f"{what} has shape {array.shape}, expected {shape}")
+    return array
+
+
+def as_keys(keys: Any, what: str = "keys") -> np.ndarray:
+    """Keys as a contiguous 1-D int64/uint64 array (no copy if already)."""
+    if not isinstance(keys, np.ndarray):
+        keys = np.asarray(keys)
+        if keys.size == 0:
+            keys = keys.astype(np.uint64)
+    if keys.dtype != np.int64 and keys.dtype != np.uint64:
+        raise TypeError(f"{what} must be an int64 or uint64 array, got dtype {keys.dtype}")
+    if keys.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {keys.shape}")
+    return np.ascontiguousarray(keys)

@@ -1,0 +1,88 @@
+"""``wuliang ps``: one parameter-server process, until SIGTERM or SIGINT.
+
+It starts an engine of ``--threads`` shard threads behind the gRPC service
+of ``ps.proto`` (``PsServer``), binds ``--host`` (127.0.0.1 unless told
+otherwise) and ``--port``, prints one line with its address once it
+listens, and on SIGTERM or SIGINT stops taking calls, lets those in flight
+finish and exits 0. With ``--token-file`` every call must carry the token;
+with ``--tls-cert`` and ``--tls-key`` it speaks TLS.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from dataclasses import KW_ONLY, dataclass
+from pathlib import Path
+
+__all__ = ["PsOptions", "run", "start"]
+
+
+@dataclass
+class PsOptions:
+    """The options of ``wuliang ps`` (``wuliang ps --help`` explains each)."""
+
+    port: int
+    _: KW_ONLY
+    host: str = "127.0.0.1"
+    threads: int = 2
+    token_file: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    max_message_mb: int = 64
+    rpc_threads: int = 16
+
+
+def check_options(options: PsOptions) -> None:
+    """ValueError for options that do not go together (usage errors)."""
+    if (options.tls_cert is None) != (options.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+
+
+def start(options: PsOptions):
+    """The engine and its server, listening."""
+    from wuliang.ps_server.engine import Engine
+    from wuliang.ps_server.remote.server import PsServer
+    from wuliang.ps_server.rpc.auth import read_token
+    from wuliang.ps_server.rpc.tls import ServerTls
+
+    check_options(options)
+    token = read_token(options.token_file) if options.token_file is not None else None
+    tls = None
+    if options.tls_cert is not None and options.tls_key is not None:
+        tls = ServerTls.from_files(options.tls_cert, options.tls_key)
+    engine = Engine(options.threads)
+    try:
+        return PsServer(
+            engine,
+            options.host,
+            options.port,
+            token=token,
+            tls=tls,
+            max_message_mb=options.max_message_mb,
+            threads=options.rpc_threads,
+        )
+    except BaseException:
+        engine.close()
+        raise
+
+
+def run(options: PsOptions) -> int:
+    """Serves until SIGTERM or SIGINT; prints the address once listening."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    server = start(options)
+    scheme = "grpc+tls" if options.tls_cert is not None else "grpc"
+    print(
+        f"parameter server listening on {scheme} {options.host}:{server.port} "
+        f"({options.threads} shard threads)",
+        flush=True,
+    )
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.stop(grace=5.0)
+    print("parameter server stopped", file=sys.stderr, flush=True)
+    return 0
