@@ -115,6 +115,33 @@ def test_an_estimator_with_a_model_dir_is_the_saved_model(
     assert more.latest_checkpoint() == model_dir / f"ckpt-{more.global_step}"
 
 
+class ListTower(keras.Model):
+    """Layers kept in a Python list, which Keras 3 keeps out of TensorFlow's
+    object graph (a plain ``tf.train.Checkpoint`` of it leaves them out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        keras.utils.set_random_seed(3)
+        self.hidden = [keras.layers.Dense(16, activation="relu"), keras.layers.Dense(8)]
+        self.logit = keras.layers.Dense(1)
+
+    def call(self, embeddings: dict[str, Any], dense: dict[str, Any]) -> Any:
+        x = keras.ops.concatenate([embeddings["user"], embeddings["item"], dense["price"]], -1)
+        for layer in self.hidden:
+            x = layer(x)
+        return self.logit(x)
+
+
+def test_layers_in_a_list_are_in_the_checkpoint(clicks: Path, tmp_path: Path) -> None:
+    trained = wl.Estimator(ListTower(), features(), label="click", model_dir=tmp_path / "m")
+    trained.train(reader(clicks, epochs=2))
+    want = trained.evaluate(reader(clicks))
+    scores = np.concatenate(list(trained.predict(reader(clicks))))
+    fresh = wl.Estimator(ListTower(), features(), label="click", model_dir=tmp_path / "m")
+    assert fresh.evaluate(reader(clicks)) == want
+    np.testing.assert_array_equal(np.concatenate(list(fresh.predict(reader(clicks)))), scores)
+
+
 def test_a_checkpoint_hook_of_another_folder_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="one model, one folder"):
         wl.Estimator(

@@ -23,7 +23,11 @@ closes over or reads as globals (``inspect.getclosurevars``): each Keras
 layer/model, ``tf.Module`` or variable under the name the code gives it, so a
 new process (or a second model in this one) restores by those names. A
 function that reaches no such object falls back to the variables its traced
-steps capture, ordered by name (stable only in a fresh process).
+steps capture, ordered by name (stable only in a fresh process). Variables
+the objects own that TensorFlow's object graph does not reach (a Keras 3
+model keeps layers held in a Python list outside it) are added by position,
+in the objects' own variable order (``untracked_variables``), so that no
+variable is left out of a checkpoint.
 """
 
 from __future__ import annotations
@@ -92,12 +96,12 @@ class TowerState:
         tower = self.tower
         try:
             tf.train.Checkpoint(tower=tower)
-            return {"tower": tower}
+            return _with_untracked({"tower": tower})
         except (ValueError, TypeError):
             pass
         objects = _trackables_of(tower) if callable(tower) else {}
         if objects:
-            return {f"tower_{name}": value for name, value in objects.items()}
+            return _with_untracked({f"tower_{name}": value for name, value in objects.items()})
         own = {id(v) for v in getattr(self.optimizer, "variables", [])}
         variables = sorted(
             (v for v in self.functions.variables() if id(v) not in own), key=lambda v: v.name
@@ -160,6 +164,24 @@ class TowerState:
         status.assert_existing_objects_matched()
         status.expect_partial()  # the optimizer's values wait for a training step
         self._restored_tower = self._restore
+
+
+def _with_untracked(objects: dict[str, Any]) -> dict[str, Any]:
+    """``objects`` plus, under ``untracked_variables``, the variables they own
+    that TensorFlow's object graph does not reach (a Keras 3 model's layers
+    kept in a Python list or dict), in the objects' own variable order."""
+    import tensorflow as tf
+
+    root = tf.train.Checkpoint(**objects)  # the view holds it weakly
+    reached = {id(o) for o in tf.train.TrackableView(root).descendants()}
+    owned: dict[int, Any] = {}
+    for value in objects.values():
+        if isinstance(value, tf.Variable):
+            continue
+        for variable in getattr(value, "variables", ()):
+            owned.setdefault(id(variable), variable)
+    untracked = [v for i, v in owned.items() if i not in reached]
+    return {**objects, "untracked_variables": untracked} if untracked else objects
 
 
 def _trackables_of(fn: Any) -> dict[str, Any]:
