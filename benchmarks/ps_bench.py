@@ -19,6 +19,7 @@ whole machine. The last line printed is one JSON object.
     python benchmarks/ps_bench.py            # 16M rows
     python benchmarks/ps_bench.py --quick    # 2M rows
     python benchmarks/ps_bench.py --rows 50000000 --skip-naive
+    python benchmarks/ps_bench.py --remote   # remote servers (ps_remote.py)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import gc
 import importlib
 import importlib.util
 import json
+import sys
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -168,7 +170,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--skip-naive", action="store_true", help="only the wuliang engine")
+    parser.add_argument(
+        "--remote",
+        action="store_true",
+        help="remote servers (1 and 2 wuliang ps processes) vs the embedded engine vs "
+        "grpcio's floor, in batches of 55K unique keys of 2M rows (benchmarks/ps_remote.py)",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="--remote: alternated rounds")
     args = parser.parse_args()
+    if args.remote:
+        import ps_remote
+
+        given = {a.split("=")[0] for a in sys.argv[1:]}
+        if "--rows" not in given:
+            args.rows = 1_000_000 if args.quick else 2_000_000
+        if "--batch" not in given:
+            args.batch = 55_000
+        if "--batches" not in given:
+            args.batches = 10 if args.quick else 20
+        ps_remote.main(args)
+        return
     if args.quick:
         args.rows, args.batches, args.repeats = 2_000_000, 10, 2
 

@@ -76,7 +76,16 @@ their time: the per-stage timings its hooks see (``read``, ``prepare``,
 write the rows this step shares with it (staleness 0), and ``compute``, the
 TensorFlow step, in the main thread), its mean step time
 and the ceiling's. ``--timeline DIR`` also writes wuliang's Chrome trace
-(``wuliang.hooks.Timeline``, pushes included) per optimizer. The last line
+(``wuliang.hooks.Timeline``, pushes included) per optimizer.
+
+``--remote N`` adds a fourth contender, ``wuliang_remote``: the same
+``Session.train`` with ``Context(ps=[...])`` over N ``wuliang ps`` processes
+on loopback (2 shard threads each, started fresh per optimizer), taking its
+turn with the others. The servers share this machine's cores with the
+trainer, so the figure is a floor for servers on their own machines. Its
+result adds ``wuliang_remote_samples_per_s``, ``remote_to_embedded`` (its
+samples/s over the embedded wuliang's), its stage timings and the servers'
+CPU time per step (of its rounds, their untimed step included). The last line
 printed is one JSON object: ``{"adagrad": {...}, "adam": {...}}``.
 
     python benchmarks/train_bench.py          # 200 timed steps, 4 rounds (TF-native Adam: 50)
@@ -107,6 +116,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 from bench_data import cores, parquet_files  # benchmarks/, the script's folder
+from ps_remote import PsProcess
 
 from wuliang.hooks import SessionRunArgs, SessionRunHook, Timeline
 from wuliang.reader import ParquetReader
@@ -386,6 +396,7 @@ class WuliangLoop:
         args: argparse.Namespace,
         reserve: dict[str, int],
         plan: list[tuple[int, int]],
+        ps: list[Any] | None = None,
     ) -> None:
         from wuliang import Context, DenseFeature, EmbeddingTable, Session, SparseFeature
         from wuliang.embedding import concat
@@ -397,6 +408,9 @@ class WuliangLoop:
         settings: dict[str, Any] = {"background": args.background}
         if args.staleness is not None:
             settings["staleness"] = args.staleness
+        self.servers = ps or []  # wuliang ps processes: remote tables, their CPU time metered
+        if ps:
+            settings["ps"] = [server.address for server in ps]
         self.context = Context(**settings)
         emb_opt = Adagrad(0.05) if kind == "adagrad" else Adam(1e-3)
         tables = {
@@ -411,7 +425,10 @@ class WuliangLoop:
             return model(concat(inputs))
 
         self.session = Session(tower, features, self.context, optimizer=tower_optimizer(kind))
-        self.name, self.kind, self.data, self.args = "wuliang", kind, data, args
+        self.name = "wuliang_remote" if ps else "wuliang"
+        self.kind, self.data, self.args = kind, data, args
+        self.server_cpu_s = 0.0  # of the rounds with timed steps, their untimed steps included
+        self.server_steps = 0
         self.plan = plan
         self.rounds = _Rounds(plan)
         self.played = 0  # plan entries done
@@ -454,8 +471,12 @@ class WuliangLoop:
         if self.thread is None:
             self.thread = threading.Thread(target=self._train, name="bench-wuliang")
             self.thread.start()
+        cpu0 = sum(server.cpu_seconds() for server in self.servers)
         self.rounds.go.release()
         self.rounds.paused.acquire()
+        if timed and self.servers:
+            self.server_cpu_s += sum(server.cpu_seconds() for server in self.servers) - cpu0
+            self.server_steps += untimed + timed
         if self.played == len(self.plan):
             self.thread.join()
         if self.error is not None:
@@ -481,7 +502,7 @@ class WuliangLoop:
         stages["step_ms"] = round(1e3 * float(np.mean(self.step_seconds)), 2)
         stages["main_thread_other_ms"] = round(stages["step_ms"] - stages["compute_ms"], 2)
         rows = sum(s["rows"] for s in self.context.engine.stats().values())
-        extra = {
+        extra: dict[str, Any] = {
             "uniques_per_step": round(float(np.mean(self.uniques))) if self.uniques else None,
             "new_rows_per_step": round(rows / len(self.losses)),
             "staleness": self.context.staleness,
@@ -490,6 +511,9 @@ class WuliangLoop:
             "engine_rows": rows,
             "stages": stages,
         }
+        if self.servers:
+            extra["servers"] = len(self.servers)
+            extra["server_cpu_ms_per_step"] = round(1e3 * self.server_cpu_s / self.server_steps, 1)
         return self.timed.run(self.name, batch, self.losses, extra)
 
     def close(self) -> None:
@@ -583,6 +607,7 @@ def bench_optimizer(
         "ceiling": split(args.steps, args.rounds),
         "tf_native": split(native_steps, args.rounds),
         "wuliang": split(args.steps, args.rounds),
+        "wuliang_remote": split(args.steps, args.rounds),
     }
     plan = [(args.warmup, 0), *((1, n) for n in timed["wuliang"])]  # as played below
     start = time.perf_counter()
@@ -590,7 +615,12 @@ def bench_optimizer(
     wuliang = WuliangLoop(tf, kind, files, data, args, reserve, plan)
     setup_s = time.perf_counter() - start
     contenders.append(wuliang)
+    servers: list[Any] = []
     try:
+        if args.remote:  # fresh servers per optimizer: the tables' specs differ
+            servers = [PsProcess.start() for _ in range(args.remote)]
+            remote = WuliangLoop(tf, kind, files, data, args, reserve, plan, ps=servers)
+            contenders.append(remote)
         for c in contenders:
             c.play(args.warmup, 0)
             gc.collect()
@@ -600,9 +630,12 @@ def bench_optimizer(
                 gc.collect()
             rates = ", ".join(f"{c.name} {c.timed.rates[-1] / 1e3:.1f}K" for c in contenders)
             print(f"  round {r + 1}/{args.rounds}: {rates} samples/s", flush=True)
-        ceiling, native, ours = (c.result(args.batch) for c in contenders)
+        ceiling, native, ours, *others = (c.result(args.batch) for c in contenders)
     finally:
-        wuliang.close()
+        for c in contenders[2:]:
+            c.close()
+        for server in servers:
+            server.stop()
     progress(ceiling, args.steps, None)
     progress(native, native_steps, ceiling)
     stages = ours.extra["stages"]
@@ -613,6 +646,14 @@ def bench_optimizer(
         f"; per step {stages['step_ms']:.0f} ms: compute {stages['compute_ms']:.0f}, "
         f"pull {stages['pull_ms']:.0f}, prepare {stages['prepare_ms']:.0f} (ahead)",
     )
+    for other in others:
+        progress(
+            other,
+            args.steps,
+            ceiling,
+            f"; {other.extra['servers']} servers' CPU {other.extra['server_cpu_ms_per_step']:.0f}"
+            f" ms/step; = {other.samples_per_s / ours.samples_per_s:.2f} of embedded",
+        )
     common = min(len(c.losses) for c in contenders)  # every contender ran these batches
     stages["ceiling_step_ms"] = round(1e3 * args.batch / ceiling.samples_per_s, 2)
     result: dict[str, Any] = {
@@ -655,6 +696,17 @@ def bench_optimizer(
         "cores": cores(),
         "tf_version": tf.__version__,
     }
+    for other in others:
+        result.update(
+            wuliang_remote_samples_per_s=round(other.samples_per_s),
+            remote_to_embedded=ratio(other.samples_per_s, ours.samples_per_s),
+            remote_servers=other.extra["servers"],
+            remote_server_cpu_ms_per_step=other.extra["server_cpu_ms_per_step"],
+            remote_stages_ms=other.extra["stages"],
+        )
+        result["cpu_ms_per_step"][other.name] = round(other.cpu_ms_per_step, 1)
+        result["steal_ms_per_step"][other.name] = round(other.steal_ms_per_step or 0.0, 1)
+        result["losses"][other.name] = other.loss_summary(common)
     targets = TARGETS[kind]
     result["targets"] = targets
     result["targets_met"] = {k: result[k] >= v for k, v in targets.items()}
@@ -693,6 +745,14 @@ def main() -> None:
         "benchmark measures) or normal (the library default)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--remote",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also train wuliang against N local wuliang ps processes (2 shard threads each), "
+        "alternated with the others",
+    )
     parser.add_argument(
         "--reserve",
         choices=["vocabulary", "none"],

@@ -151,6 +151,8 @@ class _DataStream:
         self.unanswered: deque[_Call] = deque()  # submitted, not answered, in order
         self.outbox: queue.Queue = queue.Queue()  # the current stream's
         self.closed = False
+        self.sent_bytes = 0  # requests queued (resent ones once), under lock
+        self.received_bytes = 0  # answers read
         self.thread = threading.Thread(
             target=self._run, name=f"wuliang-ps-stream-{server.index}", daemon=True
         )
@@ -165,6 +167,7 @@ class _DataStream:
                     "CANCELLED", f"parameter server {self.server.address}: the client is closed"
                 )
             self.unanswered.append(item)
+            self.sent_bytes += len(request)
             self.outbox.put(item)
         return future
 
@@ -239,6 +242,7 @@ class _DataStream:
     def _answer(self, raw: bytes) -> None:
         with self.lock:
             item = self.unanswered.popleft()
+            self.received_bytes += len(raw)
         try:
             response = M["DataResponse"].FromString(raw)
         except Exception as error:  # not a DataResponse: the server is not ours
@@ -502,6 +506,14 @@ class RemoteServer(ParameterServer):
         super().close()
         for server in getattr(self, "_servers", []):
             server.close()
+
+    def data_bytes(self) -> dict[str, int]:
+        """Bytes of pull and push messages this client has sent and received
+        (serialized protobuf, without gRPC's framing), over all servers."""
+        return {
+            "sent": sum(s.data.sent_bytes for s in self._servers),
+            "received": sum(s.data.received_bytes for s in self._servers),
+        }
 
     def _all(self, method: str, request: Callable[[_Server], Any], response: str) -> list[Any]:
         """The same call on every server at once; their answers in order."""
