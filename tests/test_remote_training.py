@@ -18,6 +18,7 @@ from repo_data import MOVIELENS, REPO
 
 import wuliang as wl
 from wuliang.ps_server import Engine
+from wuliang.ps_server.remote.client import RemoteError, RemoteServer
 from wuliang.ps_server.remote.server import PsServer
 from wuliang.ps_server.storage import Version
 from wuliang.reader import ParquetReader
@@ -178,3 +179,19 @@ def test_checkpoints_move_between_servers_and_the_embedded_engine(
     finally:
         store.close()
         two.close()
+
+
+def test_a_context_takes_a_remote_server_with_a_token() -> None:
+    server = PsServer(Engine(1), "127.0.0.1", 0, token="s3cret", threads=4)
+    address = f"127.0.0.1:{server.port}"
+    try:
+        with pytest.raises(RemoteError, match="token"):
+            wl.Context(ps=[address])
+        context = wl.Context(ps=RemoteServer([address], token="s3cret"))
+        context.create_table(wl.EmbeddingTable("t", dim=4))
+        assert context.ps.tables() == ["t"]
+        with pytest.raises(ValueError, match="num_shards"):
+            wl.Context(ps=context.ps, num_shards=2)
+        context.close()
+    finally:
+        server.stop(grace=None)

@@ -65,7 +65,9 @@ class Context:
     Args:
         ps: the parameter server's address (``wuliang.ps_server.
             parameter_server``): ``"embedded"``, the engine in this process;
-            a list of ``"host:port"`` for remote servers.
+            a list of ``"host:port"`` for remote servers; or a
+            ``ParameterServer`` made beforehand (a ``RemoteServer`` with a
+            token or TLS), which the context then owns and closes.
         num_shards: shard threads of an embedded engine (default: the number
             of CPUs, at most 16).
         staleness: 0: a step pulls rows only after the previous step's push
@@ -91,7 +93,7 @@ class Context:
 
     def __init__(
         self,
-        ps: str | Sequence[str] = "embedded",
+        ps: str | Sequence[str] | ParameterServer = "embedded",
         *,
         num_shards: int | None = None,
         staleness: int = 0,
@@ -100,7 +102,10 @@ class Context:
         background: str = "normal",
         non_finite: str = "raise",
     ) -> None:
-        address_kind(ps)  # a bad address fails before anything starts
+        if not isinstance(ps, ParameterServer):
+            address_kind(ps)  # a bad address fails before anything starts
+        elif num_shards is not None:
+            raise ValueError("num_shards is for an address: the given parameter server has its own")
         if staleness not in (0, 1):
             raise ValueError(f"staleness must be 0 or 1, got {staleness!r}")
         if not isinstance(prefetch, int) or prefetch < 1:
@@ -115,7 +120,9 @@ class Context:
         self.non_finite = check_policy(non_finite)
         if num_shards is not None and not (isinstance(num_shards, int) and num_shards >= 1):
             raise ValueError(f"num_shards must be an int >= 1 or None, got {num_shards!r}")
-        self.ps: ParameterServer = parameter_server(ps, num_shards)
+        self.ps: ParameterServer = (
+            ps if isinstance(ps, ParameterServer) else parameter_server(ps, num_shards)
+        )
         self.ps.set_background(self.background)
         self.staleness = staleness
         self.prefetch = prefetch
