@@ -14,6 +14,10 @@ interface and the public spec classes only (no ``Engine`` attribute such as
 ``native``, the ``step`` setter or ``worker_thread_ids``), and are
 self-contained (no fixtures or helpers of other test files).
 
+The remote client runs twice: over servers on threads of the test process
+(every test) and over ``wuliang ps`` child processes (the tests named in
+``PROCESS_TESTS``: each server made there costs two process starts).
+
 What passing guarantees, for every implementation and shard count:
 
 1. Optimizers: SGD, Adagrad, lazy Adam (per-row step count and bias
@@ -104,10 +108,84 @@ def remote_on_threads(shards: int, servers: int = 2) -> ParameterServer:
     return client
 
 
+def remote_processes(shards: int, servers: int = 2) -> ParameterServer:
+    """A RemoteServer over ``servers`` ``wuliang ps`` child processes of
+    ``shards`` shard threads each, on free loopback ports (read from their
+    start lines, each waited for at most 60 s); closing the client stops them."""
+    import os
+    import re
+    import select
+    import subprocess
+    import sys
+    import time
+
+    from wuliang.ps_server.remote.client import RemoteServer
+
+    command = [sys.executable, "-m", "wuliang", "ps", "--port", "0", "--threads", str(shards)]
+    procs = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        for _ in range(servers)
+    ]
+
+    def stop() -> None:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=20)
+            finally:
+                proc.stdout.close()
+        codes = [proc.returncode for proc in procs]
+        assert codes == [0] * len(procs), f"wuliang ps exit codes {codes} after SIGTERM"
+
+    addresses = []
+    try:
+        for proc in procs:
+            deadline = time.monotonic() + 60
+            line = ""
+            while not line.endswith("\n") and time.monotonic() < deadline:
+                ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+                if ready:
+                    line += os.read(proc.stdout.fileno(), 1).decode()
+                elif proc.poll() is not None:
+                    break
+            match = re.search(r"listening on grpc (\S+):(\d+)", line)
+            assert match, f"wuliang ps did not start: {line!r}"
+            addresses.append(f"127.0.0.1:{match[2]}")
+        client = RemoteServer(addresses, timeout=30.0)
+    except BaseException:
+        stop()
+        raise
+    close = client.close
+
+    def close_all() -> None:
+        close()
+        stop()
+
+    client.close = close_all  # type: ignore[method-assign]
+    return client
+
+
 # name -> a fresh, empty server with that many shards. One entry per implementation.
 IMPLEMENTATIONS: dict[str, MakeServer] = {
     "embedded": lambda shards: parameter_server("embedded", num_shards=shards),
     "remote": remote_on_threads,
+}
+# Slower (two processes per server made), so only for the tests named here.
+PROCESSES: dict[str, MakeServer] = {"remote-processes": remote_processes}
+PROCESS_TESTS = {
+    "test_optimizer_matches_numpy_reference",
+    "test_concurrent_pulls_and_pushes_lose_no_update",
+    "test_export_load_round_trip_across_shard_counts",
+    "test_export_since_a_version",
+    "test_admission_on_the_third_training_pull",
+    "test_keys_grouped_by_cell_pull_and_push_as_ungrouped",
+    "test_lookup_reads_rows_found_and_the_version_label",
+    "test_apply_update_full_then_delta",
+    "test_bad_keys_grads_and_out",
 }
 SHARDS = (1, 3)
 OTHER_SHARDS = {1: 4, 3: 2}  # the shard count of a second server, for round trips
@@ -117,13 +195,23 @@ F32 = np.float32
 COLUMNS = ("keys", "weights", "state", "counts", "steps", "times", "versions")
 
 
-@pytest.fixture(params=sorted(IMPLEMENTATIONS))
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test against every implementation; those of PROCESS_TESTS also
+    against servers in processes of their own."""
+    if "make_ps" in metafunc.fixturenames:
+        kinds = sorted(IMPLEMENTATIONS)
+        if metafunc.function.__name__ in PROCESS_TESTS:
+            kinds += sorted(PROCESSES)
+        metafunc.parametrize("make_ps", kinds, indirect=True)
+
+
+@pytest.fixture
 def make_ps(request: pytest.FixtureRequest) -> Iterator[MakeServer]:
     """Makes servers of one implementation (by shard count); closes them after the test."""
     servers: list[ParameterServer] = []
 
     def make(num_shards: int) -> ParameterServer:
-        server = IMPLEMENTATIONS[request.param](num_shards)
+        server = {**IMPLEMENTATIONS, **PROCESSES}[request.param](num_shards)
         servers.append(server)
         return server
 
