@@ -177,6 +177,9 @@ def main() -> None:
         "grpcio's floor, in batches of 55K unique keys of 2M rows (benchmarks/ps_remote.py)",
     )
     parser.add_argument("--rounds", type=int, default=3, help="--remote: alternated rounds")
+    parser.add_argument(
+        "--server-threads", type=int, default=2, help="--remote: each wuliang ps's --threads"
+    )
     args = parser.parse_args()
     if args.remote:
         import ps_remote

@@ -18,7 +18,10 @@ training-sized batches of ``--batch`` unique keys (55K by default, what a
   and no engine.
 
 Pulls are training pulls (rows are created on first sight; the table is
-filled before timing), pushes apply Adagrad to unique keys. Phases
+filled before timing), pushes apply Adagrad to unique keys. Each batch's
+keys come grouped as a trainer's key preparer groups them for that
+parameter server (by shard, or by (server, shard) cell), with their
+offsets, as the session passes them. Phases
 alternate in rounds (ABCDE, EDCBA, ...) so that a slow spell of the machine
 weighs on all; each phase's figure is its best round. Client and server
 CPU seconds per batch are read from ``/proc`` (the servers') and
@@ -40,6 +43,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -93,9 +97,15 @@ class PsProcess:
 
 
 def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of all of a process's threads (``schedstat``: nanoseconds)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+            continue
+    return total / 1e9
 
 
 def free_port() -> int:
@@ -104,10 +114,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def floor_server(port: int, max_bytes: int, ready: Any) -> None:
-    """A bare grpcio server: answers ``len(request) * ratio`` zero bytes,
-    the ratio in the request's first byte (8 for a pull of dim 16: keys in,
-    rows out; 0 for a push: an empty answer)."""
+def floor_server(port: int, max_bytes: int, ready: Any, engine_shards: int = 0) -> None:
+    """A bare grpcio server. Without an engine it answers ``len(request) *
+    ratio`` zero bytes, the ratio in the request's first byte (8 for a pull
+    of dim 16: keys in, rows out; 0 for a push: an empty answer). With
+    ``engine_shards`` it holds an engine of that many shards with the
+    benchmark's table: a request is the shard offsets (int64 [shards + 1]),
+    the keys, and for a push the gradients; a pull answers the rows' bytes
+    (``engine.pull(...).tobytes()``), a push nothing."""
     from concurrent.futures import ThreadPoolExecutor
 
     import grpc
@@ -116,6 +130,23 @@ def floor_server(port: int, max_bytes: int, ready: Any) -> None:
 
     def answer(request: bytes, context: Any) -> bytes:
         return zeros[: (len(request) - 1) * request[0]]
+
+    if engine_shards:
+        from wuliang.ps_server import Adagrad, Engine, TableSpec
+
+        engine = Engine(engine_shards)
+        engine.create_table(TableSpec("bench", DIM, optimizer=Adagrad(learning_rate=0.05)))
+        head = 8 * (engine_shards + 1)
+
+        def answer(request: bytes, context: Any) -> bytes:
+            offsets = np.frombuffer(request, np.int64, engine_shards + 1)
+            n = int(offsets[-1])
+            keys = np.frombuffer(request, np.uint64, n, head)
+            if len(request) == head + 8 * n:  # a pull
+                return engine.pull("bench", keys, shard_offsets=offsets).tobytes()
+            grads = np.frombuffer(request, np.float32, n * DIM, head + 8 * n).reshape(n, DIM)
+            engine.push("bench", keys, grads, unique=True, shard_offsets=offsets)
+            return b""
 
     server = grpc.server(
         ThreadPoolExecutor(16),
@@ -135,12 +166,14 @@ def floor_server(port: int, max_bytes: int, ready: Any) -> None:
     server.wait_for_termination()
 
 
-def start_floor(n: int, max_bytes: int) -> tuple[list[Any], list[str]]:
+def start_floor(n: int, max_bytes: int, engine_shards: int = 0) -> tuple[list[Any], list[str]]:
     ctx = mp.get_context("spawn")
     procs, addresses = [], []
     for _ in range(n):
         port, ready = free_port(), ctx.Event()
-        child = ctx.Process(target=floor_server, args=(port, max_bytes, ready), daemon=True)
+        child = ctx.Process(
+            target=floor_server, args=(port, max_bytes, ready, engine_shards), daemon=True
+        )
         child.start()
         procs.append(child)
         if not ready.wait(60):
@@ -192,7 +225,21 @@ def measure(phase: Phase, call: str, batches: int, keys_per_batch: int) -> dict[
     return out
 
 
+def grouped(keys: np.ndarray, ps: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The keys as a trainer's key preparer hands them to ``ps``: grouped by
+    (server, shard) cell, with their offsets."""
+    from wuliang.reader import Csr, CsrBatch, KeyPreparer
+
+    batch = CsrBatch(
+        {"k": Csr(keys, np.array([0, len(keys)], np.int64))}, np.zeros((1, 0), np.float32), None, 1
+    )
+    preparer = KeyPreparer({"k": "bench"}, ps.num_shards, num_servers=ps.num_servers)
+    table = preparer(batch).tables["bench"]
+    return table.uniques, table.shard_offsets
+
+
 def ps_phase(name: str, ps: Any, batches: list[np.ndarray], pids: list[int]) -> Phase:
+    prepared = [grouped(keys, ps) for keys in batches]
     out = np.empty((len(batches[0]), DIM), np.float32)
     grads = np.random.default_rng(1).standard_normal(out.shape, dtype=np.float32) * 0.01
 
@@ -200,13 +247,15 @@ def ps_phase(name: str, ps: Any, batches: list[np.ndarray], pids: list[int]) -> 
         counts = ps.data_bytes()
         return counts["sent"] + counts["received"]
 
-    return Phase(
-        name,
-        lambda i: ps.pull("bench", batches[i], out=out),
-        lambda i: ps.push("bench", batches[i], grads, unique=True),
-        pids,
-        wire if hasattr(ps, "data_bytes") else None,
-    )
+    def pull(i: int) -> None:
+        keys, offsets = prepared[i]
+        ps.pull("bench", keys, out=out, shard_offsets=offsets)
+
+    def push(i: int) -> None:
+        keys, offsets = prepared[i]
+        ps.push("bench", keys, grads, unique=True, shard_offsets=offsets)
+
+    return Phase(name, pull, push, pids, wire if hasattr(ps, "data_bytes") else None)
 
 
 def floor_phase(
@@ -235,6 +284,60 @@ def floor_phase(
             f.result()
 
     return Phase(name, lambda i: call(pulls[i]), lambda i: call(pushes[i]), pids)
+
+
+def engine_floor_phase(
+    name: str,
+    addresses: list[str],
+    pids: list[int],
+    batches: list[np.ndarray],
+    max_bytes: int,
+    shards: int,
+    rows: int,
+) -> Phase:
+    """The engine-holding floor servers: raw bytes, unary calls, the keys
+    grouped by (server, shard) as for ``RemoteServer``; filled first."""
+    import grpc
+
+    options = [
+        ("grpc.max_receive_message_length", max_bytes),
+        ("grpc.max_send_message_length", max_bytes),
+    ]
+    n = len(addresses)
+    layout = Layout(shards, n)
+    stubs = [grpc.insecure_channel(a, options=options).unary_unary(FLOOR_METHOD) for a in addresses]
+
+    def requests(keys: np.ndarray, grads: np.ndarray | None = None) -> list[bytes]:
+        uniques, offsets = grouped(keys, layout)
+        out = []
+        for j in range(n):
+            cells = offsets[j * shards : (j + 1) * shards + 1]
+            part = [(cells - cells[0]).astype(np.int64), uniques[cells[0] : cells[-1]]]
+            if grads is not None:
+                part.append(np.ascontiguousarray(grads[: cells[-1] - cells[0]]))
+            out.append(b"".join(part))
+        return out
+
+    def call(batch: list[bytes]) -> None:
+        futures = [stub.future(r, timeout=60) for stub, r in zip(stubs, batch, strict=True)]
+        for f in futures:
+            f.result()
+
+    step = 1 << 18
+    for start in range(0, rows, step):
+        call(requests(table_keys(np.arange(start, min(rows, start + step)))))
+    grads = np.random.default_rng(1).standard_normal((len(batches[0]), DIM), np.float32) * 0.01
+    pulls = [requests(keys) for keys in batches]
+    pushes = [requests(keys, grads) for keys in batches]
+    return Phase(name, lambda i: call(pulls[i]), lambda i: call(pushes[i]), pids)
+
+
+@dataclass
+class Layout:
+    """Shards per server and servers, as ``grouped`` reads them off a ps."""
+
+    num_shards: int
+    num_servers: int
 
 
 def fill(ps: Any, rows: int) -> None:
@@ -272,9 +375,11 @@ def run(args: Any) -> dict[str, Any]:
     floors: list[Any] = []
     clients: list[Any] = []
     try:
-        servers = [PsProcess.start() for _ in range(3)]
+        servers = [PsProcess.start(args.server_threads) for _ in range(3)]
         one, two = servers[:1], servers[1:]
         floors, floor_addr = start_floor(3, max_bytes)
+        engine_floors, engine_addr = start_floor(2, max_bytes, engine_shards=2)
+        floors += engine_floors
         embedded = parameter_server("embedded", num_shards=2)
         remote1 = parameter_server([s.address for s in one])
         remote2 = parameter_server([s.address for s in two])
@@ -287,8 +392,17 @@ def run(args: Any) -> dict[str, Any]:
             ps_phase("remote1", remote1, batches, [p.pid for p in one]),
             ps_phase("remote2", remote2, batches, [p.pid for p in two]),
             floor_phase("floor1", floor_addr[:1], [floors[0].pid], batches, max_bytes),
-            floor_phase("floor2", floor_addr[1:], [f.pid for f in floors[1:]], batches, max_bytes),
+            floor_phase("floor2", floor_addr[1:], [f.pid for f in floors[1:3]], batches, max_bytes),
             ps_phase("remote1_small", remote1, small, [p.pid for p in one]),
+            engine_floor_phase(
+                "engine_floor2",
+                engine_addr,
+                [f.pid for f in engine_floors],
+                batches,
+                max_bytes,
+                shards=2,
+                rows=args.rows,
+            ),
         ]
         best: dict[tuple[str, str], dict[str, float]] = {}
         for r in range(args.rounds):
@@ -347,7 +461,20 @@ def summarize(best: dict[tuple[str, str], dict[str, float]], args: Any) -> dict[
         "remote_vs_floor": round(rate("remote2") / rate("floor2"), 3),
         "remote1_vs_floor1": round(rate("remote1") / rate("floor1"), 3),
         "remote_push_vs_floor": round(rate("remote2", "push") / rate("floor2", "push"), 3),
+        "grpc_engine_floor_keys_per_s": round(rate("engine_floor2")),
+        "grpc_engine_floor_push_keys_per_s": round(rate("engine_floor2", "push")),
+        "remote_vs_engine_floor": round(rate("remote2") / rate("engine_floor2"), 3),
+        "remote_push_vs_engine_floor": round(
+            rate("remote2", "push") / rate("engine_floor2", "push"), 3
+        ),
         **costs,
+        "pull_cpu_ms_per_batch": {
+            name: {
+                side: round(1e3 * best[(name, "pull")][f"{side}_cpu_per_batch"], 2)
+                for side in ("client", "server")
+            }
+            for name, _ in best
+        },
     }
     return result
 

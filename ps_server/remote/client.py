@@ -89,6 +89,7 @@ from wuliang.ps_server.remote.wire import (
     KEY,
     MASK,
     U32,
+    Encoded,
     array,
     chunk_of,
     chunk_to_message,
@@ -618,18 +619,19 @@ class RemoteServer(ParameterServer):
         train: bool,
         step: int | None,
     ) -> Future:
-        request = M["PullRequest"](train=train, has_step=step is not None, step=step or 0)
+        request = Encoded(M["PullRequest"], train=train, has_step=step is not None, step=step or 0)
         whole = len(pieces) == len(plans) and all(
             start == 0 and stop == len(plans[i][2].keys[j]) for i, start, stop in pieces
         )
         for i, start, stop in pieces:
             part, _, route = plans[i]
-            message = request.parts.add(table=part.table)
-            message.keys = route.keys[j][start:stop].tobytes()
+            message = Encoded(M["PullPart"], table=part.table)
+            message.add_array("keys", route.keys[j][start:stop])
             offsets = route.offsets[j]
             if offsets is not None and whole:
-                message.shard_offsets = offsets.tobytes()
-        data = M["DataRequest"](pull=request).SerializeToString()
+                message.add_array("shard_offsets", offsets)
+            request.add_message("parts", message)
+        data = Encoded(M["DataRequest"]).add_message("pull", request).join()
         tables = ",".join(dict.fromkeys(plans[i][0].table for i, _, _ in pieces))
         answer = server.data.submit(data, "pull", tables)
 
@@ -719,10 +721,14 @@ class RemoteServer(ParameterServer):
         only: str,
         step: int | None,
     ) -> Future:
-        request = M["PushRequest"](
-            unique=unique, only=only, has_step=step is not None, step=step or 0
+        request = Encoded(
+            M["PushRequest"],
+            unique=unique,
+            only=only,
+            has_step=step is not None,
+            step=step or 0,
+            client=self.client_id,
         )
-        request.client = self.client_id
         masks = []
         for i, start, stop in pieces:
             part, _, grads, rows, route = plans[i]
@@ -732,24 +738,24 @@ class RemoteServer(ParameterServer):
                 if isinstance(where, slice)
                 else where[start:stop]
             )
-            message = request.parts.add(table=part.table)
-            message.keys = route.keys[j][start:stop].tobytes()
-            message.grads = np.ascontiguousarray(grads[pick]).tobytes()
+            message = Encoded(M["PushPart"], table=part.table)
+            message.add_array("keys", route.keys[j][start:stop])
+            message.add_array("grads", np.ascontiguousarray(grads[pick]))
             offsets = route.offsets[j]
             if offsets is not None and start == 0 and stop == len(route.keys[j]):
-                message.shard_offsets = offsets.tobytes()
+                message.add_array("shard_offsets", offsets)
             mask = None
             if rows is not None:
                 mask = np.asarray(rows)[pick] >= 0
-                message.updated_mask = mask.astype(np.uint8).tobytes()
+                message.add_array("updated_mask", mask.view(np.uint8))
+            request.add_message("parts", message)
             masks.append((part, pick, mask, rows))
         tables = ",".join(dict.fromkeys(plans[i][0].table for i, _, _ in pieces))
         with server.push_lock:  # sequence numbers in queue order
             server.seq += 1
-            request.seq = server.seq
-            answer = server.data.submit(
-                M["DataRequest"](push=request).SerializeToString(), "push", tables
-            )
+            request.add_fields(seq=server.seq)
+            data = Encoded(M["DataRequest"]).add_message("push", request).join()
+            answer = server.data.submit(data, "push", tables)
 
         def result(done: Future) -> PushResult:
             response = done.result().push

@@ -53,6 +53,7 @@ from wuliang.ps_server.remote.wire import (
     KEY,
     MASK,
     U32,
+    Encoded,
     WireError,
     array,
     chunk_of,
@@ -164,11 +165,15 @@ class PsService:
     Args:
         engine: the engine served.
         token: when set, every call must carry it.
+        max_message_bytes: the largest message sent (an export's chunks fit it).
     """
 
-    def __init__(self, engine: Engine, token: str | None = None) -> None:
+    def __init__(
+        self, engine: Engine, token: str | None = None, max_message_bytes: int = 64 << 20
+    ) -> None:
         self.engine = engine
         self.token = token
+        self.max_message_bytes = max_message_bytes
         self.instance = uuid.uuid4().hex
         self.pushes = _Pushes()
 
@@ -188,7 +193,7 @@ class PsService:
                 request = _parse(M["DataRequest"], raw)
                 kind = request.WhichOneof("call")
                 if kind == "pull":
-                    yield M["DataResponse"](pull=self.pull(request.pull)).SerializeToString()
+                    yield self.pull(request.pull)
                 elif kind == "push":
                     yield self.push(request.push)
                 else:
@@ -200,7 +205,8 @@ class PsService:
                 answer = M["DataResponse"](error_code=code, error_message=_details(message))
                 yield answer.SerializeToString()
 
-    def pull(self, request: Any) -> Any:
+    def pull(self, request: Any) -> bytes:
+        """A pull's answer (serialized ``DataResponse``)."""
         parts, outs = [], []
         for part in request.parts:
             spec = self.engine.spec(part.table)
@@ -214,7 +220,10 @@ class PsService:
         self.engine.pull_many(
             parts, train=request.train, step=_step(request.has_step, request.step)
         )
-        return M["PullResponse"](rows=[out.tobytes() for out in outs])
+        rows = Encoded(M["PullResponse"])
+        for out in outs:
+            rows.add_array("rows", out)
+        return Encoded(M["DataResponse"]).add_message("pull", rows).join()
 
     def push(self, request: Any) -> bytes:
         """A push's answer (serialized ``DataResponse``), applied once per
@@ -253,14 +262,16 @@ class PsService:
             step=_step(request.has_step, request.step),
         )
         send = request.only != "rest"
-        response = M["PushResponse"](
+        response = Encoded(
+            M["PushResponse"],
             applied=result.applied,
             dropped_nan=result.dropped_nan,
             dropped_pending=result.dropped_pending,
             duplicates=result.duplicates,
-            updated=[out.tobytes() if out is not None and send else b"" for out in updated],
         )
-        return M["DataResponse"](push=response).SerializeToString()
+        for out in updated:
+            response.add_array("updated", out if out is not None and send else b"")
+        return Encoded(M["DataResponse"]).add_message("push", response).join()
 
     def lookup(self, request: Any) -> Any:
         keys = array(request.keys, KEY, "keys")
@@ -282,7 +293,7 @@ class PsService:
         )
 
     def create_table(self, request: Any) -> Any:
-        spec = TableSpec.from_dict(json.loads(request.json))
+        spec = _spec_of(request.json)
         try:
             self.engine.create_table(spec)
         except ValueError:
@@ -312,7 +323,14 @@ class PsService:
     # -- rows ----------------------------------------------------------------
 
     def export(self, request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
-        chunks = self.engine.export(request.table, request.since, request.chunk_rows or 65536)
+        """The rows as ``Rows`` messages of at most ``chunk_rows`` rows, and
+        fewer where that many would not fit in a message (the engine holds a
+        buffer of a chunk's size: the client's number is no allocation)."""
+        spec = self.engine.spec(request.table)
+        row_bytes = 32 + 4 * (spec.dim + spec.state_dim)  # key, columns, weights, state
+        fit = max(1, (self.max_message_bytes - (1 << 16)) // row_bytes)
+        chunk_rows = min(request.chunk_rows or 65536, fit)
+        chunks = self.engine.export(request.table, request.since, chunk_rows)
         for chunk in chunks:
             yield chunk_to_message(chunk, M["Rows"]()).SerializeToString()
 
@@ -402,7 +420,7 @@ class PsService:
             message = stream.next()
             label = message.label
             header = message.table
-            spec = TableSpec.from_dict(json.loads(header.spec.json))
+            spec = _spec_of(header.spec.json)
             update = TableUpdate(spec, full=header.full, rows=[])
             update.rows = _rows_of(stream, header.table, update, spec.dim)
             updates[header.table] = update
@@ -504,6 +522,16 @@ def _version() -> str:
         return importlib.metadata.version("wuliang")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
+
+
+def _spec_of(text: str) -> TableSpec:
+    """The spec in a request's JSON; INVALID_ARGUMENT for JSON that does not
+    parse (nested too deeply included) or is no spec."""
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise RpcError("INVALID_ARGUMENT", "the spec's JSON is nested too deeply") from None
+    return TableSpec.from_dict(data)
 
 
 def _check_name(name: str, what: str) -> None:
@@ -653,7 +681,7 @@ class PsServer:
             raise ValueError(f"max_message_mb must be an int in [1, 2047], got {max_message_mb!r}")
         limit = max_message_mb << 20
         self.engine = engine
-        self.service = PsService(engine, token)
+        self.service = PsService(engine, token, limit)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="wuliang-ps")
         self.server = grpc.server(
             self.pool,
