@@ -52,6 +52,17 @@ def check_version(version: Any, what: str) -> int:
     return int(version)
 
 
+MAX_VERSION = 2**63 - 1  # the highest version a server may be restored to (never wraps)
+
+
+def check_restored_version(version: Any) -> int:
+    """``restore_version``'s argument: a version of at most ``MAX_VERSION``."""
+    version = check_version(version, "version")
+    if version > MAX_VERSION:
+        raise ValueError(f"version must be at most 2**63 - 1, got {version}")
+    return version
+
+
 def as_column(values: Any, dtype: type, shape: tuple[int, ...], what: str) -> np.ndarray | None:
     if values is None:
         return None

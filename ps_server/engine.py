@@ -40,6 +40,7 @@ from wuliang.ps_server.checks import (
     as_column,
     as_float32,
     check_float32,
+    check_restored_version,
     check_step,
     check_version,
 )
@@ -132,8 +133,9 @@ class Engine(ParameterServer):
         return self.native.advance_version()
 
     def restore_version(self, version: int) -> None:
-        """Raises the version to at least ``version`` (after restoring rows)."""
-        self.native.restore_version(check_version(version, "version"))
+        """Raises the version to at least ``version`` (after restoring rows);
+        at most ``MAX_VERSION``, so that advancing never wraps to 0."""
+        self.native.restore_version(check_restored_version(version))
 
     # -- tables --------------------------------------------------------------
 

@@ -490,7 +490,8 @@ class ParameterServer(abc.ABC):
 
     @abc.abstractmethod
     def restore_version(self, version: int) -> None:
-        """Raises the version to at least ``version`` (after restoring rows)."""
+        """Raises the version to at least ``version`` (after restoring rows);
+        ValueError above ``2**63 - 1``, so that advancing never wraps to 0."""
 
 
 def load_columns(rows: RowChunk) -> dict[str, np.ndarray | None]:

@@ -65,6 +65,7 @@ from wuliang.ps_server.checks import (
     as_column,
     as_float32,
     check_float32,
+    check_restored_version,
     check_step,
     check_version,
 )
@@ -121,12 +122,11 @@ def _error(code: str, message: str, server: str, call: str, table: str = "") -> 
     """The exception a server's status becomes: the interface's own kinds
     for bad arguments and unknown tables, RemoteError otherwise."""
     where = f"parameter server {server}, {call}" + (f" of table {table!r}" if table else "")
-    text = f"{where}: {message}"
     if code == "NOT_FOUND":
-        return UnknownTableError(text)
+        return UnknownTableError(f"{where}: {message}")
     if code in ("INVALID_ARGUMENT", "ALREADY_EXISTS"):
-        return ValueError(text)
-    return RemoteError(code, text)
+        return ValueError(f"{where}: {message}")
+    return RemoteError(code, f"{where}: {code}: {message}")
 
 
 @dataclass
@@ -516,9 +516,12 @@ class RemoteServer(ParameterServer):
             "received": sum(s.data.received_bytes for s in self._servers),
         }
 
-    def _all(self, method: str, request: Callable[[_Server], Any], response: str) -> list[Any]:
-        """The same call on every server at once; their answers in order."""
-        futures = [s.call_future(method, request(s), response) for s in self._servers]
+    def _all(
+        self, method: str, request: Callable[[_Server], Any], response: str, table: str = ""
+    ) -> list[Any]:
+        """The same call on every server at once; their answers in order
+        (an error names the server, the call and ``table``)."""
+        futures = [s.call_future(method, request(s), response, table) for s in self._servers]
         return _wait_all(futures, None)  # each call has its own deadline
 
     # -- routing -------------------------------------------------------------
@@ -807,11 +810,11 @@ class RemoteServer(ParameterServer):
         if not isinstance(spec, TableSpec):
             raise TypeError(f"spec must be a TableSpec, got {type(spec).__name__}")
         message = M["Spec"](json=json.dumps(spec.to_dict()))
-        self._all("CreateTable", lambda s: message, "Empty")
+        self._all("CreateTable", lambda s: message, "Empty", spec.name)
         self._specs[spec.name] = spec
 
     def drop_table(self, name: str) -> None:
-        self._all("DropTable", lambda s: M["TableRequest"](table=name), "Empty")
+        self._all("DropTable", lambda s: M["TableRequest"](table=name), "Empty", name)
         self._specs.pop(name, None)
 
     def tables(self) -> list[str]:
@@ -825,7 +828,9 @@ class RemoteServer(ParameterServer):
         return spec
 
     def stats(self, table: str | None = None) -> dict[str, Any]:
-        answers = self._all("Stats", lambda s: M["TableRequest"](table=table or ""), "Json")
+        answers = self._all(
+            "Stats", lambda s: M["TableRequest"](table=table or ""), "Json", table or ""
+        )
         stats = [json.loads(a.json) for a in answers]
         if table is not None:
             return _merge_stats(stats)
@@ -939,13 +944,14 @@ class RemoteServer(ParameterServer):
         has, value = step is not None, step or 0
         request = M["EvictRequest"](table=table, has_step=has, step=value)
         counts = _sum_dicts(
-            [json.loads(a.json) for a in self._all("EvictByAge", lambda s: request, "Json")]
+            [json.loads(a.json) for a in self._all("EvictByAge", lambda s: request, "Json", table)]
         )
         bound = self.spec(table).eviction.max_rows
         if not bound:
             return counts
-        histograms = self._all("CountHistogram", lambda s: M["TableRequest"](table=table),
-                               "Records")  # fmt: skip
+        histograms = self._all(
+            "CountHistogram", lambda s: M["TableRequest"](table=table), "Records", table
+        )
         merged: dict[int, int] = {}
         for answer in histograms:
             buckets = array(answer.keys, KEY, "buckets")
@@ -963,7 +969,7 @@ class RemoteServer(ParameterServer):
         ask = M["CountRequest"](table=table, count=threshold)
         steps = [
             array(a.values, KEY, "steps")
-            for a in self._all("StepsAtCount", lambda s: ask, "Records")
+            for a in self._all("StepsAtCount", lambda s: ask, "Records", table)
         ]
         everything = np.concatenate(steps)
         need = min(excess - below, len(everything))
@@ -983,6 +989,7 @@ class RemoteServer(ParameterServer):
                 has_step=has, step=value,
             ),
             "Json",
+            table,
         )  # fmt: skip
         return _sum_dicts([counts, *(json.loads(a.json) for a in cut)])
 
@@ -990,7 +997,7 @@ class RemoteServer(ParameterServer):
 
     def removed_log(self, table: str, since: int = 0) -> tuple[np.ndarray, np.ndarray]:
         request = M["RemovedLogRequest"](table=table, since=check_version(since, "since"))
-        answers = self._all("RemovedLog", lambda s: request, "Records")
+        answers = self._all("RemovedLog", lambda s: request, "Records", table)
         keys = np.concatenate([array(a.keys, KEY, "keys") for a in answers])
         versions = np.concatenate(
             [array(a.values, KEY, "versions", len(array(a.keys, KEY, "keys"))) for a in answers]
@@ -1023,10 +1030,12 @@ class RemoteServer(ParameterServer):
 
     def trim_removed(self, table: str, upto: int) -> None:
         upto = check_version(upto, "upto")
-        self._all("TrimRemoved", lambda s: M["TrimRequest"](table=table, upto=upto), "Empty")
+        self._all("TrimRemoved", lambda s: M["TrimRequest"](table=table, upto=upto), "Empty", table)
 
     def pending_counts(self, table: str) -> tuple[np.ndarray, np.ndarray]:
-        answers = self._all("PendingCounts", lambda s: M["TableRequest"](table=table), "Records")
+        answers = self._all(
+            "PendingCounts", lambda s: M["TableRequest"](table=table), "Records", table
+        )
         keys = [array(a.keys, KEY, "keys") for a in answers]
         counts = [
             array(a.values, U32, "counts", len(k)) for a, k in zip(answers, keys, strict=True)
@@ -1125,7 +1134,7 @@ class RemoteServer(ParameterServer):
         return max(a.version for a in answers)
 
     def restore_version(self, version: int) -> None:
-        version = check_version(version, "version")
+        version = check_restored_version(version)
         self._all("RestoreVersion", lambda s: M["VersionMessage"](version=version), "Empty")
 
     # -- checkpoints and exports: part files written by the servers ----------
@@ -1146,6 +1155,7 @@ class RemoteServer(ParameterServer):
                 prefix=f"part-s{s.index}-",
             ),
             "WriteRowsResponse",
+            spec.name,
         )
         files = [(f.path, FileEntry(f.sha256, f.bytes, f.rows)) for a in answers for f in a.files]
         return files, sum(a.rows for a in answers)
@@ -1177,6 +1187,7 @@ class RemoteServer(ParameterServer):
                 since=since,
             ),
             "Count",
+            table,
         )
         return sum(a.count for a in answers)
 

@@ -72,6 +72,9 @@ def start(options: PsOptions):
 def run(options: PsOptions) -> int:
     """Serves until SIGTERM or SIGINT; prints the address once listening."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before the line that says it runs
+        signal.signal(sig, lambda *_: done.set())
     server = start(options)
     scheme = "grpc+tls" if options.tls_cert is not None else "grpc"
     print(
@@ -79,9 +82,6 @@ def run(options: PsOptions) -> int:
         f"({options.threads} shard threads)",
         flush=True,
     )
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
     done.wait()
     server.stop(grace=5.0)
     print("parameter server stopped", file=sys.stderr, flush=True)

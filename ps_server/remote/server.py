@@ -24,6 +24,8 @@ as long as its client is connected), the engine's shard workers do the work.
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -176,12 +178,39 @@ class PsService:
         self.max_message_bytes = max_message_bytes
         self.instance = uuid.uuid4().hex
         self.pushes = _Pushes()
+        self.stopping = False  # set by PsServer.stop: calls are refused UNAVAILABLE
+        self._busy = 0  # calls and data requests being answered
+        self._idle = threading.Condition()
+
+    @contextlib.contextmanager
+    def working(self) -> Iterator[None]:
+        """Counts a call (or a data request) being answered; UNAVAILABLE
+        once the server is stopping (a client retries elsewhere or later)."""
+        with self._idle:
+            if self.stopping:
+                raise RpcError("UNAVAILABLE", "the parameter server is stopping")
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._busy -= 1
+                self._idle.notify_all()
+
+    def stop_taking_calls(self, timeout: float | None) -> bool:
+        """Refuses new calls and waits until those being answered are done
+        (at most ``timeout`` s); True when none is left."""
+        with self._idle:
+            self.stopping = True
+            return self._idle.wait_for(lambda: self._busy == 0, timeout)
 
     # -- data ----------------------------------------------------------------
 
     def data(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """A client's pulls and pushes, one at a time, answered in order;
-        ends when the client ends the stream or goes away."""
+        ends when the client ends the stream or goes away, and with
+        UNAVAILABLE when the server stops (the client sends the requests
+        left unanswered again, once a server is back)."""
         try:
             yield from self._data(requests)
         except grpc.RpcError:  # the client went away, or the server stops: nothing to answer
@@ -189,21 +218,25 @@ class PsService:
 
     def _data(self, requests: Iterator[bytes]) -> Iterator[bytes]:
         for raw in requests:
-            try:
-                request = _parse(M["DataRequest"], raw)
-                kind = request.WhichOneof("call")
-                if kind == "pull":
-                    yield self.pull(request.pull)
-                elif kind == "push":
-                    yield self.push(request.push)
-                else:
-                    raise RpcError("INVALID_ARGUMENT", "a data request needs a pull or a push")
-            except Exception as error:  # the call fails, the stream goes on
-                code, message = _status(error)
-                if code == "INTERNAL":
-                    log.exception("data call failed")
-                answer = M["DataResponse"](error_code=code, error_message=_details(message))
-                yield answer.SerializeToString()
+            with self.working():  # outside the try: a stopping server ends the stream
+                yield self._answer(raw)
+
+    def _answer(self, raw: bytes) -> bytes:
+        """One data request's answer; a bad request's names what is wrong."""
+        try:
+            request = _parse(M["DataRequest"], raw)
+            kind = request.WhichOneof("call")
+            if kind == "pull":
+                return self.pull(request.pull)
+            if kind == "push":
+                return self.push(request.push)
+            raise RpcError("INVALID_ARGUMENT", "a data request needs a pull or a push")
+        except Exception as error:  # the call fails, the stream goes on
+            code, message = _status(error)
+            if code == "INTERNAL":
+                log.exception("data call failed")
+            answer = M["DataResponse"](error_code=code, error_message=_details(message))
+            return answer.SerializeToString()
 
     def pull(self, request: Any) -> bytes:
         """A pull's answer (serialized ``DataResponse``)."""
@@ -490,7 +523,13 @@ def _rows_of(stream: _Peekable, table: str, update: TableUpdate, dim: int) -> It
         kind = message.WhichOneof("part")
         if kind == "rows" and message.rows.table == table:
             stream.next()
-            yield chunk_of(message.rows.rows, f"rows of table {table!r}", dim)
+            chunk = chunk_of(message.rows.rows, f"rows of table {table!r}", dim)
+            empty = {  # columns left empty take their defaults, as in a load
+                name: None
+                for name in ("counts", "steps", "times", "versions")
+                if len(getattr(chunk, name)) != len(chunk.keys)
+            }
+            yield dataclasses.replace(chunk, **empty) if empty else chunk
         elif kind == "removed" and message.removed.table == table:
             stream.next()
             update.removed = array(message.removed.keys, KEY, f"removed keys of {table!r}")
@@ -596,7 +635,8 @@ def _guard(service: PsService, name: str, call: Callable[..., Any]) -> Callable[
                 metadata_token(context.invocation_metadata()), service.token
             ):
                 raise RpcError("UNAUTHENTICATED", "a valid token is required")
-            return call(request, context)
+            with service.working():
+                return call(request, context)
         except Exception as error:
             code, message = _status(error)
             if code == "INTERNAL":
@@ -627,13 +667,16 @@ def ps_handler(service: PsService) -> grpc.GenericRpcHandler:
         _guard(service, "ApplyUpdate", service.apply_update)
     )
     handlers["Data"] = grpc.stream_stream_rpc_method_handler(
-        _stream_guard(service, "Data", service.data)
+        _stream_guard(service, "Data", service.data, whole=False)  # counted per request
     )
     return grpc.method_handlers_generic_handler(proto.SERVICE, handlers)
 
 
-def _stream_guard(service: PsService, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
-    """``_guard`` for handlers that answer with a stream."""
+def _stream_guard(
+    service: PsService, name: str, call: Callable[..., Any], whole: bool = True
+) -> Callable[..., Any]:
+    """``_guard`` for handlers that answer with a stream (``whole``: the
+    call counts as working until its stream ends)."""
 
     def handle(request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
         if service.token is not None and not token_matches(
@@ -641,7 +684,8 @@ def _stream_guard(service: PsService, name: str, call: Callable[..., Any]) -> Ca
         ):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid token is required")
         try:
-            yield from call(request, context)
+            with service.working() if whole else contextlib.nullcontext():
+                yield from call(request, context)
         except Exception as error:
             code, message = _status(error)
             if code == "INTERNAL":
@@ -711,8 +755,16 @@ class PsServer:
         self.server.start()
 
     def stop(self, grace: float | None = 1.0) -> None:
-        """Stops taking calls, lets those in flight finish (``grace`` s),
-        then closes the engine."""
-        self.server.stop(grace).wait()
+        """Refuses new calls (UNAVAILABLE), lets those being answered finish
+        (at most ``grace`` s; None: none), then ends every call and stream
+        (a connected client's idle data stream does not hold it up) and
+        closes the engine."""
+        from grpc_health.v1 import health_pb2
+
+        for service in ("", proto.SERVICE):
+            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if not self.service.stop_taking_calls(grace or 0.0):
+            log.warning("stopping with calls still being answered after %s s", grace)
+        self.server.stop(None).wait()
         self.pool.shutdown(wait=True)
         self.engine.close()
