@@ -175,3 +175,29 @@ def test_the_engine_extension_has_no_naive_engine() -> None:
     from wuliang.ps_server import _engine
 
     assert not hasattr(_engine, "NaiveEngine")
+
+
+def test_the_parameter_server_imports_without_grpc() -> None:
+    """grpcio is an extra: ``wuliang`` and ``wuliang.ps_server`` import
+    without it, and asking for remote servers says what to install."""
+    code = (
+        "import sys\n"
+        "class NoGrpc:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'grpc' or name.startswith(('grpc.', 'grpc_')):\n"
+        "            raise ImportError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, NoGrpc())\n"
+        "import wuliang, wuliang.ps_server\n"
+        "assert not any(m.startswith('grpc') for m in sys.modules), sorted(sys.modules)\n"
+        "try:\n"
+        "    wuliang.ps_server.parameter_server(['127.0.0.1:7001'])\n"
+        "except ImportError as error:\n"
+        "    assert \"pip install 'wuliang[remote]'\" in str(error), error\n"
+        "else:\n"
+        "    raise AssertionError('no ImportError')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO / "tests"
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
