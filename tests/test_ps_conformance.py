@@ -757,6 +757,9 @@ def test_versions_and_removal_records_restore(
     ps.restore_version(start + 2)  # never lowers
     assert ps.version == start + 10
     assert ps.advance_version() == start + 11
+    with pytest.raises(ValueError, match=r"version must be at most 2\*\*63 - 1, got 9223372036"):
+        ps.restore_version(2**63)  # advancing from 2**64 - 1 would wrap to 0
+    assert ps.version == start + 11
 
     t = sgd_table(ps)
     ps.pull(t, np.arange(10, dtype=np.int64), step=1)
