@@ -118,10 +118,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-export", action="store_true", help="skip the checkpoint and export steps")
     p.add_argument(
         "--ps",
-        default="embedded",
-        help="parameter servers: embedded (default) or host:port,host:port of running "
-        "`wuliang ps` processes (checkpoints and exports then need --work-dir on a file "
-        "system the servers see at the same path)",
+        help="parameter servers: embedded, or host:port,host:port of running `wuliang ps` "
+        "processes (checkpoints and exports then need --work-dir on a file system the "
+        "servers see at the same path); default: the ps tasks of TF_CONFIG, else embedded",
     )
     p.add_argument(
         "--max-ratings",
@@ -256,7 +255,9 @@ def train_wuliang(
         wl.SparseFeature(name, tables[table], combiner=combiner)
         for name, (table, combiner) in FEATURES.items()
     ]
-    estimator = wl.Estimator(make_tower(args.hidden), features, label=LABEL, context=wl.Context(ps=args.ps))
+    estimator = wl.Estimator(
+        make_tower(args.hidden), features, label=LABEL, context=wl.Context(ps=args.ps)
+    )
     columns = list(FEATURES)
     train_reader = ParquetReader(
         train,

@@ -108,7 +108,10 @@ def _remote(address: Any, num_shards: int | None) -> ParameterServer:
         raise ImportError(
             f"remote parameter servers need grpcio ({error}): pip install 'wuliang[remote]'"
         ) from error
-    return RemoteServer(list(address))
+    from wuliang.ps_server.rpc.auth import ps_token_file, read_token
+
+    token_file = ps_token_file()
+    return RemoteServer(list(address), token=read_token(token_file) if token_file else None)
 
 
 register_backend("embedded", _embedded)

@@ -5,7 +5,8 @@ of ``ps.proto`` (``PsServer``), binds ``--host`` (127.0.0.1 unless told
 otherwise) and ``--port``, prints one line with its address once it
 listens, and on SIGTERM or SIGINT stops taking calls, lets those in flight
 finish and exits 0. With ``--token-file`` every call must carry the token;
-with ``--tls-cert`` and ``--tls-key`` it speaks TLS.
+with ``--tls-cert`` and ``--tls-key`` it speaks TLS. Without ``--port`` it
+serves at its own address in ``TF_CONFIG`` (``wuliang.ps_server.cluster``).
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
-__all__ = ["PsOptions", "run", "start"]
+from wuliang.ps_server.cluster import Cluster
+
+__all__ = ["PsOptions", "listen_address", "run", "start"]
 
 
 @dataclass
@@ -33,6 +37,26 @@ class PsOptions:
     tls_key: Path | None = None
     max_message_mb: int = 64
     rpc_threads: int = 16
+
+
+def listen_address(
+    port: int | None, host: str | None, environ: Mapping[str, str] | None = None
+) -> tuple[str, int]:
+    """Where to listen: ``--host`` (127.0.0.1) and ``--port``; without
+    ``--port``, the port of this task's address in ``TF_CONFIG`` (a ``ps``
+    task), on every interface unless ``--host`` says otherwise (the address
+    is the pod's name, reached from other machines)."""
+    if port is not None:
+        return host or "127.0.0.1", port
+    cluster = Cluster.from_env(environ)
+    if cluster is None:
+        raise ValueError("--port is required (or TF_CONFIG naming this process a ps task)")
+    if cluster.task_type != "ps":
+        raise ValueError(
+            f"TF_CONFIG names this process {cluster.task_type} {cluster.task_index}, not a "
+            "parameter server (task type ps); give --port to run one anyway"
+        )
+    return host or "0.0.0.0", cluster.port
 
 
 def check_options(options: PsOptions) -> None:

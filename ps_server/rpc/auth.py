@@ -4,16 +4,33 @@ A server started with a token file (``--token-file F``: the token is the
 file's content, surrounding whitespace dropped) answers only requests that
 carry it: the gRPC metadata ``authorization: Bearer <token>``, the HTTP
 header ``Authorization: Bearer <token>``. Tokens are compared in constant
-time.
+time. A job's parameter servers and trainers may all take the file from
+the environment instead (``WULIANG_PS_TOKEN_FILE``: one setting for every
+pod of a cluster).
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-__all__ = ["bearer", "metadata_token", "read_token", "token_matches"]
+__all__ = [
+    "PS_TOKEN_FILE_ENV",
+    "bearer",
+    "metadata_token",
+    "ps_token_file",
+    "read_token",
+    "token_matches",
+]
+
+PS_TOKEN_FILE_ENV = "WULIANG_PS_TOKEN_FILE"
+
+
+def ps_token_file(environ: Mapping[str, str] | None = None) -> str | None:
+    """The parameter servers' token file named by the environment, or None."""
+    return (os.environ if environ is None else environ).get(PS_TOKEN_FILE_ENV) or None
 
 
 def read_token(path: str | Path) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -248,11 +249,12 @@ def _publish(args: argparse.Namespace) -> int:
 
 
 def _ps_options(args: argparse.Namespace) -> Any:
-    from wuliang.ps_server.remote.run import PsOptions
+    from wuliang.ps_server.remote.run import PsOptions, listen_address
 
+    host, port = listen_address(args.port, args.host)
     return PsOptions(
-        args.port,
-        host=args.host,
+        port,
+        host=host,
         threads=args.threads,
         token_file=None if args.token_file is None else Path(args.token_file),
         tls_cert=None if args.tls_cert is None else Path(args.tls_cert),
@@ -442,15 +444,26 @@ def build_parser() -> argparse.ArgumentParser:
         "SIGINT (wuliang.ps_server.remote); a trainer reaches it with "
         "Context(ps=['host:port', ...]). Prints one line with its address once it listens.",
     )
-    ps.add_argument("--port", type=bounded_int(0, 65535), required=True, help="0: a free port")
-    ps.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    ps.add_argument(
+        "--port",
+        type=bounded_int(0, 65535),
+        help="0: a free port (default: this task's port in TF_CONFIG, a ps task)",
+    )
+    ps.add_argument(
+        "--host",
+        help="the address to listen on (default 127.0.0.1; with TF_CONFIG's port 0.0.0.0)",
+    )
     ps.add_argument(
         "--threads",
         type=bounded_int(1, 1024),
         default=2,
         help="engine shard threads (the same on every server of a job)",
     )
-    ps.add_argument("--token-file", help="every call must carry the token in this file")
+    ps.add_argument(
+        "--token-file",
+        default=os.environ.get("WULIANG_PS_TOKEN_FILE") or None,
+        help="every call must carry the token in this file (default: $WULIANG_PS_TOKEN_FILE)",
+    )
     ps.add_argument("--tls-cert", help="PEM certificate chain (with --tls-key: TLS)")
     ps.add_argument("--tls-key", help="PEM private key of --tls-cert")
     ps.add_argument(

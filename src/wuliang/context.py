@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from wuliang.embedding.features import EmbeddingTable
 from wuliang.nonfinite import check_policy
 from wuliang.ps_server import ParameterServer, address_kind, parameter_server
+from wuliang.ps_server.cluster import Cluster
 from wuliang.ps_server.threads import check_background
 
 
@@ -67,7 +68,9 @@ class Context:
             parameter_server``): ``"embedded"``, the engine in this process;
             a list of ``"host:port"`` for remote servers; or a
             ``ParameterServer`` made beforehand (a ``RemoteServer`` with a
-            token or TLS), which the context then owns and closes.
+            token or TLS), which the context then owns and closes. Default:
+            the ``ps`` tasks of ``TF_CONFIG`` when it names any (a trainer
+            of a cluster, ``wuliang.ps_server.cluster``), else embedded.
         num_shards: shard threads of an embedded engine (default: the number
             of CPUs, at most 16).
         staleness: 0: a step pulls rows only after the previous step's push
@@ -93,7 +96,7 @@ class Context:
 
     def __init__(
         self,
-        ps: str | Sequence[str] | ParameterServer = "embedded",
+        ps: str | Sequence[str] | ParameterServer | None = None,
         *,
         num_shards: int | None = None,
         staleness: int = 0,
@@ -102,6 +105,9 @@ class Context:
         background: str = "normal",
         non_finite: str = "raise",
     ) -> None:
+        self.cluster = Cluster.from_env()  # None: not part of a cluster
+        if ps is None:
+            ps = list(self.cluster.ps) if self.cluster and self.cluster.ps else "embedded"
         if not isinstance(ps, ParameterServer):
             address_kind(ps)  # a bad address fails before anything starts
         elif num_shards is not None:
