@@ -269,6 +269,30 @@ def _check_ps(args: argparse.Namespace) -> None:
     check_options(_ps_options(args))
 
 
+def _launch_options(args: argparse.Namespace) -> Any:
+    from wuliang.launch import LaunchOptions
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return LaunchOptions(
+        command,
+        ps=args.ps,
+        workers=args.workers,
+        chief=not args.no_chief,
+        ps_threads=args.ps_threads,
+        max_restarts=args.max_restarts,
+    )
+
+
+def _check_launch(args: argparse.Namespace) -> None:
+    _launch_options(args).check()
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from wuliang.launch import launch
+
+    return launch(_launch_options(args))
+
+
 def _ps(args: argparse.Namespace) -> int:
     from wuliang.ps_server.remote.run import run
 
@@ -471,6 +495,35 @@ def build_parser() -> argparse.ArgumentParser:
         type=bounded_int(1, 2047),
         default=64,
         help="the largest message received or sent (clients split larger batches)",
+    )
+
+    launch = command(
+        sub,
+        "launch",
+        _launch,
+        _check_launch,
+        help="run a job's roles (parameter servers, chief, workers) as local processes",
+        description="Starts --ps parameter servers, a chief and --workers workers (the "
+        "command after --) on this machine, each with its own TF_CONFIG, as an orchestrator "
+        "would; prefixes every line with its role, restarts a process that fails, and stops "
+        "everything when the chief ends or on Ctrl-C (wuliang.launch).",
+    )
+    launch.add_argument("--ps", type=bounded_int(0, 64), default=1, help="parameter servers")
+    launch.add_argument("--workers", type=bounded_int(0, 64), default=0, help="workers")
+    launch.add_argument(
+        "--no-chief", action="store_true", help="workers only (worker 0 acts as the chief)"
+    )
+    launch.add_argument(
+        "--ps-threads", type=bounded_int(1, 1024), default=2, help="each server's --threads"
+    )
+    launch.add_argument(
+        "--max-restarts",
+        type=bounded_int(0),
+        default=3,
+        help="restarts of a failing process before the job stops",
+    )
+    launch.add_argument(
+        "command", nargs=argparse.REMAINDER, help="-- the trainer's command and its arguments"
     )
 
     pub = command(

@@ -1,0 +1,236 @@
+"""``wuliang launch``: a job's roles as local processes, as an orchestrator runs them.
+
+``wuliang launch --ps 2 --workers 2 -- python train.py ...`` starts, on this
+machine, what a TFJob starts on a cluster: N parameter servers (``wuliang
+ps``), a chief and M workers (the command after ``--``), each with its own
+``TF_CONFIG`` (free loopback ports; ``wuliang.ps_server.cluster`` reads it).
+The servers start first; the trainers once every server has printed its
+start line. Every line a process prints goes to this terminal prefixed
+with its role (``[ps-1]``, ``[chief-0]``, ``[worker-0]``).
+
+Like ``restartPolicy: OnFailure``, a process that fails (a non-zero exit, a
+signal) is started again with the same ``TF_CONFIG``, up to
+``max_restarts`` times per role (then the job stops, naming it); a trainer
+that exits 0 is done. The job ends when the chief ends (or, without a
+chief, when every worker has): the others get SIGTERM, then SIGKILL after
+``grace`` seconds, and the launcher exits with the chief's status. Ctrl-C
+or SIGTERM stops everything the same way (exit 130).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import KW_ONLY, dataclass, field
+from typing import IO
+
+__all__ = ["LaunchOptions", "launch"]
+
+
+@dataclass
+class LaunchOptions:
+    """What ``wuliang launch`` starts (``wuliang launch --help`` explains each)."""
+
+    command: list[str]
+    _: KW_ONLY
+    ps: int = 1
+    workers: int = 0
+    chief: bool = True
+    ps_threads: int = 2
+    max_restarts: int = 3
+    start_timeout: float = 60.0
+    grace: float = 10.0
+
+    def check(self) -> None:
+        if not self.command:
+            raise ValueError("give the trainer's command after --, e.g. -- python train.py")
+        if self.ps < 0 or self.workers < 0:
+            raise ValueError("--ps and --workers must be >= 0")
+        if not self.chief and self.workers == 0:
+            raise ValueError("nobody trains: --no-chief needs --workers >= 1")
+
+
+@dataclass
+class _Role:
+    kind: str  # "ps", "chief" or "worker"
+    index: int
+    command: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    done: bool = False  # a trainer that exited 0
+    started: threading.Event = field(default_factory=threading.Event)  # a server's start line
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.index}"
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def cluster_of(options: LaunchOptions) -> dict[str, list[str]]:
+    """The job's ``TF_CONFIG`` cluster on free loopback ports."""
+    counts = {"chief": int(options.chief), "worker": options.workers, "ps": options.ps}
+    ports = iter(_free_ports(sum(counts.values())))
+    return {kind: [f"127.0.0.1:{next(ports)}" for _ in range(n)] for kind, n in counts.items() if n}
+
+
+class _Job:
+    def __init__(self, options: LaunchOptions, out: IO[str]) -> None:
+        self.options = options
+        self.out = out
+        self.out_lock = threading.Lock()
+        self.cluster = cluster_of(options)
+        server = [sys.executable, "-m", "wuliang", "ps", "--threads", str(options.ps_threads)]
+        server += ["--host", "127.0.0.1"]
+        self.roles = [
+            _Role(kind, i, server if kind == "ps" else list(options.command), self._env(kind, i))
+            for kind in ("ps", "chief", "worker")
+            for i in range(len(self.cluster.get(kind, ())))
+        ]
+        self.stopping = threading.Event()
+
+    def _env(self, kind: str, index: int) -> dict[str, str]:
+        config = {"cluster": self.cluster, "task": {"type": kind, "index": index}}
+        return {**os.environ, "TF_CONFIG": json.dumps(config), "PYTHONUNBUFFERED": "1"}
+
+    def say(self, text: str) -> None:
+        with self.out_lock:
+            self.out.write(text if text.endswith("\n") else text + "\n")
+            self.out.flush()
+
+    def start(self, role: _Role) -> None:
+        role.started.clear()
+        role.proc = subprocess.Popen(
+            role.command,
+            env=role.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+            start_new_session=True,  # Ctrl-C reaches the launcher, which stops them in order
+        )
+        self.say(f"[launch] started {role.name} (pid {role.proc.pid})")
+        threading.Thread(target=self._relay, args=(role, role.proc), daemon=True).start()
+
+    def _relay(self, role: _Role, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if role.kind == "ps" and "listening on" in line:
+                role.started.set()
+            self.say(f"[{role.name}] {line}")
+        proc.stdout.close()
+
+    def run(self) -> int:
+        servers = [r for r in self.roles if r.kind == "ps"]
+        trainers = [r for r in self.roles if r.kind != "ps"]
+        self.say(f"[launch] TF_CONFIG cluster: {json.dumps(self.cluster)}")
+        try:
+            for role in servers:
+                self.start(role)
+            for role in servers:
+                if not self._wait_started(role):
+                    return 130  # stopped while the servers started
+            for role in trainers:
+                self.start(role)
+            return self._watch(trainers)
+        finally:
+            self.stop_all()
+
+    def _wait_started(self, role: _Role) -> bool:
+        """Until a server prints its start line; False when the job is stopped."""
+        deadline = time.monotonic() + self.options.start_timeout
+        while not role.started.wait(0.1):
+            if self.stopping.is_set():
+                return False
+            if role.proc is not None and role.proc.poll() is not None:
+                raise RuntimeError(f"{role.name} exited with status {role.proc.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{role.name} did not start in {self.options.start_timeout:g} s")
+        return True
+
+    def _watch(self, trainers: list[_Role]) -> int:
+        chief = next((r for r in trainers if r.kind == "chief"), None)
+        while not self.stopping.wait(0.2):
+            for role in self.roles:
+                code = role.proc.poll() if role.proc is not None else None
+                if code is None or role.done:
+                    continue
+                if code == 0 and role.kind != "ps":
+                    role.done = True
+                    self.say(f"[launch] {role.name} finished")
+                    continue
+                self._restart(role, code)
+            if chief is not None and chief.done:
+                return 0
+            if chief is None and all(r.done for r in trainers):
+                return 0
+        return 130
+
+    def _restart(self, role: _Role, code: int) -> None:
+        how = f"signal {-code}" if code < 0 else f"status {code}"
+        if role.restarts >= self.options.max_restarts:
+            raise RuntimeError(
+                f"{role.name} failed ({how}) after {role.restarts} restarts; stopping the job"
+            )
+        role.restarts += 1
+        self.say(
+            f"[launch] {role.name} exited ({how}); restarting "
+            f"({role.restarts} of {self.options.max_restarts})"
+        )
+        self.start(role)
+
+    def stop_all(self) -> None:
+        running = [r.proc for r in self.roles if r.proc is not None and r.proc.poll() is None]
+        for proc in running:
+            proc.terminate()
+        deadline = time.monotonic() + self.options.grace
+        for proc in running:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def launch(options: LaunchOptions, out: IO[str] | None = None) -> int:
+    """Runs the job (see the module docstring); returns the exit status."""
+    options.check()
+    job = _Job(options, out or sys.stdout)
+    previous: dict[int, object] = {}
+
+    def stop(signum: int, frame: object) -> None:
+        job.say(f"[launch] {signal.Signals(signum).name}: stopping every process")
+        job.stopping.set()
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, stop)
+    try:
+        code = job.run()
+    except RuntimeError as error:
+        job.say(f"[launch] error: {error}")
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    chief = next((r for r in job.roles if r.kind == "chief"), None)
+    if code == 0 and chief is not None and chief.proc is not None:
+        code = chief.proc.returncode
+    return code
