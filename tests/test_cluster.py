@@ -185,6 +185,8 @@ def test_the_tfjob_manifest_gives_every_pod_its_role() -> None:
         assert any(env["WULIANG_PS_TOKEN_FILE"].startswith(m) for m in mounts), role
         if role == "PS":
             assert command[:2] == ["wuliang", "ps"] and "--port" not in command
+            restore = command[command.index("--restore") + 1]  # a server that comes back
+            assert any(restore.startswith(m + "/") for m in mounts), restore
             assert container["readinessProbe"]["grpc"]["port"] == 2222
             assert spec["restartPolicy"] == "OnFailure"
         else:
@@ -229,3 +231,21 @@ def test_the_start_line_of_a_tf_config_server() -> None:
         proc.terminate()
         assert proc.wait(timeout=20) == 0
         proc.stdout.close()
+
+
+def test_wuliang_ps_restore_needs_to_know_which_server_it_is(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TF_CONFIG")}
+    for args, message in (
+        (["--restore", str(tmp_path)], "--restore needs to know which server this is"),
+        (["--restore", str(tmp_path), "--server-index", "0"], "go together"),
+        (["--restore", str(tmp_path), "--server-index", "2", "--num-servers", "2"],
+         "--server-index 2 is not one of --num-servers 2"),
+    ):  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "wuliang", "ps", "--port", "0", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert done.returncode == 2 and message in done.stderr, done.stderr

@@ -17,8 +17,9 @@ import pytest
 from repo_data import MOVIELENS, REPO
 
 import wuliang as wl
-from wuliang.ps_server import Engine
+from wuliang.ps_server import Engine, server_of
 from wuliang.ps_server.remote.client import RemoteError, RemoteServer
+from wuliang.ps_server.remote.recover import restore_own_part
 from wuliang.ps_server.remote.server import PsServer
 from wuliang.ps_server.storage import Version
 from wuliang.reader import ParquetReader
@@ -195,3 +196,42 @@ def test_a_context_takes_a_remote_server_with_a_token() -> None:
         context.close()
     finally:
         server.stop(grace=None)
+
+
+def test_a_server_that_comes_back_restores_its_part_of_the_checkpoint(
+    split: dict, tmp_path: Path
+) -> None:
+    """Server 1 of 2 dies after a checkpoint and more training; started
+    again with ``restore_own_part`` on its port, it holds exactly the
+    checkpoint's rows of its keys, server 0 keeps its newer rows, and the
+    trainer's client trains on without being told."""
+    running = [PsServer(Engine(2), "127.0.0.1", 0, threads=8) for _ in range(2)]
+    port = running[1].port
+    try:
+        context = wl.Context(ps=[f"127.0.0.1:{s.port}" for s in running])
+        _, _, est = train(split, context)
+        ckpt = est.session.save_checkpoint(tmp_path / "model")
+        saved = {table: rows_of(context.ps, table) for table in context.tables}
+        est.train(ParquetReader(split["train"], 128), steps=5)  # rows move on
+        newer = {t: rows_of(running[0].engine, t) for t in context.tables}
+        running[1].stop(grace=None)
+        engine = Engine(2)
+        part = restore_own_part(engine, tmp_path / "model", 1, 2)
+        assert part is not None and part.path == ckpt and part.step == est.global_step - 5
+        running[1] = PsServer(engine, "127.0.0.1", port, threads=8)
+        for table, rows in saved.items():
+            mine = {k: r for k, r in rows.items() if server_of([k], 2)[0] == 1}
+            got = rows_of(engine, table)
+            assert got.keys() == mine.keys(), table
+            for key, row in mine.items():
+                np.testing.assert_array_equal(got[key], row)
+            kept = rows_of(running[0].engine, table)
+            assert kept.keys() == newer[table].keys(), table
+            for key, row in newer[table].items():
+                np.testing.assert_array_equal(kept[key], row)
+        est.train(ParquetReader(split["train"], 128), steps=5)  # the client goes on
+        assert Version(ckpt).step == part.step
+        context.close()
+    finally:
+        for server in running:
+            server.stop(grace=None)

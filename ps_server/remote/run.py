@@ -7,6 +7,8 @@ listens, and on SIGTERM or SIGINT stops taking calls, lets those in flight
 finish and exits 0. With ``--token-file`` every call must carry the token;
 with ``--tls-cert`` and ``--tls-key`` it speaks TLS. Without ``--port`` it
 serves at its own address in ``TF_CONFIG`` (``wuliang.ps_server.cluster``).
+With ``--restore DIR`` it first takes back its part of the newest checkpoint
+of DIR (``wuliang.ps_server.remote.recover``): a server that comes back.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from wuliang.ps_server.cluster import Cluster
 
-__all__ = ["PsOptions", "listen_address", "run", "start"]
+__all__ = ["PsOptions", "listen_address", "place", "run", "start"]
 
 
 @dataclass
@@ -37,6 +39,30 @@ class PsOptions:
     tls_key: Path | None = None
     max_message_mb: int = 64
     rpc_threads: int = 16
+    restore: Path | None = None  # a model directory: restore this server's part at start
+    server_index: int | None = None  # with restore: which server of num_servers this is
+    num_servers: int | None = None
+
+
+def place(options: PsOptions, environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(this server's index, the number of servers): the options', else
+    ``TF_CONFIG``'s (its ps task index and the number of ps tasks)."""
+    if options.server_index is not None or options.num_servers is not None:
+        if options.server_index is None or options.num_servers is None:
+            raise ValueError("--server-index and --num-servers go together")
+        if not 0 <= options.server_index < options.num_servers:
+            raise ValueError(
+                f"--server-index {options.server_index} is not one of "
+                f"--num-servers {options.num_servers}"
+            )
+        return options.server_index, options.num_servers
+    cluster = Cluster.from_env(environ)
+    if cluster is None or cluster.task_type != "ps":
+        raise ValueError(
+            "--restore needs to know which server this is: --server-index and --num-servers, "
+            "or TF_CONFIG naming a ps task"
+        )
+    return cluster.task_index, len(cluster.ps)
 
 
 def listen_address(
@@ -63,6 +89,8 @@ def check_options(options: PsOptions) -> None:
     """ValueError for options that do not go together (usage errors)."""
     if (options.tls_cert is None) != (options.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
+    if options.restore is not None:
+        place(options)
 
 
 def start(options: PsOptions):
@@ -79,6 +107,10 @@ def start(options: PsOptions):
         tls = ServerTls.from_files(options.tls_cert, options.tls_key)
     engine = Engine(options.threads)
     try:
+        if options.restore is not None:  # before listening: no client sees it half restored
+            from wuliang.ps_server.remote.recover import restore_own_part
+
+            restore_own_part(engine, options.restore, *place(options))
         return PsServer(
             engine,
             options.host,

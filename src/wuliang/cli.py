@@ -260,6 +260,9 @@ def _ps_options(args: argparse.Namespace) -> Any:
         tls_cert=None if args.tls_cert is None else Path(args.tls_cert),
         tls_key=None if args.tls_key is None else Path(args.tls_key),
         max_message_mb=args.max_message_mb,
+        restore=None if args.restore is None else Path(args.restore),
+        server_index=args.server_index,
+        num_servers=args.num_servers,
     )
 
 
@@ -495,6 +498,22 @@ def build_parser() -> argparse.ArgumentParser:
         type=bounded_int(1, 2047),
         default=64,
         help="the largest message received or sent (clients split larger batches)",
+    )
+    ps.add_argument(
+        "--restore",
+        metavar="MODEL_DIR",
+        help="first restore this server's part of the newest checkpoint in MODEL_DIR "
+        "(a server that comes back after a failure; nothing when there is none)",
+    )
+    ps.add_argument(
+        "--server-index",
+        type=bounded_int(0),
+        help="with --restore: which server this is (default: TF_CONFIG's ps task index)",
+    )
+    ps.add_argument(
+        "--num-servers",
+        type=bounded_int(1),
+        help="with --restore: how many servers the job has (default: TF_CONFIG's ps tasks)",
     )
 
     launch = command(
