@@ -16,6 +16,11 @@ Pipeline of one iteration (``iter(reader)``)::
     bounded output queue of batches (or futures of them, in order)
       ──► for batch in reader: ...
 
+Files may be local or in a ``pyarrow.fs.FileSystem`` (a URI such as
+``s3://bucket/prefix/``, or ``filesystem=``; see ``wuliang.reader.storage``):
+local files are memory-mapped, the row groups of remote ones are fetched
+``read_ahead`` row groups ahead by each reader thread.
+
 Failures: a missing path or empty glob raises at construction; a file whose
 schema differs from the first file's raises ValueError naming the file and
 column; a corrupt or truncated file raises naming the file, or with
@@ -29,20 +34,19 @@ thread.
 from __future__ import annotations
 
 import dataclasses
-import glob as globlib
 import logging
 import os
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from wuliang.ps_server.threads import check_background, set_background
@@ -57,6 +61,7 @@ from wuliang.reader.columns import (
     slice_chunk,
 )
 from wuliang.reader.prepare import KeyPreparer
+from wuliang.reader.storage import RemoteFile, RowGroupFetcher, locate
 
 log = logging.getLogger("wuliang")
 
@@ -131,38 +136,26 @@ class ReaderPosition:
             raise ValueError(f"not a reader position: {d!r} ({e})") from None
 
 
-def resolve_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+def resolve_paths(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    filesystem: pafs.FileSystem | None = None,
+) -> list[str]:
     """Files named by a path, a directory (its *.parquet, recursively), a glob or a
-    list of them: each file once, sorted by name."""
-    items = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
-    if not items:
-        raise ValueError("no paths given")
-    files: list[str] = []
-    for item in items:
-        text = os.fspath(item)
-        if any(ch in text for ch in "*?["):
-            matched = sorted(globlib.glob(text, recursive=True))
-            if not matched:
-                raise FileNotFoundError(f"no files match {text!r}")
-            files.extend(matched)
-        elif Path(text).is_dir():
-            matched = sorted(str(p) for p in Path(text).rglob("*.parquet"))
-            if not matched:
-                raise FileNotFoundError(f"directory {text!r} has no .parquet files")
-            files.extend(matched)
-        elif Path(text).is_file():
-            files.append(text)
-        else:
-            raise FileNotFoundError(f"no such file or directory: {text!r}")
-    unique = {os.path.realpath(f): f for f in files}  # a file named twice is read once
-    return sorted(unique.values())
+    list of them: each file once, sorted by name. Paths may be URIs
+    (``s3://bucket/prefix/*.parquet``), or paths in ``filesystem``; remote
+    files are named by their URI (without its query) or their path in
+    ``filesystem``."""
+    return list(locate(paths, filesystem))
 
 
 class ParquetReader:
     """Reads Parquet files as ``CsrBatch`` es of exactly ``batch_size`` rows.
 
     Args:
-        paths: a file, a directory, a glob, or a list of them.
+        paths: a file, a directory, a glob, or a list of them; local, or URIs
+            of any filesystem ``pyarrow.fs.FileSystem.from_uri`` opens
+            (``s3://bucket/prefix/``, ``gs://…``, ``hdfs://…``; credentials
+            from the environment, as pyarrow reads them).
         batch_size: rows per batch (the last one may be smaller).
         features: columns to read; the kind of each follows its Arrow type
             (see ``wuliang.reader.columns``); strings are read as keys
@@ -193,6 +186,12 @@ class ParquetReader:
         background: scheduling of the reader's threads, ``"idle"`` or
             ``"normal"`` (see ``wuliang.ps_server.threads``); None: ``"normal"``, or the
             ``Context``'s setting when a training session iterates it.
+        filesystem: a ``pyarrow.fs.FileSystem`` (such as ``S3FileSystem(
+            endpoint_override=…)``) that the paths are in; paths are then
+            not URIs.
+        read_ahead: row groups of a remote file that each reader thread
+            fetches ahead of the one it converts (0: none). Local files are
+            memory-mapped.
     """
 
     def __init__(
@@ -218,6 +217,8 @@ class ParquetReader:
         validate: bool = True,
         start: ReaderPosition | Mapping[str, Any] | None = None,
         background: str | None = None,
+        filesystem: pafs.FileSystem | None = None,
+        read_ahead: int = 2,
     ) -> None:
         _require(
             _is_int(batch_size) and batch_size >= 1,
@@ -239,6 +240,10 @@ class ParquetReader:
             _is_int(prefetch) and prefetch >= 1, f"prefetch must be an int >= 1, got {prefetch!r}"
         )
         _require(
+            _is_int(read_ahead) and read_ahead >= 0,
+            f"read_ahead must be an int >= 0, got {read_ahead!r}",
+        )
+        _require(
             on_bad_file in ("raise", "skip"),
             f"on_bad_file must be 'raise' or 'skip', got {on_bad_file!r}",
         )
@@ -253,16 +258,18 @@ class ParquetReader:
         if isinstance(features, str):
             features = [features]
         _require(features is None or len(features) > 0, "features must name at least one column")
-        files = resolve_paths(paths)
+        located = locate(paths, filesystem)
+        files = list(located)
         mine = files[worker_index::num_workers]
         if not mine:
             raise ValueError(
                 f"worker {worker_index} of {num_workers} has no files ({len(files)} files in all)"
             )
         self.files = mine
+        self._remote = {f: r for f in mine if (r := located[f]) is not None}
         self.labels = [] if label is None else [label] if isinstance(label, str) else list(label)
         self.single_label = isinstance(label, str)
-        self._first = _first_schema(mine, on_bad_file)
+        self._first = _first_schema(mine, self._remote, on_bad_file)
         self._weights = dict(weights or {})
         self.schema: Schema | None = None  # until the features are known
         if features is not None:
@@ -276,6 +283,7 @@ class ParquetReader:
         self.epochs = epochs
         self.drop_remainder = drop_remainder
         self.prefetch = prefetch
+        self.read_ahead = read_ahead
         self.on_bad_file = on_bad_file
         self.null_values = null_values
         self.non_finite = non_finite
@@ -386,11 +394,14 @@ def _close_runs(runs: set[_Run]) -> None:
         run.close()
 
 
-def _first_schema(files: list[str], on_bad_file: str) -> tuple[str, pa.Schema]:
+def _first_schema(
+    files: list[str], remote: Mapping[str, RemoteFile], on_bad_file: str
+) -> tuple[str, pa.Schema]:
     """The first readable file and its schema (bad files before it: per on_bad_file)."""
     for path in files:
         try:
-            return path, pq.read_schema(path)
+            where = remote.get(path)
+            return path, pq.read_schema(path) if where is None else where.read_schema()
         except (OSError, pa.ArrowException) as e:
             if on_bad_file == "raise":
                 raise ValueError(f"corrupt or truncated Parquet file {path}: {e}") from e
@@ -497,25 +508,50 @@ class _Run:
         set_background(self.cfg.background)
         k = self.cfg.num_threads
         q = self.unit_queues[thread]
+        fetcher = RowGroupFetcher(
+            self.cfg.read_ahead, f"wuliang-fetch-{thread}", set_background, (self.cfg.background,)
+        )
         try:
             skip_units = self.cfg.skip_units
             for u, path in enumerate(self._units()):
                 if u % k != thread or u < skip_units:
                     continue
                 skip = self.cfg.skip_rows if u == skip_units else 0
-                for chunk in self._read_file(path, skip):
+                for chunk in self._read_file(path, fetcher, skip):
                     if not self._put(q, chunk):
                         return
                 if not self._put(q, _END):
                     return
         except BaseException as e:
             self._put(q, _Failure(e))
+        finally:
+            fetcher.close()
 
-    def _read_file(self, path: str, skip_rows: int = 0) -> Iterator[Chunk]:
+    def _read_file(
+        self, path: str, fetcher: RowGroupFetcher, skip_rows: int = 0
+    ) -> Iterator[Chunk]:
         """The file's rows from row skip_rows on, chunk by chunk."""
+        remote = self.cfg.remote.get(path)
+        try:
+            source = path if remote is None else remote.open()
+        except (OSError, pa.ArrowException) as e:
+            yield from self._bad_file(path, e)
+            return
+        try:
+            yield from self._read_source(path, source, fetcher, skip_rows)
+        finally:
+            if remote is not None:
+                source.close()  # type: ignore[union-attr]
+
+    def _read_source(
+        self, path: str, source: str | pa.NativeFile, fetcher: RowGroupFetcher, skip_rows: int
+    ) -> Iterator[Chunk]:
         cfg = self.cfg
         try:
-            pf = pq.ParquetFile(path, memory_map=True)
+            if isinstance(source, str):
+                pf = pq.ParquetFile(source, memory_map=True)
+            else:
+                pf = pq.ParquetFile(source, pre_buffer=True)
         except (OSError, pa.ArrowException) as e:
             yield from self._bad_file(path, e)
             return
@@ -525,12 +561,36 @@ class _Run:
         while first_group < len(groups) and first_row + groups[first_group] <= skip_rows:
             first_row += groups[first_group]  # whole row groups before the start: not read
             first_group += 1
-        batches = pf.iter_batches(
-            batch_size=max(_CHUNK_ROWS, cfg.batch_size),
-            row_groups=range(first_group, len(groups)),
-            columns=cfg.schema.column_names,
-            use_threads=False,
-        )
+        chunk_rows = max(_CHUNK_ROWS, cfg.batch_size)
+        if isinstance(source, str):
+            batches = pf.iter_batches(
+                batch_size=chunk_rows,
+                row_groups=range(first_group, len(groups)),
+                columns=cfg.schema.column_names,
+                use_threads=False,
+            )
+        else:  # remote: row groups read ahead on the fetcher's threads
+            batches = fetcher.batches(
+                source,
+                pf.metadata,
+                range(first_group, len(groups)),
+                cfg.schema.column_names,
+                chunk_rows,
+            )
+        try:
+            whole = yield from self._convert(path, batches, first_row, skip_rows)
+        finally:
+            batches.close()
+        if whole:
+            with self.cfg.lock:
+                self.stats.files_read += 1
+
+    def _convert(
+        self, path: str, batches: Iterator[pa.RecordBatch], first_row: int, skip_rows: int
+    ) -> Generator[Chunk, None, bool]:
+        """Chunks of the record batches (first_row: the file's row of the first
+        one); returns False if the file turned out bad (and is skipped)."""
+        cfg = self.cfg
         while True:
             try:
                 rb = next(batches)
@@ -538,7 +598,7 @@ class _Run:
                 break
             except (OSError, pa.ArrowException) as e:
                 yield from self._bad_file(path, e)
-                return
+                return False
             if first_row < skip_rows:  # the part of the first row group before the start
                 cut = min(skip_rows - first_row, rb.num_rows)
                 rb, first_row = rb.slice(cut), first_row + cut
@@ -552,8 +612,7 @@ class _Run:
                 log.warning("%s: dropped %d rows with non-finite values", path, dropped)
             yield from kept
             first_row += rb.num_rows
-        with self.cfg.lock:
-            self.stats.files_read += 1
+        return True
 
     def _bad_file(self, path: str, error: Exception) -> Iterator[Chunk]:
         if self.cfg.on_bad_file == "raise":
@@ -640,6 +699,8 @@ class _Config:
         self.epochs = r.epochs
         self.drop_remainder = r.drop_remainder
         self.prefetch = r.prefetch
+        self.remote = dict(r._remote)
+        self.read_ahead = r.read_ahead
         self.on_bad_file = r.on_bad_file
         self.null_values = r.null_values
         self.non_finite = r.non_finite

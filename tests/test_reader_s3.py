@@ -1,0 +1,460 @@
+"""ParquetReader over S3: a moto server process is the object store, reached
+through pyarrow's S3 client, and every read is compared with the same files
+read from local disk, bit for bit."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+
+from wuliang.reader import CsrBatch, ParquetReader, ReaderPosition, resolve_paths
+from wuliang.reader.datagen import DENSE, LABEL, SPARSE, DatagenConfig, generate
+from wuliang.reader.storage import RowGroupFetcher, glob_match
+
+BUCKET = "wuliang-test"
+FEATURES = [*SPARSE[:6], *SPARSE[-2:], *DENSE[:4]]
+
+
+@dataclass
+class S3:
+    endpoint: str
+    fs: pafs.S3FileSystem
+    local: Path  # mirrors s3://BUCKET/: local / "data" is s3://BUCKET/data
+
+    def uri(self, relative: str) -> str:
+        return f"s3://{BUCKET}/{relative}"
+
+    def path(self, relative: str) -> str:
+        return str(self.local / relative)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_moto(log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A moto server process on a free loopback port, answering (bounded waits)."""
+    for _ in range(3):  # the port may be taken between choosing and binding it
+        port = free_port()
+        with log.open("ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        endpoint = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 20
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{endpoint}/moto-api/data.json", timeout=1):
+                    return proc, endpoint
+            except OSError:
+                time.sleep(0.05)
+        proc.kill()
+        proc.wait(5)
+    raise RuntimeError(f"moto server did not start: {log.read_text()[-2000:]}")
+
+
+def write_data(root: Path) -> None:
+    """data/day=1/part-0000[0-2].parquet, data/day=2/part-0000[0-1].parquet (row
+    groups of 128 rows), a hidden Parquet file and a _SUCCESS marker."""
+    generate(root / "data" / "day=1", DatagenConfig(1500, rows_per_file=500, row_group_rows=128))
+    cfg = DatagenConfig(900, rows_per_file=450, row_group_rows=128, seed=1)
+    generate(root / "data" / "day=2", cfg)
+    hidden = pq.read_table(root / "data" / "day=2" / "part-00001.parquet").slice(0, 100)
+    pq.write_table(hidden, root / "data" / "day=1" / ".hidden.parquet")
+    (root / "data" / "_SUCCESS").write_bytes(b"")
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3]:
+    root = tmp_path_factory.mktemp("s3")
+    proc, endpoint = start_moto(root / "moto.log")
+    try:
+        with pytest.MonkeyPatch.context() as env:  # as a user's environment would say
+            for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+                env.delenv(name, raising=False)
+            env.setenv("AWS_ENDPOINT_URL", endpoint)
+            env.setenv("AWS_ACCESS_KEY_ID", "testing")
+            env.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+            env.setenv("AWS_DEFAULT_REGION", "us-east-1")
+            env.setenv("AWS_EC2_METADATA_DISABLED", "true")
+            fs = pafs.S3FileSystem(
+                endpoint_override=endpoint,
+                scheme="http",
+                access_key="testing",
+                secret_key="testing",
+                region="us-east-1",
+                allow_bucket_creation=True,
+            )
+            fs.create_dir(BUCKET)
+            local = root / "local"
+            write_data(local)
+            pafs.copy_files(
+                str(local / "data"),
+                f"{BUCKET}/data",
+                source_filesystem=pafs.LocalFileSystem(),
+                destination_filesystem=fs,
+            )
+            yield S3(endpoint, fs, local)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+# -- helpers ------------------------------------------------------------------------
+
+
+def content(batches: Iterator[CsrBatch]) -> list[tuple[Any, ...]]:
+    """Every array of every batch as bytes (with dtypes and shapes), and the
+    position less its file name."""
+    out = []
+    for b in batches:
+        sparse = {
+            name: (
+                csr.values.dtype.str,
+                csr.values.tobytes(),
+                csr.offsets.tobytes(),
+                None if csr.weights is None else csr.weights.tobytes(),
+            )
+            for name, csr in b.sparse.items()
+        }
+        labels = b.labels
+        assert isinstance(labels, np.ndarray)
+        p = b.position
+        out.append(
+            (
+                b.size,
+                sparse,
+                b.dense.dtype.str,
+                b.dense.shape,
+                b.dense.tobytes(),
+                labels.dtype.str,
+                labels.tobytes(),
+                (p.batches, p.unit, p.row, p.finished_epochs),
+            )
+        )
+    return out
+
+
+def reader(paths: Any, **kw: Any) -> ParquetReader:
+    kw.setdefault("num_threads", 3)
+    return ParquetReader(paths, kw.pop("batch_size", 300), FEATURES, LABEL, **kw)
+
+
+def relative(names: list[str], s3: S3) -> list[str]:
+    """Names of remote or local files, relative to the bucket or the mirror."""
+    out = []
+    for name in names:
+        for root in (f"s3://{BUCKET}/", f"{BUCKET}/", f"{s3.local}/"):
+            if name.startswith(root):
+                out.append(name[len(root) :])
+                break
+        else:
+            raise AssertionError(name)
+    return out
+
+
+def wuliang_threads() -> list[str]:
+    return sorted(
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith("wuliang-") and not t.name.startswith("wuliang-ps-call")
+    )
+
+
+# -- the same batches as from local disk --------------------------------------------------
+
+FORMS = {
+    "file": "data/day=1/part-00001.parquet",
+    "prefix": "data",
+    "prefix/": "data/",
+    "glob": "data/day=*/part-*.parquet",
+    "glob**": "data/**/*.parquet",
+    "glob[]": "data/day=[2]/part-0000[01].parquet",
+    "list": ["data/day=2/part-00001.parquet", "data/day=1/*.parquet", "data/day=2"],
+}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_uri_forms_read_what_local_paths_read(s3: S3, form: str) -> None:
+    spec = FORMS[form]
+    items = spec if isinstance(spec, list) else [spec]
+    local = reader([s3.path(p) for p in items])
+    remote = reader([s3.uri(p) for p in items])
+    assert relative(remote.files, s3) == relative(local.files, s3)
+    assert all(f.startswith(f"s3://{BUCKET}/data/") for f in remote.files)
+    expected = content(iter(local))
+    assert expected and content(iter(remote)) == expected
+
+
+def test_glob_forms_match_as_the_local_glob(s3: S3) -> None:
+    day1 = [f"data/day=1/part-0000{i}.parquet" for i in range(3)]
+    day2 = [f"data/day=2/part-0000{i}.parquet" for i in range(2)]
+    cases = {
+        "data": [*day1, "data/day=1/.hidden.parquet", *day2],  # as Path.rglob: hidden too
+        "data/**/*.parquet": [*day1, *day2],  # as glob.glob: no hidden names
+        "data/**/.*.parquet": ["data/day=1/.hidden.parquet"],
+        "data/*/part-0000[1-2].parquet": [day1[1], day1[2], day2[1]],
+    }
+    for spec, names in cases.items():
+        assert relative(resolve_paths(s3.path(spec)), s3) == sorted(names), spec
+        assert relative(resolve_paths(s3.uri(spec)), s3) == sorted(names), spec
+    # a remote glob matches files only (a local one may match folders too)
+    assert relative(resolve_paths(s3.uri("data/day=2/**")), s3) == day2
+    every = [*day1, *day2, "data/_SUCCESS"]
+    assert relative(resolve_paths(s3.uri("data/**")), s3) == sorted(every)
+
+
+def test_glob_match() -> None:
+    def match(pattern: str, path: str) -> bool:
+        return glob_match(pattern.split("/"), path.split("/"))
+
+    assert match("a/*/c.parquet", "a/b/c.parquet")
+    assert not match("a/*/c.parquet", "a/b/x/c.parquet")
+    assert match("a/**/c.parquet", "a/c.parquet")
+    assert match("a/**/c.parquet", "a/b/x/c.parquet")
+    assert not match("a/**/c.parquet", "a/.b/c.parquet")
+    assert not match("a/*", "a/.c")
+    assert match("a/.*", "a/.c")
+    assert match("a/[bc]?", "a/cd")
+    assert not match("a/*", "a/b/c")
+
+
+def test_explicit_filesystem(s3: S3) -> None:
+    fs = pafs.S3FileSystem(
+        endpoint_override=s3.endpoint,
+        scheme="http",
+        access_key="testing",
+        secret_key="testing",
+        region="us-east-1",
+    )
+    remote = reader(f"{BUCKET}/data/day=*/part-*.parquet", filesystem=fs)
+    assert remote.files[0] == f"{BUCKET}/data/day=1/part-00000.parquet"
+    local = reader(s3.path("data/day=*/part-*.parquet"))
+    assert content(iter(remote)) == content(iter(local))
+    assert remote.stats.files_read == 5
+    with pytest.raises(ValueError, match="not both"):
+        reader(s3.uri("data"), filesystem=fs)
+    with pytest.raises(TypeError, match=r"pyarrow\.fs\.FileSystem"):
+        reader(f"{BUCKET}/data", filesystem="s3")
+
+
+def test_uri_query_is_not_part_of_the_names(s3: S3) -> None:
+    host = s3.endpoint.removeprefix("http://")
+    uri = s3.uri(f"data/day=2?scheme=http&endpoint_override={host}&region=us-east-1")
+    remote = reader(uri)
+    assert remote.files == [s3.uri(f"data/day=2/part-0000{i}.parquet") for i in range(2)]
+    assert content(iter(remote)) == content(iter(reader(s3.path("data/day=2"))))
+
+
+@pytest.mark.parametrize("read_ahead", [0, 1, 5])
+def test_shuffle_epochs_and_read_ahead(s3: S3, read_ahead: int) -> None:
+    kw: dict[str, Any] = {"shuffle_buffer": 700, "seed": 5, "epochs": 2, "batch_size": 256}
+    local = content(iter(reader(s3.path("data/day=*/part-*"), **kw)))
+    remote = content(iter(reader(s3.uri("data/day=*/part-*"), read_ahead=read_ahead, **kw)))
+    assert remote == local
+    assert sum(b[0] for b in remote) == 2 * 2400
+
+
+def test_worker_shards_are_disjoint_and_cover_all_files(s3: S3) -> None:
+    glob = "data/**/part-*.parquet"
+    every = reader(s3.uri(glob)).files
+    shards = [reader(s3.uri(glob), worker_index=i, num_workers=3) for i in range(3)]
+    files = [f for shard in shards for f in shard.files]
+    assert sorted(files) == every and len(set(files)) == len(files) == 5
+    for i, shard in enumerate(shards):
+        local = reader(s3.path(glob), worker_index=i, num_workers=3)
+        assert relative(shard.files, s3) == relative(local.files, s3)
+        assert content(iter(shard)) == content(iter(local))
+
+
+@pytest.mark.parametrize("shuffle", [0, 500])
+def test_resume_mid_epoch(s3: S3, shuffle: int) -> None:
+    def make(start: ReaderPosition | None = None) -> ParquetReader:
+        kw = {"shuffle_buffer": shuffle, "seed": 2, "epochs": 2, "batch_size": 333}
+        return reader(s3.uri("data/day=*/part-*.parquet"), start=start, **kw)
+
+    full = list(make())
+    for k in (3, len(full) // 2 + 1, len(full) - 2):
+        position = ReaderPosition.from_dict(json.loads(json.dumps(full[k].position.to_dict())))
+        assert position.file.startswith(f"s3://{BUCKET}/data/day=")
+        assert content(iter(make(position))) == content(iter(full[k + 1 :]))
+
+
+RESUME_SCRIPT = """
+import hashlib, json, sys
+from wuliang.reader import ParquetReader
+start, uri, features, label = json.loads(sys.stdin.read())
+digest = hashlib.sha256()
+for b in ParquetReader(uri, 333, features, label, epochs=2, num_threads=2, start=start):
+    for name in features[:-4]:
+        digest.update(b.sparse[name].values.tobytes() + b.sparse[name].offsets.tobytes())
+    digest.update(b.dense.tobytes() + b.labels.tobytes())
+print(digest.hexdigest())
+"""
+
+
+def test_position_resumes_in_a_new_process(s3: S3) -> None:
+    uri = s3.uri("data/day=*/part-*.parquet")
+    full = list(ParquetReader(uri, 333, FEATURES, LABEL, epochs=2, num_threads=2))
+    k = len(full) // 3
+    digest = hashlib.sha256()
+    for b in full[k + 1 :]:
+        for name in FEATURES[:-4]:
+            digest.update(b.sparse[name].values.tobytes() + b.sparse[name].offsets.tobytes())
+        digest.update(b.dense.tobytes() + b.labels.tobytes())
+    done = subprocess.run(
+        [sys.executable, "-c", RESUME_SCRIPT],
+        input=json.dumps([full[k].position.to_dict(), uri, FEATURES, LABEL]),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == digest.hexdigest()
+
+
+# -- errors --------------------------------------------------------------------------
+
+
+def test_missing_key_and_empty_glob_name_the_uri(s3: S3) -> None:
+    def raises(error: type[Exception], message: str) -> Any:
+        return pytest.raises(error, match=re.escape(message))
+
+    missing = s3.uri("data/day=1/part-00009.parquet")
+    with raises(FileNotFoundError, f"no such file or directory: '{missing}'"):
+        reader([s3.uri("data/day=2"), missing])
+    empty = s3.uri("data/day=*/nothing-*.parquet")
+    with raises(FileNotFoundError, f"no files match '{empty}'"):
+        reader(empty)
+    with raises(FileNotFoundError, "no such file or directory: 's3://no-such-bucket/x'"):
+        reader("s3://no-such-bucket/x")
+    with s3.fs.open_output_stream(f"{BUCKET}/notes/readme.txt") as out:
+        out.write(b"no data here")
+    with raises(FileNotFoundError, f"directory '{s3.uri('notes/')}' has no .parquet files"):
+        reader(s3.uri("notes/"))
+    with raises(FileNotFoundError, f"no such file or directory: '{BUCKET}/nothing' in S3"):
+        reader(f"{BUCKET}/nothing", filesystem=s3.fs)
+    with raises(ValueError, "'s3://wuliang-*/data': a glob must come after the bucket"):
+        reader("s3://wuliang-*/data")
+    with raises(ValueError, "'nosuchscheme://bucket/data' is not a URI pyarrow can open"):
+        reader("nosuchscheme://bucket/data")
+
+
+def test_corrupt_object_names_the_uri_or_is_skipped(s3: S3) -> None:
+    good = s3.uri("data/day=2/part-00000.parquet")
+    data = Path(s3.path("data/day=2/part-00001.parquet")).read_bytes()
+    with s3.fs.open_output_stream(f"{BUCKET}/bad/part-00001.parquet") as out:
+        out.write(data[: len(data) // 2])
+    bad = s3.uri("bad/part-00001.parquet")
+    with pytest.raises(ValueError, match=f"corrupt or truncated Parquet file {bad}"):
+        list(reader([good, bad]))
+    skipping = reader([good, bad], on_bad_file="skip")
+    assert sum(b.size for b in skipping) == 450
+    assert skipping.stats.skipped_files == 1 and skipping.stats.files_read == 1
+
+
+def test_no_threads_left_after_break_and_close(s3: S3) -> None:
+    assert wuliang_threads() == []
+    r = reader(s3.uri("data"), read_ahead=3, batch_size=64)
+    for _ in r:
+        break
+    r.close()
+    assert wuliang_threads() == []
+
+
+# -- read-ahead --------------------------------------------------------------------------
+
+
+class Recorded:
+    """A file object that records the offsets it is read at (pa.PythonFile reads it)."""
+
+    def __init__(self, f: pa.NativeFile) -> None:
+        self.f = f
+        self.offsets: list[int] = []
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return self.f.seek(pos, whence)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def read(self, n: int = -1) -> bytes:
+        with self.lock:
+            self.offsets.append(self.f.tell())
+        return self.f.read(n)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_fetcher_reads_depth_row_groups_ahead(s3: S3) -> None:
+    key = f"{BUCKET}/data/day=1/part-00000.parquet"  # 500 rows: 4 row groups
+    metadata = pq.read_metadata(s3.fs.open_input_file(key))
+    starts = sorted(
+        min(
+            c.dictionary_page_offset or c.data_page_offset
+            for c in (metadata.row_group(g).column(i) for i in range(metadata.num_columns))
+        )
+        for g in range(metadata.num_row_groups)
+    )
+    assert len(starts) == 4
+
+    def groups_read(recorded: Recorded) -> set[int]:
+        with recorded.lock:
+            return {int(np.searchsorted(starts, o, side="right")) - 1 for o in recorded.offsets}
+
+    depth = 2
+    recorded = Recorded(s3.fs.open_input_file(key))
+    source = pa.PythonFile(recorded, mode="r")
+    fetcher = RowGroupFetcher(depth, "wuliang-fetch-test", lambda: None, ())
+    try:
+        batches = fetcher.batches(source, metadata, range(4), ["C1", LABEL], 128)
+        first = next(batches)  # row group 0 taken: 1 and 2 are being read
+        assert first.num_rows == 128
+        deadline = time.monotonic() + 10
+        while groups_read(recorded) != {0, 1, 2} and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert groups_read(recorded) == {0, 1, 2}
+        time.sleep(0.2)
+        assert 3 not in groups_read(recorded)  # not before the consumer takes another
+        rest = list(batches)
+        assert [b.num_rows for b in rest] == [128, 128, 116]
+        assert groups_read(recorded) == {0, 1, 2, 3}
+    finally:
+        fetcher.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("wuliang-fetch-test")]
