@@ -203,22 +203,27 @@ def test_a_server_that_comes_back_restores_its_part_of_the_checkpoint(
 ) -> None:
     """Server 1 of 2 dies after a checkpoint and more training; started
     again with ``restore_own_part`` on its port, it holds exactly the
-    checkpoint's rows of its keys, server 0 keeps its newer rows, and the
-    trainer's client trains on without being told."""
+    checkpoint's rows of its keys, server 0 keeps its newer rows, the
+    trainer's client trains on without being told, and the next export is
+    a full version (then deltas again)."""
     running = [PsServer(Engine(2), "127.0.0.1", 0, threads=8) for _ in range(2)]
     port = running[1].port
     try:
         context = wl.Context(ps=[f"127.0.0.1:{s.port}" for s in running])
         _, _, est = train(split, context)
+        exports = tmp_path / "exports"
+        assert est.session.export(exports).kind == "full"
         ckpt = est.session.save_checkpoint(tmp_path / "model")
         saved = {table: rows_of(context.ps, table) for table in context.tables}
         est.train(ParquetReader(split["train"], 128), steps=5)  # rows move on
+        assert est.session.export(exports).kind == "delta"
         newer = {t: rows_of(running[0].engine, t) for t in context.tables}
         running[1].stop(grace=None)
         engine = Engine(2)
         part = restore_own_part(engine, tmp_path / "model", 1, 2)
         assert part is not None and part.path == ckpt and part.step == est.global_step - 5
         running[1] = PsServer(engine, "127.0.0.1", port, threads=8)
+        running[1].service.behind = True  # as wuliang ps --restore sets it
         for table, rows in saved.items():
             mine = {k: r for k, r in rows.items() if server_of([k], 2)[0] == 1}
             got = rows_of(engine, table)
@@ -231,6 +236,12 @@ def test_a_server_that_comes_back_restores_its_part_of_the_checkpoint(
                 np.testing.assert_array_equal(kept[key], row)
         est.train(ParquetReader(split["train"], 128), steps=5)  # the client goes on
         assert Version(ckpt).step == part.step
+        # Rows went back in time on server 1: a delta cannot say so, a full version must.
+        again = est.session.export(exports)
+        assert again.kind == "full" and "removal log" in again.reason, again
+        est.train(ParquetReader(split["train"], 128), steps=5)
+        resumed = est.session.export(exports)
+        assert (resumed.kind, resumed.parent) == ("delta", again.version), resumed  # deltas again
         context.close()
     finally:
         for server in running:

@@ -15,8 +15,13 @@ fraction of the cost of rolling the whole cluster back. The server:
 
 It then serves; the trainers' clients, which retried meanwhile, go on. The
 updates its rows had received since that checkpoint are lost (the log says
-from which step it came back). A directory without a checkpoint restores
-nothing: a fresh job.
+from which step it came back). When the client raises it to the job's
+version (``advance_version`` raises every server to the highest first),
+the server drops the removal records below that version
+(``PsService.restore_version``): its log no longer reaches the last export,
+so the next export is a full version, as it must be (a delta cannot
+describe rows that went back in time). A directory without a checkpoint
+restores nothing: a fresh job.
 """
 
 from __future__ import annotations

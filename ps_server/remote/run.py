@@ -107,11 +107,12 @@ def start(options: PsOptions):
         tls = ServerTls.from_files(options.tls_cert, options.tls_key)
     engine = Engine(options.threads)
     try:
+        part = None
         if options.restore is not None:  # before listening: no client sees it half restored
             from wuliang.ps_server.remote.recover import restore_own_part
 
-            restore_own_part(engine, options.restore, *place(options))
-        return PsServer(
+            part = restore_own_part(engine, options.restore, *place(options))
+        server = PsServer(
             engine,
             options.host,
             options.port,
@@ -123,6 +124,8 @@ def start(options: PsOptions):
     except BaseException:
         engine.close()
         raise
+    server.service.behind = part is not None  # raised to the job's version by the client
+    return server
 
 
 def run(options: PsOptions) -> int:

@@ -178,6 +178,9 @@ class PsService:
         self.max_message_bytes = max_message_bytes
         self.instance = uuid.uuid4().hex
         self.pushes = _Pushes()
+        # restored from a checkpoint (--restore): behind the job's version until raised
+        self.behind = False
+        self._behind_lock = threading.Lock()
         self.stopping = False  # set by PsServer.stop: calls are refused UNAVAILABLE
         self._busy = 0  # calls and data requests being answered
         self._idle = threading.Condition()
@@ -471,7 +474,15 @@ class PsService:
         return M["VersionMessage"](version=self.engine.advance_version())
 
     def restore_version(self, request: Any) -> Any:
-        self.engine.restore_version(request.version)
+        with self._behind_lock:
+            if self.behind and request.version > self.engine.version:
+                # Restored from a checkpoint, now raised to the job's version: the
+                # removal records of the versions in between are lost, so the next
+                # delta export (whose removal log must reach back) becomes a full one.
+                for table in self.engine.tables():
+                    self.engine.trim_removed(table, request.version)
+                self.behind = False
+            self.engine.restore_version(request.version)
         return M["Empty"]()
 
     # -- part files ----------------------------------------------------------
