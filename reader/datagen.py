@@ -30,7 +30,7 @@ import pyarrow as pa
 
 from wuliang.reader.convert._common import PART_NAME, make_out_dir, part_name, remove_stale
 from wuliang.reader.hashing import hash_ints
-from wuliang.reader.io import write_parquet
+from wuliang.reader.io import AnyPath, named, write_parquet
 
 SINGLE = [f"C{i}" for i in range(1, 27)]
 MULTI = [f"M{i}" for i in range(1, 6)]
@@ -107,16 +107,19 @@ def generate_table(cfg: DatagenConfig, rows: int, rng: np.random.Generator) -> p
     return pa.table(columns)
 
 
-def generate(out_dir: str | os.PathLike, cfg: DatagenConfig, progress: bool = False) -> list[Path]:
-    """Writes cfg.rows rows into out_dir (created if missing); returns the
-    files written. Parts of an earlier run beyond these are removed once
-    every new part is in place.
+def generate(
+    out_dir: str | os.PathLike, cfg: DatagenConfig, progress: bool = False
+) -> list[Path | str]:
+    """Writes cfg.rows rows into out_dir (created if missing; a URI such as
+    ``s3://bucket/prefix`` too); returns the files written (URIs for a remote
+    out_dir). Parts of an earlier run beyond these are removed once every new
+    part is in place.
 
     Raises:
         NotADirectoryError: out_dir exists and is not a folder.
     """
     out = make_out_dir(out_dir)
-    files = []
+    files: list[AnyPath] = []
     n_files = (cfg.rows + cfg.rows_per_file - 1) // cfg.rows_per_file
     bar = None
     if progress:
@@ -134,4 +137,4 @@ def generate(out_dir: str | os.PathLike, cfg: DatagenConfig, progress: bool = Fa
     if bar is not None:
         bar.close()
     remove_stale(out, files, PART_NAME)
-    return files
+    return named(files)

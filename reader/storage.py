@@ -120,18 +120,21 @@ def _uri_files(
     root, pattern = _split_glob(base, "*[")
     if pattern and len(root) < _SCHEME.match(base).end():  # type: ignore[union-attr]
         raise ValueError(f"{shown}: a glob must come after the bucket or host")
-    filesystem, prefix, path = _from_uri(root, query, roots)
+    filesystem, prefix, path = from_uri(root, query, roots)
     names = _remote_files(filesystem, path, pattern, shown)
     return [(prefix + name, RemoteFile(filesystem, name)) for name in names]
 
 
-def _from_uri(
-    base: str, query: str, roots: dict[tuple[str, str, str], tuple[pafs.FileSystem, str]]
+def from_uri(
+    base: str,
+    query: str = "",
+    roots: dict[tuple[str, str, str], tuple[pafs.FileSystem, str]] | None = None,
 ) -> tuple[pafs.FileSystem, str, str]:
     """(filesystem, prefix, path) of a URI without its query, ``prefix + path``
     naming it; one filesystem per scheme, host (or bucket) and query."""
     parts = urlsplit(base)
     key = (parts.scheme, parts.netloc, query)
+    roots = {} if roots is None else roots
     known = roots.get(key)
     plain = "%" not in base and "//" not in base[len(parts.scheme) + 3 :]
     if known is not None and plain and base.startswith(known[1]):

@@ -4,6 +4,7 @@ read from local disk, bit for bit."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -24,8 +25,12 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
+import yaml
+from repo_data import MOVIELENS
 
 from wuliang.reader import CsrBatch, ParquetReader, ReaderPosition, resolve_paths
+from wuliang.reader.convert import CsvSchema, convert_criteo, convert_csv, convert_movielens
+from wuliang.reader.convert.csv import EXAMPLE_CSV, EXAMPLE_SCHEMA
 from wuliang.reader.datagen import DENSE, LABEL, SPARSE, DatagenConfig, generate
 from wuliang.reader.storage import RowGroupFetcher, glob_match
 
@@ -458,3 +463,124 @@ def test_fetcher_reads_depth_row_groups_ahead(s3: S3) -> None:
     finally:
         fetcher.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("wuliang-fetch-test")]
+
+
+# -- writers: wuliang datagen and convert to (and from) s3:// -------------------------------
+
+WULIANG = Path(sys.executable).parent / "wuliang"
+
+
+def wuliang(*args: str) -> subprocess.CompletedProcess[str]:
+    """The installed command line, in the environment the fixture set (bounded)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(
+        [str(WULIANG), *args], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def assert_same_objects(s3: S3, remote: list[Any], local: list[Any], key: str) -> None:
+    """The remote files are the local ones, byte for byte, under BUCKET/key."""
+    assert [str(f) for f in remote] == [s3.uri(f"{key}/{Path(f).name}") for f in local]
+    for r, f in zip(remote, local, strict=True):
+        with s3.fs.open_input_file(str(r).removeprefix("s3://")) as obj:
+            assert obj.read() == Path(f).read_bytes(), r
+
+
+def test_datagen_to_s3_equals_a_local_run(s3: S3, tmp_path: Path) -> None:
+    args = ["--rows", "1300", "--rows-per-file", "500", "--seed", "3", "--quiet"]
+    done = wuliang("datagen", s3.uri("gen"), *args)
+    assert done.returncode == 0, done.stderr
+    assert f"to {s3.uri('gen')}" in done.stdout
+    assert wuliang("datagen", str(tmp_path / "gen"), *args).returncode == 0
+    local = sorted((tmp_path / "gen").iterdir())
+    remote = resolve_paths(s3.uri("gen"))
+    assert_same_objects(s3, remote, local, "gen")
+    assert content(iter(reader(remote))) == content(iter(reader(local)))
+
+    # a smaller re-run replaces the parts and removes the extra one; other objects stay
+    with s3.fs.open_output_stream(f"{BUCKET}/gen/notes.txt") as out:
+        out.write(b"kept")
+    files = generate(s3.uri("gen"), DatagenConfig(900, rows_per_file=500, seed=3))
+    assert files == [s3.uri(f"gen/part-0000{i}.parquet") for i in range(2)]
+    listed = s3.fs.get_file_info(pafs.FileSelector(f"{BUCKET}/gen"))
+    names = sorted(i.base_name for i in listed if i.type == pafs.FileType.File)
+    assert names == ["notes.txt", "part-00000.parquet", "part-00001.parquet"]
+
+
+def write_criteo_tsv(path: Path, rows: int) -> None:
+    rng = np.random.default_rng(4)
+    lines = []
+    for _ in range(rows):
+        fields = [str(int(rng.integers(2)))]
+        fields += [
+            "" if rng.random() < 0.1 else str(int(rng.integers(-5, 5000))) for _ in range(13)
+        ]
+        fields += [
+            "" if rng.random() < 0.1 else f"{int(rng.integers(2**32)):08x}" for _ in range(26)
+        ]
+        lines.append("\t".join(fields) + "\n")
+    path.write_bytes(gzip.compress("".join(lines).encode()))
+
+
+def test_convert_criteo_from_and_to_s3_equals_a_local_run(s3: S3, tmp_path: Path) -> None:
+    tsv = tmp_path / "day.tsv.gz"
+    write_criteo_tsv(tsv, 2500)
+    pafs.copy_files(str(tsv), f"{BUCKET}/raw/day.tsv.gz", destination_filesystem=s3.fs)
+    args = ["--rows-per-file", "1000", "--bucketize", "--quiet"]
+    done = wuliang("convert", "criteo", s3.uri("raw/day.tsv.gz"), s3.uri("criteo"), *args)
+    assert done.returncode == 0, done.stderr
+    assert f"wrote 2,500 rows in 3 files to {s3.uri('criteo')}" in done.stdout
+    assert wuliang("convert", "criteo", str(tsv), str(tmp_path / "out"), *args).returncode == 0
+    local = sorted((tmp_path / "out").iterdir())
+    remote = resolve_paths(s3.uri("criteo"))
+    assert_same_objects(s3, remote, local, "criteo")
+    features = [f"C{i}" for i in range(1, 27)] + [f"I{i}" for i in range(1, 14)]
+    read = [ParquetReader(f, 512, features, "label", num_threads=2) for f in (remote, local)]
+    assert content(iter(read[0])) == content(iter(read[1]))
+
+
+def test_convert_movielens_and_csv_from_and_to_s3(s3: S3, tmp_path: Path) -> None:
+    src = tmp_path / "ml"
+    src.mkdir()
+    (src / "movies.csv.gz").write_bytes((MOVIELENS / "movies.csv.gz").read_bytes())
+    (src / "tags.csv.gz").write_bytes((MOVIELENS / "tags.csv.gz").read_bytes())
+    with gzip.open(MOVIELENS / "ratings.csv.gz", "rt") as f:
+        (src / "ratings.csv").write_text(
+            "".join(line for _, line in zip(range(301), f, strict=False))
+        )
+    pafs.copy_files(str(src), f"{BUCKET}/ml-raw", destination_filesystem=s3.fs)
+    remote = convert_movielens(s3.uri("ml-raw"), s3.uri("ml"), progress=False)
+    local = convert_movielens(src, tmp_path / "ml-out", progress=False)
+    assert len(local) > 3
+    assert_same_objects(s3, remote, local, "ml")
+
+    (tmp_path / "in.csv").write_text(EXAMPLE_CSV)
+    pafs.copy_files(str(tmp_path / "in.csv"), f"{BUCKET}/in.csv", destination_filesystem=s3.fs)
+    schema = CsvSchema.from_dict(yaml.safe_load(EXAMPLE_SCHEMA))
+    remote_csv = convert_csv(s3.uri("in.csv"), s3.uri("csv"), schema, progress=False)
+    local_csv = convert_csv(tmp_path / "in.csv", tmp_path / "csv", schema, progress=False)
+    assert (
+        remote_csv.summary()
+        == local_csv.summary()
+        == ("wrote 3 rows in 1 files; dropped 1 row (dwell: 1 missing)")
+    )
+    assert_same_objects(s3, remote_csv, local_csv, "csv")
+
+
+def test_writer_errors_name_the_uri(s3: S3, tmp_path: Path) -> None:
+    done = wuliang("datagen", "s3://no-such-bucket/gen", "--rows", "10", "--quiet")
+    assert done.returncode == 1
+    assert "error: s3://no-such-bucket/gen" in done.stderr, done.stderr
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{s3.uri('raw/nothing.tsv')}")):
+        convert_criteo(s3.uri("raw/nothing.tsv"), s3.uri("never"), progress=False)
+    with s3.fs.open_output_stream(f"{BUCKET}/a-file") as out:
+        out.write(b"x")
+    with pytest.raises(NotADirectoryError, match=re.escape(s3.uri("a-file"))):
+        generate(s3.uri("a-file"), DatagenConfig(10))
+    # a conversion that fails before a part is complete leaves no object behind
+    (tmp_path / "bad.csv").write_text(EXAMPLE_CSV.replace("9.5", "nine"))
+    schema = CsvSchema.from_dict(yaml.safe_load(EXAMPLE_SCHEMA))
+    with pytest.raises(ValueError, match="'nine' is not a number"):
+        convert_csv(tmp_path / "bad.csv", s3.uri("bad-csv"), schema, progress=False)
+    listed = s3.fs.get_file_info(pafs.FileSelector(f"{BUCKET}/bad-csv", allow_not_found=True))
+    assert [i.path for i in listed if i.type == pafs.FileType.File] == []

@@ -11,17 +11,18 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from wuliang.reader.io import write_parquet
+from wuliang.reader.io import AnyPath, as_path, named, write_parquet
 
 PART_NAME = re.compile(r"part-\d{5,}\.parquet")
 _COLUMN_NUMBER = re.compile(r"In CSV column #(\d+): ")
+_REMOTE_READ = 8 << 20  # bytes per read of a compressed remote input
 
 
 def part_name(index: int) -> str:
     return f"part-{index:05d}.parquet"
 
 
-def remove_stale(out_dir: Path, written: Iterable[Path], pattern: re.Pattern[str]) -> None:
+def remove_stale(out_dir: AnyPath, written: Iterable[AnyPath], pattern: re.Pattern[str]) -> None:
     """Removes files of out_dir named like pattern that this run did not write,
     so a re-run with fewer files leaves no file of the previous run behind."""
     keep = {p.name for p in written}
@@ -34,13 +35,13 @@ class PartWriter:
     """Writes record batches as ``part-00000.parquet`` … of exactly
     ``rows_per_file`` rows each (the last may be smaller), atomically."""
 
-    def __init__(self, out_dir: Path, rows_per_file: int, schema: pa.Schema) -> None:
+    def __init__(self, out_dir: AnyPath, rows_per_file: int, schema: pa.Schema) -> None:
         if rows_per_file < 1:
             raise ValueError(f"rows_per_file must be >= 1, got {rows_per_file}")
         self.out_dir = out_dir
         self.rows_per_file = rows_per_file
         self.schema = schema
-        self.files: list[Path] = []
+        self.files: list[AnyPath] = []
         self._pending: list[pa.RecordBatch] = []
         self._rows = 0
 
@@ -54,14 +55,15 @@ class PartWriter:
             self._pending = rest.to_batches()
             self._rows = rest.num_rows
 
-    def close(self) -> list[Path]:
+    def close(self) -> list[Path | str]:
         """Writes the remaining rows (an empty file if there were no rows at all),
-        removes part files of earlier runs beyond the ones written; returns the files."""
+        removes part files of earlier runs beyond the ones written; returns the
+        files (URIs for a remote folder)."""
         if self._rows or not self.files:
             self._write(pa.Table.from_batches(self._pending, schema=self.schema))
         self._pending, self._rows = [], 0
         remove_stale(self.out_dir, self.files, PART_NAME)
-        return self.files
+        return named(self.files)
 
     def _write(self, table: pa.Table) -> None:
         path = self.out_dir / part_name(len(self.files))
@@ -69,8 +71,9 @@ class PartWriter:
         self.files.append(path)
 
 
-def make_out_dir(out_dir: str | os.PathLike) -> Path:
-    out = Path(out_dir)
+def make_out_dir(out_dir: str | os.PathLike) -> AnyPath:
+    """The output folder, created if missing: a Path, or a RemotePath for a URI."""
+    out = as_path(out_dir)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"output {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
@@ -87,16 +90,18 @@ def progress_bar(total: int | None, desc: str, unit: str, enabled: bool) -> Any:
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=scale, unit_divisor=1024)
 
 
-def open_input(path: Path) -> tuple[pa.NativeFile, pa.NativeFile]:
+def open_input(path: AnyPath) -> tuple[pa.NativeFile, pa.NativeFile]:
     """(stream to read, raw file whose tell() is the bytes consumed); .gz, .bz2,
-    .zst and .lz4 files are decompressed on the fly."""
+    .zst and .lz4 files are decompressed on the fly. A remote file is read in
+    large ranges (the CSV reader's blocks, or _REMOTE_READ bytes when compressed)."""
     if not path.is_file():
         raise FileNotFoundError(f"input file {path} does not exist")
-    raw = pa.OSFile(str(path), "rb")
+    raw = pa.OSFile(str(path), "rb") if isinstance(path, Path) else path.open_input_file()
     codec = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}.get(path.suffix)
     if codec is None:
         return raw, raw
-    return pa.CompressedInputStream(raw, codec), raw
+    source = raw if isinstance(path, Path) else pa.BufferedInputStream(raw, _REMOTE_READ)
+    return pa.CompressedInputStream(source, codec), raw
 
 
 class InvalidRows:
@@ -112,7 +117,7 @@ class InvalidRows:
 
 
 def iter_csv(
-    path: Path,
+    path: AnyPath,
     read_options: pacsv.ReadOptions,
     parse_options: pacsv.ParseOptions,
     convert_options: pacsv.ConvertOptions,
@@ -151,7 +156,7 @@ def iter_csv(
 
 
 def _csv_error(
-    path: Path,
+    path: AnyPath,
     error: Exception,
     row: pacsv.InvalidRow | None,
     parse_options: pacsv.ParseOptions,
@@ -174,7 +179,7 @@ def _csv_error(
     )
 
 
-def _find_line(path: Path, text: str) -> int | None:
+def _find_line(path: AnyPath, text: str) -> int | None:
     """The number (from 1) of the first line of path equal to text, if any."""
     stream, raw = open_input(path)
     target = text.encode()
@@ -216,7 +221,7 @@ def write_converted(
     convert: Callable[[pa.RecordBatch, int], pa.RecordBatch],
     writer: PartWriter,
     bar: Any,
-) -> list[Path]:
+) -> list[Path | str]:
     """Writes convert(batch, rows before it) of every batch; returns the files.
     Closes the progress bar whatever happens."""
     done = 0

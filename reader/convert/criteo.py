@@ -38,6 +38,7 @@ from wuliang.reader.convert._common import (
     write_converted,
 )
 from wuliang.reader.hashing import hash_ints, hash_strings, tag_hashed
+from wuliang.reader.io import as_path
 
 LABEL = "label"
 DENSE = [f"I{i}" for i in range(1, 14)]
@@ -103,8 +104,10 @@ def convert_criteo(
     rows_per_file: int = 1_000_000,
     bucketize: bool = False,
     progress: bool = True,
-) -> list[Path]:
+) -> list[Path | str]:
     """Converts a Criteo TSV file into Parquet files in out_dir; returns them.
+    in_path and out_dir may be URIs (``s3://bucket/key``); the files are then
+    returned as URIs.
 
     Raises:
         FileNotFoundError: in_path does not exist.
@@ -112,7 +115,7 @@ def convert_criteo(
             line), a value that is not an integer in an integer column, or a
             missing label.
     """
-    path = Path(in_path)
+    path = as_path(in_path)
     if not path.is_file():
         raise FileNotFoundError(f"Criteo input {path} does not exist")
     writer = PartWriter(make_out_dir(out_dir), rows_per_file, output_schema(bucketize))

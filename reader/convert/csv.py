@@ -36,6 +36,7 @@ from wuliang.reader.convert._common import (
     write_converted,
 )
 from wuliang.reader.hashing import hash_strings, tag_hashed
+from wuliang.reader.io import AnyPath, as_path
 
 KINDS = ("sparse", "sparse_list", "dense", "int64", "timestamp", "label", "skip")
 NUMERIC_KINDS = ("dense", "int64", "timestamp", "label")  # parsed; missing/invalid policies
@@ -649,11 +650,11 @@ def _check_rounding(
 # -- files ---------------------------------------------------------------------------
 
 
-class CsvResult(list[Path]):
+class CsvResult(list[Path | str]):
     """The files convert_csv wrote, in order, with what it counted: ``rows``
     written and ``dropped`` (a DropCounts); ``summary()`` is the status line."""
 
-    def __init__(self, files: list[Path], rows: int, dropped: DropCounts) -> None:
+    def __init__(self, files: list[Path | str], rows: int, dropped: DropCounts) -> None:
         super().__init__(files)
         self.rows = rows
         self.dropped = dropped
@@ -664,7 +665,7 @@ class CsvResult(list[Path]):
         return f"{line}; {self.dropped.summary()}" if self.dropped.rows else line
 
 
-def read_header(path: Path, parse_options: pacsv.ParseOptions) -> list[str]:
+def read_header(path: AnyPath, parse_options: pacsv.ParseOptions) -> list[str]:
     """The column names in the first line of path."""
     stream, raw = open_input(path)
     try:
@@ -694,10 +695,12 @@ def convert_csv(
     """Converts a delimited text file into Parquet files in out_dir.
 
     Args:
+        in_path, out_dir: local paths or URIs (``s3://bucket/key``).
         schema: a CsvSchema or the path of its YAML file (``SCHEMA_HELP``).
 
     Returns:
-        the files written (a list of paths), with the rows written and the
+        the files written (a list of paths; URIs for a remote out_dir), with
+        the rows written and the
         rows dropped by drop_row policies (``CsvResult.summary()``).
 
     Raises:
@@ -706,7 +709,7 @@ def convert_csv(
             with a wrong number of fields (naming the file and line), a bad
             value (naming the file, column, row and value).
     """
-    path = Path(in_path)
+    path = as_path(in_path)
     if not isinstance(schema, CsvSchema):
         schema = load_schema(schema)
     if len(delimiter) != 1:

@@ -40,9 +40,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from wuliang.reader.convert._common import make_out_dir, progress_bar, remove_stale
+from wuliang.reader.convert._common import make_out_dir, open_input, progress_bar, remove_stale
 from wuliang.reader.hashing import hash_strings, tag_hashed
-from wuliang.reader.io import write_parquet
+from wuliang.reader.io import AnyPath, as_path, named, write_parquet
 
 NO_GENRES = "(no genres listed)"
 LIKED = 4.0  # label = rating >= LIKED
@@ -70,7 +70,7 @@ _MOVIES = {"movieId": pa.int64(), "title": pa.string(), "genres": pa.string()}
 _TAGS = {"movieId": pa.int64(), "tag": pa.string(), "timestamp": pa.int64()}
 
 
-def find_csv(directory: Path, name: str) -> Path | None:
+def find_csv(directory: AnyPath, name: str) -> AnyPath | None:
     """``directory/name.csv``, else ``name.csv.gz``, else None."""
     for path in (directory / f"{name}.csv", directory / f"{name}.csv.gz"):
         if path.is_file():
@@ -78,10 +78,16 @@ def find_csv(directory: Path, name: str) -> Path | None:
     return None
 
 
-def _read_csv(path: Path, types: dict[str, pa.DataType]) -> pa.Table:
+def _read_csv(path: AnyPath, types: dict[str, pa.DataType]) -> pa.Table:
     """The columns named in types, checked: present, of that type, no nulls in numbers."""
+    options = pacsv.ConvertOptions(column_types=types)
     try:
-        table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(column_types=types))
+        if isinstance(path, Path):
+            table = pacsv.read_csv(path, convert_options=options)
+        else:
+            stream, raw = open_input(path)
+            with stream, raw:
+                table = pacsv.read_csv(stream, convert_options=options)
     except pa.ArrowInvalid as error:
         raise ValueError(f"{path}: {error}") from None
     for name, t in types.items():
@@ -119,7 +125,7 @@ def _gather(
 class _Movies:
     """Genre keys (CSR) and year of each movie, looked up by movie id."""
 
-    def __init__(self, movies: pa.Table, path: Path) -> None:
+    def __init__(self, movies: pa.Table, path: AnyPath) -> None:
         ids = movies.column("movieId").to_numpy()
         order = np.argsort(ids, kind="stable")
         self.ids = ids[order]
@@ -184,15 +190,17 @@ class _Tags:
 
 def convert_movielens(
     in_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: bool = True
-) -> list[Path]:
-    """Converts a MovieLens directory into day files in out_dir; returns them in order.
+) -> list[Path | str]:
+    """Converts a MovieLens directory into day files in out_dir; returns them in
+    order. in_dir and out_dir may be URIs (``s3://bucket/prefix``); the files
+    are then returned as URIs.
 
     Raises:
         FileNotFoundError: in_dir, its ratings.csv or its movies.csv is missing.
         ValueError: a required column is missing or has an empty or bad value
             (naming the file and column).
     """
-    src = Path(in_dir)
+    src = as_path(in_dir)
     if not src.is_dir():
         raise FileNotFoundError(f"MovieLens directory {src} does not exist")
     paths = {name: find_csv(src, name) for name in ("ratings", "movies", "tags")}
@@ -226,7 +234,7 @@ def convert_movielens(
     # (no copy); a chunk holds about _CHUNK_SIZE rows and list values.
     size = np.concatenate([[0], np.cumsum(1 + genre_count + tag_count)])[bounds]
     bar = progress_bar(len(bounds) - 1, "movielens", "days", progress)
-    files = []
+    files: list[AnyPath] = []
     first_day = 0
     while first_day < len(bounds) - 1:
         a = bounds[first_day]
@@ -256,4 +264,4 @@ def convert_movielens(
     if bar is not None:
         bar.close()
     remove_stale(out, files, DAY_NAME)
-    return files
+    return named(files)
