@@ -463,7 +463,7 @@ def test_servers_with_different_threads_are_refused(
 
 
 def test_a_pull_waits_for_a_server_restarted_within_the_retry_window(
-    start_ps: StartPs, clients: Callable[..., RemoteServer]
+    start_ps: StartPs, clients: Callable[..., RemoteServer], caplog: pytest.LogCaptureFixture
 ) -> None:
     """A server killed with SIGKILL: a pull issued while it is down does not
     fail while the client retries (``retry_seconds=30``), and completes with
@@ -493,6 +493,8 @@ def test_a_pull_waits_for_a_server_restarted_within_the_retry_window(
             assert admin.instances != first
         assert not handle.done()
     handle.wait(timeout=60)
+    assert remote.instances != first and remote._servers[0].restarts == 1
+    assert f"parameter server {ps.address} restarted empty" in caplog.text
     engine = Engine(2)
     try:
         engine.create_table(SPEC)  # a fresh table: the rows pushed before are gone

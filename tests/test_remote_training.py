@@ -199,7 +199,7 @@ def test_a_context_takes_a_remote_server_with_a_token() -> None:
 
 
 def test_a_server_that_comes_back_restores_its_part_of_the_checkpoint(
-    split: dict, tmp_path: Path
+    split: dict, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Server 1 of 2 dies after a checkpoint and more training; started
     again with ``restore_own_part`` on its port, it holds exactly the
@@ -223,7 +223,8 @@ def test_a_server_that_comes_back_restores_its_part_of_the_checkpoint(
         part = restore_own_part(engine, tmp_path / "model", 1, 2)
         assert part is not None and part.path == ckpt and part.step == est.global_step - 5
         running[1] = PsServer(engine, "127.0.0.1", port, threads=8)
-        running[1].service.behind = True  # as wuliang ps --restore sets it
+        running[1].service.behind = True  # as wuliang ps --restore sets them
+        running[1].service.restored_step = part.step
         for table, rows in saved.items():
             mine = {k: r for k, r in rows.items() if server_of([k], 2)[0] == 1}
             got = rows_of(engine, table)
@@ -236,6 +237,10 @@ def test_a_server_that_comes_back_restores_its_part_of_the_checkpoint(
                 np.testing.assert_array_equal(kept[key], row)
         est.train(ParquetReader(split["train"], 128), steps=5)  # the client goes on
         assert Version(ckpt).step == part.step
+        assert (
+            f"parameter server 127.0.0.1:{port} restarted from its checkpoint of step "
+            f"{part.step}: the updates its rows received after that step are lost"
+        ) in caplog.text
         # Rows went back in time on server 1: a delta cannot say so, a full version must.
         again = est.session.export(exports)
         assert again.kind == "full" and "removal log" in again.reason, again

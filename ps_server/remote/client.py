@@ -192,6 +192,7 @@ class _DataStream:
     def _run(self) -> None:
         server = self.server
         pause, down_since = _BACKOFF[0], None
+        broken = False
         while True:
             with self.lock:
                 if self.closed and not self.unanswered:
@@ -206,6 +207,9 @@ class _DataStream:
                 )
                 for raw in call:
                     pause, down_since = _BACKOFF[0], None
+                    if broken:  # the first answer after a break: the same server process?
+                        broken = False
+                        server.check_restart()
                     self._answer(raw)
                 if self.closed:
                     self._fail_all("CANCELLED", "the client closed the stream")
@@ -213,6 +217,7 @@ class _DataStream:
                 continue  # the server ended the stream: open it again
             except grpc.RpcError as error:
                 box.put(_END_STREAM)  # the old stream's request generator ends
+                broken = True
                 code, details = error.code(), error.details() or str(error.code())
             except ValueError as error:  # the channel is closed
                 box.put(_END_STREAM)
@@ -305,9 +310,38 @@ class _Server:
         else:
             credentials = grpc.ssl_channel_credentials(root_certificates=tls_root)
             self.channel = grpc.secure_channel(address, credentials, options=options)
+        self.instance = ""  # the server process's id (InfoResponse.instance)
+        self.restarts = 0  # times it was found to be a new process
         self.seq = 0  # pushes sent, under push_lock (the order they are queued in)
         self.push_lock = threading.Lock()
         self.data = _DataStream(self)  # one, for the order of this client's calls
+
+    def check_restart(self) -> None:
+        """After a broken stream: logs when the server is a new process (it
+        came back from a checkpoint, or empty), whose rows went back."""
+        try:
+            info = self.call("Info", M["Empty"](), "InfoResponse")
+        except Exception as error:  # the next data call reports it
+            log.warning(
+                "parameter server %s: Info failed after reconnecting: %s", self.address, error
+            )
+            return
+        if info.instance == self.instance:
+            return
+        self.instance = info.instance
+        self.restarts += 1
+        if info.restored:
+            log.warning(
+                "parameter server %s restarted from its checkpoint of step %d: the updates its "
+                "rows received after that step are lost",
+                self.address,
+                info.restored_step,
+            )
+        else:
+            log.warning(
+                "parameter server %s restarted empty (no --restore): the rows it held are lost",
+                self.address,
+            )
 
     def stream_call(self, method: str) -> Any:
         return self.channel.stream_stream(proto.method_path(method))
@@ -488,10 +522,16 @@ class RemoteServer(ParameterServer):
                 "start every server with the same --threads"
             )
         self._shards = shards.pop()
-        self.instances = [info.instance for info in infos]
+        for server, info in zip(self._servers, infos, strict=True):
+            server.instance = info.instance
 
     def __repr__(self) -> str:
         return f"RemoteServer({self.addresses!r})"
+
+    @property
+    def instances(self) -> list[str]:
+        """Each server process's id; a server that restarted has a new one."""
+        return [server.instance for server in self._servers]
 
     # -- lifecycle -----------------------------------------------------------
 

@@ -124,7 +124,9 @@ def start(options: PsOptions):
     except BaseException:
         engine.close()
         raise
-    server.service.behind = part is not None  # raised to the job's version by the client
+    if part is not None:
+        server.service.behind = True  # until the client raises it to the job's version
+        server.service.restored_step = part.step
     return server
 
 

@@ -180,6 +180,7 @@ class PsService:
         self.pushes = _Pushes()
         # restored from a checkpoint (--restore): behind the job's version until raised
         self.behind = False
+        self.restored_step: int | None = None  # that checkpoint's step
         self._behind_lock = threading.Lock()
         self.stopping = False  # set by PsServer.stop: calls are refused UNAVAILABLE
         self._busy = 0  # calls and data requests being answered
@@ -326,6 +327,8 @@ class PsService:
             instance=self.instance,
             wuliang_version=_version(),
             version=self.engine.version,
+            restored=self.restored_step is not None,
+            restored_step=self.restored_step or 0,
         )
 
     def create_table(self, request: Any) -> Any:
