@@ -1,113 +1,24 @@
 """Writing Parquet files the way every wuliang writer does: atomically; and the
-paths of object stores the writers and converters take (``RemotePath``)."""
+paths of object stores the writers and converters take (``RemotePath``, from
+``wuliang.ps_server.storage.location``, which versions use too)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from wuliang.reader.storage import from_uri, is_uri
-
-
-class RemotePath:
-    """A file or folder of a pyarrow filesystem, named by a URI
-    (``s3://bucket/prefix``), with the few ``pathlib.Path`` methods the writers
-    and converters use. ``str()`` is the URI without its query (for messages);
-    ``uri`` keeps the query (it opens the file again)."""
-
-    def __init__(self, filesystem: pafs.FileSystem, prefix: str, path: str, query: str) -> None:
-        self.filesystem = filesystem
-        self.path = path  # in the filesystem
-        self._prefix = prefix  # prefix + path: the URI without its query
-        self._query = query
-
-    @staticmethod
-    def of(uri: str) -> RemotePath:
-        base, _, query = uri.partition("?")
-        filesystem, prefix, path = from_uri(base, query)
-        return RemotePath(filesystem, prefix, path, query)
-
-    def __str__(self) -> str:
-        return self._prefix + self.path
-
-    def __repr__(self) -> str:
-        return f"RemotePath({str(self)!r})"
-
-    @property
-    def uri(self) -> str:
-        return f"{self}?{self._query}" if self._query else str(self)
-
-    @property
-    def name(self) -> str:
-        return PurePosixPath(self.path).name
-
-    @property
-    def suffix(self) -> str:
-        return PurePosixPath(self.path).suffix
-
-    def __truediv__(self, name: str) -> RemotePath:
-        return RemotePath(
-            self.filesystem, self._prefix, f"{self.path.rstrip('/')}/{name}", self._query
-        )
-
-    def _info(self) -> pafs.FileInfo:
-        return self._call(self.filesystem.get_file_info, self.path)
-
-    def exists(self) -> bool:
-        return self._info().type != pafs.FileType.NotFound
-
-    def is_file(self) -> bool:
-        return self._info().type == pafs.FileType.File
-
-    def is_dir(self) -> bool:
-        return self._info().type == pafs.FileType.Directory
-
-    def stat(self) -> os.stat_result:
-        size = self._info().size or 0
-        return os.stat_result((0, 0, 0, 0, 0, 0, size, 0, 0, 0))
-
-    def iterdir(self) -> Iterator[RemotePath]:
-        selector = pafs.FileSelector(self.path, recursive=False, allow_not_found=True)
-        for info in self._call(self.filesystem.get_file_info, selector):
-            yield RemotePath(self.filesystem, self._prefix, info.path, self._query)
-
-    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
-        self._call(self.filesystem.create_dir, self.path, recursive=parents)
-
-    def unlink(self, missing_ok: bool = False) -> None:
-        if missing_ok and not self.exists():
-            return
-        self._call(self.filesystem.delete_file, self.path)
-
-    def open_input_file(self) -> pa.NativeFile:
-        """The file, read by ranges (each read of it: one request to an object store)."""
-        return self._call(self.filesystem.open_input_file, self.path)
-
-    def write_bytes(self, data: pa.Buffer | bytes) -> None:
-        """Writes the object whole: an S3 object appears once its upload is complete."""
-        with self._call(self.filesystem.open_output_stream, self.path) as out:
-            out.write(data)
-
-    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except (OSError, pa.ArrowException) as e:
-            raise OSError(f"{self}: {e}") from e
-
+from wuliang.ps_server.storage.location import RemotePath, location
 
 AnyPath = Path | RemotePath
 
 
 def as_path(path: str | os.PathLike) -> AnyPath:
     """A URI as a RemotePath, anything else as a Path."""
-    text = os.fspath(path)
-    return RemotePath.of(text) if is_uri(text) else Path(text)
+    return location(path)
 
 
 def named(files: list[AnyPath]) -> list[Path | str]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import fnmatch
 import glob as globlib
 import os
-import re
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -26,12 +25,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-def is_uri(text: str) -> bool:
-    """True for ``scheme://...`` (a path in a remote filesystem)."""
-    return _SCHEME.match(text) is not None
+from wuliang.ps_server.storage.location import Roots, from_uri, is_uri
 
 
 @dataclass(frozen=True)
@@ -65,7 +59,7 @@ def locate(
     if filesystem is not None and not isinstance(filesystem, pafs.FileSystem):
         raise TypeError(f"filesystem must be a pyarrow.fs.FileSystem, got {filesystem!r}")
     found: dict[str, tuple[str, RemoteFile | None]] = {}  # key -> (name, where)
-    roots: dict[tuple[str, str, str], tuple[pafs.FileSystem, str]] = {}
+    roots: Roots = {}
     for item in items:
         text = os.fspath(item)
         if filesystem is not None:
@@ -110,47 +104,17 @@ def _shown_in(filesystem: pafs.FileSystem, path: str) -> str:
     return f"{path!r} in {type(filesystem).__name__}"
 
 
-def _uri_files(
-    uri: str, roots: dict[tuple[str, str, str], tuple[pafs.FileSystem, str]]
-) -> list[tuple[str, RemoteFile]]:
+def _uri_files(uri: str, roots: Roots) -> list[tuple[str, RemoteFile]]:
     """(name, file) of the files a URI names; ``?`` starts the URI's query, so
     only ``*``, ``[...]`` and ``**`` are glob patterns in a URI."""
     base, _, query = uri.partition("?")
     shown = repr(base)
     root, pattern = _split_glob(base, "*[")
-    if pattern and len(root) < _SCHEME.match(base).end():  # type: ignore[union-attr]
+    if pattern and len(root) < len(urlsplit(base).scheme) + 3:
         raise ValueError(f"{shown}: a glob must come after the bucket or host")
     filesystem, prefix, path = from_uri(root, query, roots)
     names = _remote_files(filesystem, path, pattern, shown)
     return [(prefix + name, RemoteFile(filesystem, name)) for name in names]
-
-
-def from_uri(
-    base: str,
-    query: str = "",
-    roots: dict[tuple[str, str, str], tuple[pafs.FileSystem, str]] | None = None,
-) -> tuple[pafs.FileSystem, str, str]:
-    """(filesystem, prefix, path) of a URI without its query, ``prefix + path``
-    naming it; one filesystem per scheme, host (or bucket) and query."""
-    parts = urlsplit(base)
-    key = (parts.scheme, parts.netloc, query)
-    roots = {} if roots is None else roots
-    known = roots.get(key)
-    plain = "%" not in base and "//" not in base[len(parts.scheme) + 3 :]
-    if known is not None and plain and base.startswith(known[1]):
-        return known[0], known[1], base[len(known[1]) :].rstrip("/") or "/"
-    try:
-        filesystem, path = pafs.FileSystem.from_uri(f"{base}?{query}" if query else base)
-    except (ValueError, pa.ArrowException) as e:
-        raise ValueError(f"{base!r} is not a URI pyarrow can open: {e}") from None
-    trimmed = base.rstrip("/")
-    if path and trimmed.endswith(path):
-        prefix = trimmed[: len(trimmed) - len(path)]
-    else:  # e.g. percent-encoded: the name is the decoded path
-        prefix = f"{parts.scheme}://" + (parts.netloc if path.startswith("/") else "")
-    if plain:
-        roots[key] = (filesystem, prefix)
-    return filesystem, prefix, path
 
 
 def _split_glob(path: str, chars: str) -> tuple[str, str]:

@@ -9,12 +9,10 @@ import hashlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from repo_data import MOVIELENS
+from s3_server import moto_s3
 
 from wuliang.reader import CsrBatch, ParquetReader, ReaderPosition, resolve_paths
 from wuliang.reader.convert import CsvSchema, convert_criteo, convert_csv, convert_movielens
@@ -51,35 +50,6 @@ class S3:
         return str(self.local / relative)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_moto(log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """A moto server process on a free loopback port, answering (bounded waits)."""
-    for _ in range(3):  # the port may be taken between choosing and binding it
-        port = free_port()
-        with log.open("ab") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        endpoint = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 20
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{endpoint}/moto-api/data.json", timeout=1):
-                    return proc, endpoint
-            except OSError:
-                time.sleep(0.05)
-        proc.kill()
-        proc.wait(5)
-    raise RuntimeError(f"moto server did not start: {log.read_text()[-2000:]}")
-
-
 def write_data(root: Path) -> None:
     """data/day=1/part-0000[0-2].parquet, data/day=2/part-0000[0-1].parquet (row
     groups of 128 rows), a hidden Parquet file and a _SUCCESS marker."""
@@ -94,41 +64,16 @@ def write_data(root: Path) -> None:
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3]:
     root = tmp_path_factory.mktemp("s3")
-    proc, endpoint = start_moto(root / "moto.log")
-    try:
-        with pytest.MonkeyPatch.context() as env:  # as a user's environment would say
-            for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-                env.delenv(name, raising=False)
-            env.setenv("AWS_ENDPOINT_URL", endpoint)
-            env.setenv("AWS_ACCESS_KEY_ID", "testing")
-            env.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-            env.setenv("AWS_DEFAULT_REGION", "us-east-1")
-            env.setenv("AWS_EC2_METADATA_DISABLED", "true")
-            fs = pafs.S3FileSystem(
-                endpoint_override=endpoint,
-                scheme="http",
-                access_key="testing",
-                secret_key="testing",
-                region="us-east-1",
-                allow_bucket_creation=True,
-            )
-            fs.create_dir(BUCKET)
-            local = root / "local"
-            write_data(local)
-            pafs.copy_files(
-                str(local / "data"),
-                f"{BUCKET}/data",
-                source_filesystem=pafs.LocalFileSystem(),
-                destination_filesystem=fs,
-            )
-            yield S3(endpoint, fs, local)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    with moto_s3(root, (BUCKET,)) as (endpoint, fs):
+        local = root / "local"
+        write_data(local)
+        pafs.copy_files(
+            str(local / "data"),
+            f"{BUCKET}/data",
+            source_filesystem=pafs.LocalFileSystem(),
+            destination_filesystem=fs,
+        )
+        yield S3(endpoint, fs, local)
 
 
 # -- helpers ------------------------------------------------------------------------
