@@ -7,7 +7,13 @@ parameter server:
 * a list of ``"host:port"`` (or one string of them separated by commas):
   remote servers, ``wuliang ps`` processes (``RemoteServer``, loaded on
   first use: it needs grpcio, the ``remote`` extra);
-* more kinds (a GPU-cached front) register with ``register_backend``.
+* ``"<address>?gpu_cache_rows=N"``: a GPU hot cache of N rows per table
+  (``CachedServer``, ``wuliang.ps_server.cache``) in front of the server at
+  ``<address>`` (either form above, as one string); more options after
+  ``&``: ``policy=stats|lru``, ``half_life=<batches>``,
+  ``xp=auto|numpy|cupy`` (e.g. ``"embedded?gpu_cache_rows=1000000"``,
+  ``"h1:7001,h2:7002?gpu_cache_rows=1000000&policy=lru"``);
+* more kinds register with ``register_backend``.
 
 A backend is a function ``(address, num_shards) -> ParameterServer``. An
 address that no registered backend takes is a ``ValueError`` listing the
@@ -31,7 +37,9 @@ _HOST_PORT = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(?P<port
 FORMS = {
     "embedded": '"embedded" (the engine in this process)',
     "remote": '["host:port", ...] or "host:port,host:port" (remote parameter servers)',
+    "cached": '"<address>?gpu_cache_rows=N" (a GPU hot cache in front of either)',
 }
+CACHE_OPTIONS = ("gpu_cache_rows", "policy", "half_life", "xp")
 
 
 def register_backend(kind: str, backend: Backend) -> None:
@@ -50,7 +58,8 @@ def parameter_server(
     """The parameter server at ``address`` (see the module docstring).
 
     Args:
-        address: ``"embedded"`` or a list of ``"host:port"``.
+        address: ``"embedded"``, a list of ``"host:port"``, or either
+            followed by ``?gpu_cache_rows=N`` (a GPU hot cache in front).
         num_shards: shard threads of an embedded engine (default: one per
             CPU, at most 16).
     """
@@ -68,9 +77,13 @@ def parameter_server(
 
 
 def address_kind(address: object) -> str:
-    """``"embedded"`` or ``"remote"``; ValueError naming a bad address."""
+    """``"embedded"``, ``"remote"`` or ``"cached"``; ValueError naming a
+    bad address."""
     if address == "embedded":
         return "embedded"
+    if isinstance(address, str) and "?" in address:
+        address_kind(cache_address(address)[0])
+        return "cached"
     if isinstance(address, str) and ":" in address:
         address = [a.strip() for a in address.split(",")]
     if isinstance(address, list | tuple) and address:
@@ -85,6 +98,33 @@ def address_kind(address: object) -> str:
         f"ps={address!r} is not a parameter-server address; valid forms: "
         + ", ".join(FORMS.values())
     )
+
+
+def cache_address(address: str) -> tuple[str, dict[str, Any]]:
+    """``"<address>?gpu_cache_rows=N&..."`` split into the inner address and
+    ``CachedServer``'s keyword arguments (``rows``, ``policy``, ...);
+    ValueError naming a bad option."""
+    inner, _, query = address.partition("?")
+    options: dict[str, Any] = {}
+    for item in filter(None, query.split("&")):
+        name, sep, value = item.partition("=")
+        if not sep or name not in CACHE_OPTIONS:
+            raise ValueError(
+                f"ps={address!r}: {item!r} is not a cache option "
+                f"(options: {', '.join(f'{o}=...' for o in CACHE_OPTIONS)})"
+            )
+        try:
+            if name == "gpu_cache_rows":
+                options["rows"] = int(value)
+            elif name == "half_life":
+                options["half_life"] = float(value)
+            else:
+                options[name] = value
+        except ValueError:
+            raise ValueError(f"ps={address!r}: {name} must be a number, got {value!r}") from None
+    if "rows" not in options:
+        raise ValueError(f"ps={address!r}: a cached address needs gpu_cache_rows=N")
+    return inner, options
 
 
 def _valid_host_port(text: str) -> bool:
@@ -114,5 +154,18 @@ def _remote(address: Any, num_shards: int | None) -> ParameterServer:
     return RemoteServer(list(address), token=read_token(token_file) if token_file else None)
 
 
+def _cached(address: Any, num_shards: int | None) -> ParameterServer:
+    from wuliang.ps_server.cache import CachedServer
+
+    inner_address, options = cache_address(address)
+    inner = parameter_server(inner_address, num_shards)
+    try:
+        return CachedServer(inner, **options)
+    except BaseException:
+        inner.close()
+        raise
+
+
 register_backend("embedded", _embedded)
 register_backend("remote", _remote)
+register_backend("cached", _cached)

@@ -21,6 +21,19 @@ ExportAll = Callable[..., RowChunk]
 MakeEngine = Callable[[int], Engine]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``needs_gpu`` are skipped where cupy finds no GPU."""
+    gpu_tests = [item for item in items if item.get_closest_marker("needs_gpu")]
+    if not gpu_tests:
+        return
+    from wuliang.ps_server.cache import gpu_available
+
+    if not gpu_available():
+        skip = pytest.mark.skip(reason="needs cupy and a GPU")
+        for item in gpu_tests:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything() -> None:
     """Legacy global generators are seeded too, in case anything uses them."""

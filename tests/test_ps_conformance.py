@@ -1,8 +1,9 @@
 """Conformance suite of the parameter-server interface (``wuliang.ps_server.ParameterServer``).
 
 Every implementation of the interface (the embedded engine; the remote
-client over two parameter servers on threads of this process; a GPU-cached
-front later) must pass this file unchanged.
+client over two parameter servers on threads of this process; the GPU hot
+cache in front of an embedded engine, with numpy arrays and 16 rows per
+table, so that rows come and go all the time) must pass this file unchanged.
 
 How an implementation joins: add one entry to ``IMPLEMENTATIONS``, a name and
 a function ``num_shards -> ParameterServer`` that returns a fresh, empty
@@ -173,6 +174,9 @@ def remote_processes(shards: int, servers: int = 2) -> ParameterServer:
 IMPLEMENTATIONS: dict[str, MakeServer] = {
     "embedded": lambda shards: parameter_server("embedded", num_shards=shards),
     "remote": remote_on_threads,
+    "cached": lambda shards: parameter_server(
+        "embedded?gpu_cache_rows=16&xp=numpy", num_shards=shards
+    ),
 }
 # Slower (two processes per server made), so only for the tests named here.
 PROCESSES: dict[str, MakeServer] = {"remote-processes": remote_processes}

@@ -73,6 +73,10 @@ class Context:
             of a cluster, ``wuliang.ps_server.cluster``), else embedded.
         num_shards: shard threads of an embedded engine (default: the number
             of CPUs, at most 16).
+        gpu_cache_rows: rows of each table to keep in a GPU hot cache in
+            front of the parameter server (``wuliang.ps_server.cache.
+            CachedServer``: cupy where a GPU is present, else numpy); None
+            (the default): no cache. docs/gpu_cache.md.
         staleness: 0: a step pulls rows only after the previous step's push
             is applied (exact); 1: the pull of step i may run while step i-1
             trains, so rows can be one update old (faster).
@@ -99,6 +103,7 @@ class Context:
         ps: str | Sequence[str] | ParameterServer | None = None,
         *,
         num_shards: int | None = None,
+        gpu_cache_rows: int | None = None,
         staleness: int = 0,
         prefetch: int = 2,
         evict_every_steps: int | None = 1000,
@@ -126,9 +131,19 @@ class Context:
         self.non_finite = check_policy(non_finite)
         if num_shards is not None and not (isinstance(num_shards, int) and num_shards >= 1):
             raise ValueError(f"num_shards must be an int >= 1 or None, got {num_shards!r}")
+        if gpu_cache_rows is not None and (
+            isinstance(gpu_cache_rows, bool)
+            or not isinstance(gpu_cache_rows, int)
+            or gpu_cache_rows < 1
+        ):
+            raise ValueError(f"gpu_cache_rows must be an int >= 1 or None, got {gpu_cache_rows!r}")
         self.ps: ParameterServer = (
             ps if isinstance(ps, ParameterServer) else parameter_server(ps, num_shards)
         )
+        if gpu_cache_rows is not None:
+            from wuliang.ps_server.cache import CachedServer
+
+            self.ps = CachedServer(self.ps, rows=gpu_cache_rows)
         self.ps.set_background(self.background)
         self.staleness = staleness
         self.prefetch = prefetch
