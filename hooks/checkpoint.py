@@ -9,7 +9,7 @@ from typing import Any
 
 from wuliang.hooks.base import HookSession, SessionRunContext, SessionRunValues
 from wuliang.hooks.periodic import PeriodicSyncHook
-from wuliang.ps_server.storage import latest_checkpoint
+from wuliang.ps_server.storage import latest_checkpoint, location
 
 
 class Checkpoint(PeriodicSyncHook):
@@ -37,7 +37,7 @@ class Checkpoint(PeriodicSyncHook):
         super().__init__(every_steps, every_secs)
         if keep is not None and (not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
-        self.model_dir = Path(model_dir)
+        self.model_dir = location(model_dir)  # a folder, or a URI of an object store
         self.keep = keep
         self.restore = restore
         self.saved: list[Path] = []  # what this hook wrote, oldest first

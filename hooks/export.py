@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 from wuliang.hooks.base import HookSession
 from wuliang.hooks.periodic import PeriodicSyncHook
-from wuliang.ps_server.storage import latest
+from wuliang.ps_server.storage import latest, location
 
 log = logging.getLogger("wuliang.export")
 
@@ -39,7 +38,7 @@ class IncrementalExport(PeriodicSyncHook):
         super().__init__(every_steps, every_secs)
         if full_every is not None and (not isinstance(full_every, int) or full_every < 1):
             raise ValueError(f"full_every must be an int >= 1 or None, got {full_every!r}")
-        self.export_dir = Path(export_dir)
+        self.export_dir = location(export_dir)  # a folder, or a URI of an object store
         self.full_every = full_every
         self.results: list[Any] = []
 

@@ -50,7 +50,6 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
@@ -62,6 +61,7 @@ from wuliang.ps_server.spec import TableSpec
 from wuliang.ps_server.threads import check_background, set_background
 
 if TYPE_CHECKING:
+    from wuliang.ps_server.storage.location import Location
     from wuliang.ps_server.storage.manifest import FileEntry
 
 T = TypeVar("T")
@@ -433,21 +433,23 @@ class ParameterServer(abc.ABC):
     # -- admin half: rows of a version on disk --------------------------------
 
     def write_rows(
-        self, folder: Path, spec: TableSpec, *, since: int = 0, state: bool
+        self, folder: Location, spec: TableSpec, *, since: int = 0, state: bool
     ) -> tuple[list[tuple[str, FileEntry]], int]:
         """Writes a table's rows modified after ``since`` (0: all) as part
         files into a version's folder (``wuliang.ps_server.storage``; with
-        the optimizer state when ``state``); returns ((relative path, entry)
-        of each file, rows). This one streams the rows through this
-        process; remote servers write their own parts."""
+        the optimizer state when ``state``; a local path or a ``RemotePath``
+        of an object store); returns ((relative path, entry) of each file,
+        rows). This one streams the rows through this process; remote
+        servers write their own parts."""
+        from wuliang.ps_server.storage.location import location
         from wuliang.ps_server.storage.version import write_parts
 
         chunks = self.export(spec.name, since=since)
-        return write_parts(Path(folder), spec, chunks, state=state)
+        return write_parts(location(folder), spec, chunks, state=state)
 
     def load_rows(
         self,
-        folder: Path,
+        folder: Location,
         table: str,
         files: Sequence[str],
         *,
@@ -460,11 +462,12 @@ class ParameterServer(abc.ABC):
         returns how many. ``owned=(i, n)``: only the keys of server i of n
         (``server_of``). Remote servers each load the rows they own."""
         from wuliang.ps_server.routing import server_of
+        from wuliang.ps_server.storage.location import location
         from wuliang.ps_server.storage.rows import read_part, select_rows
 
         loaded = 0
         for relative in files:
-            for chunk in read_part(Path(folder) / relative):
+            for chunk in read_part(location(folder) / relative):
                 keep = np.ones(len(chunk), bool)
                 if since:
                     keep &= chunk.versions > since

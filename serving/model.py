@@ -148,7 +148,8 @@ def load_tower(version: Version) -> Tower:
     import tensorflow as tf
 
     try:
-        module = tf.saved_model.load(str(version.checked(f"{SERVING}/saved_model.pb").parent))
+        version.checked(f"{SERVING}/saved_model.pb")
+        module = tf.saved_model.load(str(version.local_folder(SERVING)))  # remote: downloaded
         return Tower(module)
     except (OSError, ValueError, TypeError, AttributeError, tf.errors.OpError) as error:
         raise ValueError(f"the SavedModel of {version.path} does not load: {error}") from None

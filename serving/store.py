@@ -22,6 +22,10 @@ missing directory is served as soon as its first version appears.
 * Keys without a row read as zeros (``missing="zeros"``, found False) or as
   the training table's initial vector (``missing="initial"``: the manifest
   keeps each table's initializer and seed).
+* Object storage: ``export_dir`` may be a URI (``s3://bucket/prefix``); a
+  version there exists once its manifest does (uploaded last), its files
+  are checked as they are read and its SavedModel is downloaded to a
+  temporary folder.
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ from wuliang.ps_server.interface import MISSING
 from wuliang.ps_server.storage import (
     CorruptVersionError,
     ModelDescription,
+    RemotePath,
     Version,
     chain,
+    location,
     versions,
 )
 from wuliang.serving.errors import NotFound, Unavailable, VersionMoved
@@ -56,7 +62,7 @@ class ModelStore:
     """One served model: an export directory applied to a parameter server.
 
     Args:
-        export_dir: the trainer's export directory.
+        export_dir: the trainer's export directory (a folder, or a URI).
         name: the model's name in requests (default: the directory's name).
         missing: ``"zeros"`` or ``"initial"`` (see the module docstring).
         precision: how the served vectors are stored (``"fp32"``, ``"fp16"``,
@@ -69,7 +75,7 @@ class ModelStore:
 
     def __init__(
         self,
-        export_dir: str | Path,
+        export_dir: str | Path | RemotePath,
         name: str | None = None,
         *,
         missing: str = "zeros",
@@ -84,7 +90,7 @@ class ModelStore:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if poll_secs < 0:
             raise ValueError(f"poll_secs must be >= 0, got {poll_secs!r}")
-        self.export_dir = Path(export_dir)
+        self.export_dir = location(export_dir)
         self.name = name or self.export_dir.resolve().name
         self.source = str(self.export_dir)
         self.missing = missing

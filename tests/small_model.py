@@ -52,11 +52,14 @@ def make_session(
     eviction: wl.eviction.Eviction | None = None,
     evict_every_steps: int | None = 1000,
     keras_model: bool = False,
+    ps: Any = None,
 ) -> wl.Session:
     """``admission``: the items table's (default: every key at once);
     ``eviction``: the users table's (default: none); ``keras_model``: the
     tower is a ``keras.Model`` whose ``call`` takes (embeddings, dense), as in
-    docs/training.md (default: a function over a Keras MLP)."""
+    docs/training.md (default: a function over a Keras MLP); ``ps``: the
+    context's parameter servers (default: an embedded engine of
+    ``num_shards``)."""
     keras.utils.set_random_seed(5)
     users = wl.EmbeddingTable(
         "users",
@@ -83,7 +86,8 @@ def make_session(
     if keras_model:
         tower = Tower(mlp)
 
-    context = wl.Context(num_shards=num_shards, staleness=0, evict_every_steps=evict_every_steps)
+    where: dict[str, Any] = {"num_shards": num_shards} if ps is None else {"ps": ps}
+    context = wl.Context(**where, staleness=0, evict_every_steps=evict_every_steps)
     return wl.Session(tower, features, context, hooks=hooks, optimizer=keras.optimizers.Adam(0.01))
 
 

@@ -38,9 +38,10 @@ their floors; ``removed_log`` merges the servers' logs by version;
 
 Checkpoints and exports do not stream rows through the client:
 ``write_rows`` has each server write its part files into the version's
-folder (which the servers see at the same path) and returns their
-checksums; ``load_rows`` has each server load the rows it owns from a
-version's part files, whatever the number of servers that wrote them.
+folder (which the servers see at the same path, or reach at the same URI
+of an object store) and returns their checksums; ``load_rows`` has each
+server load the rows it owns from a version's part files, whatever the
+number of servers that wrote them.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ from wuliang.ps_server.remote.wire import (
 from wuliang.ps_server.routing import server_of
 from wuliang.ps_server.rpc.auth import bearer
 from wuliang.ps_server.spec import TableSpec
+from wuliang.ps_server.storage.location import Location, RemotePath
 from wuliang.ps_server.storage.manifest import FileEntry
 
 __all__ = ["RemoteError", "RemoteServer"]
@@ -1180,15 +1182,15 @@ class RemoteServer(ParameterServer):
     # -- checkpoints and exports: part files written by the servers ----------
 
     def write_rows(
-        self, folder: Path, spec: TableSpec, *, since: int = 0, state: bool
+        self, folder: Location, spec: TableSpec, *, since: int = 0, state: bool
     ) -> tuple[list[tuple[str, FileEntry]], int]:
         """Each server writes its part files of the table into the folder
         (``tables/<table>/part-s<i>-NNNNN.arrow``), which it must see at
-        the same path."""
+        the same path (or reach at the same URI)."""
         answers = self._all(
             "WriteRows",
             lambda s: M["WriteRowsRequest"](
-                folder=str(Path(folder).resolve()),
+                folder=_folder_name(folder),
                 table=spec.name,
                 since=since,
                 state=state,
@@ -1202,7 +1204,7 @@ class RemoteServer(ParameterServer):
 
     def load_rows(
         self,
-        folder: Path,
+        folder: Location,
         table: str,
         files: Sequence[str],
         *,
@@ -1217,7 +1219,7 @@ class RemoteServer(ParameterServer):
         answers = self._all(
             "LoadRows",
             lambda s: M["LoadRowsRequest"](
-                folder=str(Path(folder).resolve()),
+                folder=_folder_name(folder),
                 table=table,
                 files=list(files),
                 server=s.index,
@@ -1230,6 +1232,14 @@ class RemoteServer(ParameterServer):
             table,
         )
         return sum(a.count for a in answers)
+
+
+def _folder_name(folder: Location) -> str:
+    """A version's folder as the servers are told it: an absolute path, or
+    a URI (with its query: the servers open it)."""
+    if isinstance(folder, RemotePath):
+        return folder.uri
+    return str(Path(folder).resolve())
 
 
 def _failed(error: BaseException) -> Handle[Any]:

@@ -66,6 +66,7 @@ from wuliang.ps_server.rpc.auth import metadata_token, token_matches
 from wuliang.ps_server.rpc.net import grpc_address, listen_error
 from wuliang.ps_server.rpc.tls import ServerTls
 from wuliang.ps_server.spec import TableSpec
+from wuliang.ps_server.storage.location import Location, RemotePath, is_uri, location
 from wuliang.ps_server.storage.version import write_parts
 
 log = logging.getLogger("wuliang.ps")
@@ -514,8 +515,7 @@ class PsService:
                 "INVALID_ARGUMENT", f"server {request.server} of {request.servers} servers"
             )
         self.engine.spec(request.table)
-        files = [str(_inside(folder, relative).relative_to(folder.resolve()))
-                 for relative in request.files]  # fmt: skip
+        files = [_inside(folder, relative) for relative in request.files]
         loaded = self.engine.load_rows(
             folder.resolve(),
             request.table,
@@ -592,7 +592,11 @@ def _check_name(name: str, what: str) -> None:
         raise RpcError("INVALID_ARGUMENT", f"{what} {name!r} is not a file name")
 
 
-def _folder(folder: str) -> Path:
+def _folder(folder: str) -> Location:
+    """A version's folder: an absolute path this server sees, or a URI of an
+    object store (errors name it without its query)."""
+    if is_uri(folder):
+        return location(folder)  # ValueError: INVALID_ARGUMENT; OSError: FAILED_PRECONDITION
     path = Path(folder)
     if not path.is_absolute() or not path.is_dir():
         raise RpcError(
@@ -603,11 +607,17 @@ def _folder(folder: str) -> Path:
     return path
 
 
-def _inside(folder: Path, relative: str) -> Path:
+def _inside(folder: Location, relative: str) -> str:
+    """A file's path relative to the version folder, refused when it leads out."""
+    if isinstance(folder, RemotePath):
+        parts = relative.split("/")
+        if not relative or any(p in ("", ".", "..") for p in parts):
+            raise RpcError("INVALID_ARGUMENT", f"file {relative!r} is outside the version folder")
+        return relative
     path = (folder / relative).resolve()
     if folder.resolve() not in path.parents:
         raise RpcError("INVALID_ARGUMENT", f"file {relative!r} is outside the version folder")
-    return path
+    return str(path.relative_to(folder.resolve()))
 
 
 # -- the gRPC server ------------------------------------------------------------------

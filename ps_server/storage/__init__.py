@@ -15,7 +15,9 @@ A *version* is a directory::
 Parts hold at most ``PART_ROWS`` rows; the part files are independent of the
 engine's shard count, so a version restores into any number of shards (or
 servers). Writes are atomic and reads check every file once
-(``version``). Modules:
+(``version``). ``<root>`` may be a local folder or a URI of an object store
+(``s3://bucket/prefix``), where the manifest, uploaded last, commits a
+version. Modules:
 
 * ``manifest``: the typed manifest (tables with their whole ``TableSpec``,
   the model's description, files), format 1 still read;
@@ -23,6 +25,7 @@ servers). Writes are atomic and reads check every file once
 * ``version``: ``VersionWriter`` and ``Version``;
 * ``directories``: a model directory's checkpoints, an export directory's
   versions and chains;
+* ``location``: local paths and URIs (``RemotePath``);
 * ``crash``: test-only crash points inside the writers.
 """
 
@@ -34,8 +37,10 @@ from wuliang.ps_server.storage.directories import (
     checkpoints,
     latest,
     latest_checkpoint,
+    uncommitted_checkpoints,
     versions,
 )
+from wuliang.ps_server.storage.location import Location, RemotePath, is_uri, location
 from wuliang.ps_server.storage.manifest import (
     FORMAT,
     SIGNATURE,
@@ -71,8 +76,10 @@ __all__ = [
     "CorruptVersionError",
     "DenseInput",
     "FileEntry",
+    "Location",
     "Manifest",
     "ModelDescription",
+    "RemotePath",
     "SparseInput",
     "TableEntry",
     "Version",
@@ -80,11 +87,14 @@ __all__ = [
     "chain",
     "checkpoints",
     "crash_point",
+    "is_uri",
     "latest",
     "latest_checkpoint",
+    "location",
     "read_part",
     "remove_stale_temporaries",
     "select_rows",
+    "uncommitted_checkpoints",
     "versions",
     "write_json_atomic",
 ]

@@ -12,13 +12,15 @@ in the order a write reaches them:
 * ``rows-file``: a rows part file is written and recorded (n: the n-th);
 * ``before-manifest``: every file is written, the manifest is not;
 * ``before-rename``: the manifest is written and synced, the directory is
-  still ``.tmp-``;
+  still ``.tmp-`` (not in an object store: its manifest commits the version);
 * ``after-rename``: the version is in place; the caller's follow-up (a
   checkpoint's rotation, an export's ``LATEST``) has not run;
 * ``checkpoint-rotate`` (``wuliang.checkpoint``): an old checkpoint is
-  renamed out of sight, not yet removed;
+  renamed out of sight (in an object store: its manifest is deleted), not
+  yet removed;
 * ``latest-temp`` (``wuliang.export``): the new ``LATEST`` is written to its
-  temporary file, not yet renamed over ``LATEST``.
+  temporary file, not yet renamed over ``LATEST`` (not in an object store,
+  where ``LATEST`` is uploaded whole).
 """
 
 from __future__ import annotations

@@ -11,14 +11,19 @@ thing written, before the rename); anything else in these folders (a
 ``.tmp-`` left by a crash, a lock file) is not a version. ``LATEST`` names
 an export directory's newest version and is written after it, so it may lag
 after a crash: readers fall back to the newest committed version.
+
+Each directory may be a local path or a URI of an object store
+(``location``); there a version's folder may exist without its manifest
+(written last: a writer at work or crashed, a checkpoint being removed),
+and is not a version either.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
+from wuliang.ps_server.storage.location import Location, RemotePath, location
 from wuliang.ps_server.storage.manifest import CorruptVersionError
 from wuliang.ps_server.storage.version import MANIFEST, Version
 
@@ -26,20 +31,33 @@ CHECKPOINT_PREFIX = "ckpt-"
 _CHECKPOINT = re.compile(r"ckpt-(\d+)")
 
 
-def checkpoints(model_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+Dir = str | os.PathLike | RemotePath
+
+
+def checkpoints(model_dir: Dir) -> list[tuple[int, Location]]:
     """(step, path) of the committed checkpoints in model_dir, oldest first."""
-    root = Path(model_dir)
+    return [(step, p) for step, p, committed in _checkpoint_folders(model_dir) if committed]
+
+
+def uncommitted_checkpoints(model_dir: Dir) -> list[tuple[int, Location]]:
+    """(step, path) of the ``ckpt-<step>`` folders without a manifest: in an
+    object store, what a writer is writing, or a crashed one left."""
+    return [(step, p) for step, p, committed in _checkpoint_folders(model_dir) if not committed]
+
+
+def _checkpoint_folders(model_dir: Dir) -> list[tuple[int, Location, bool]]:
+    root = location(model_dir)
     if not root.is_dir():
         return []
     found = []
     for p in root.iterdir():
         m = _CHECKPOINT.fullmatch(p.name)
-        if m and (p / MANIFEST).is_file():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
+        if m:
+            found.append((int(m.group(1)), p, (p / MANIFEST).is_file()))
+    return sorted(found, key=lambda f: f[0])
 
 
-def latest_checkpoint(model_dir: str | os.PathLike) -> Path | None:
+def latest_checkpoint(model_dir: Dir) -> Location | None:
     """The newest committed checkpoint of model_dir, or None."""
     found = checkpoints(model_dir)
     return found[-1][1] if found else None
@@ -48,28 +66,28 @@ def latest_checkpoint(model_dir: str | os.PathLike) -> Path | None:
 LATEST = "LATEST"  # file of an export directory naming its newest version
 
 
-def versions(export_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+def versions(export_dir: Dir) -> list[tuple[int, Location]]:
     """(version, path) of the committed versions in export_dir, oldest first.
 
     A missing export_dir has none. A version is committed once its folder
     (named by its number) holds ``manifest.json``.
     """
-    root = Path(export_dir)
+    root = location(export_dir)
     if not root.is_dir():
         return []
     found = [
         (int(p.name), p) for p in root.iterdir() if p.name.isdigit() and (p / MANIFEST).is_file()
     ]
-    return sorted(found)
+    return sorted(found, key=lambda f: f[0])
 
 
-def latest(export_dir: str | os.PathLike) -> Version | None:
+def latest(export_dir: Dir) -> Version | None:
     """The newest committed version (whatever LATEST says), or None."""
     found = versions(export_dir)
     return Version(found[-1][1]) if found else None
 
 
-def chain(export_dir: str | os.PathLike, version: int | None = None) -> list[Version]:
+def chain(export_dir: Dir, version: int | None = None) -> list[Version]:
     """The versions to apply for ``version`` (default: LATEST), base first:
     a full version and the deltas on top of it.
 
@@ -81,7 +99,7 @@ def chain(export_dir: str | os.PathLike, version: int | None = None) -> list[Ver
         CorruptVersionError: LATEST names no version, or a version of the
             chain is missing.
     """
-    root = Path(export_dir)
+    root = location(export_dir)
     if version is None:
         try:
             version = int((root / LATEST).read_text().strip())

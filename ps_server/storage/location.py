@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -267,11 +266,3 @@ def location(path: str | os.PathLike | RemotePath) -> Location:
         return path
     text = os.fspath(path)
     return RemotePath.of(text) if is_uri(text) else Path(text)
-
-
-def remove_tree(path: Location) -> None:
-    """Removes a folder and everything below it (nothing when it is missing)."""
-    if isinstance(path, RemotePath):
-        path.rmtree()
-    else:
-        shutil.rmtree(path, ignore_errors=True)

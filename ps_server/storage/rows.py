@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 from wuliang.ps_server.chunk import RowChunk
+from wuliang.ps_server.storage.location import Location, RemotePath
 
 
 def _fsl(values: np.ndarray, width: int) -> pa.Array:
@@ -79,9 +79,15 @@ def select_rows(chunk: RowChunk, which: slice | np.ndarray) -> RowChunk:
     return RowChunk(**{f.name: getattr(chunk, f.name)[which] for f in dataclasses.fields(chunk)})
 
 
-def read_part(path: Path) -> Iterator[RowChunk]:
-    """The rows of one part file (mapped, not copied), batch by batch."""
-    with pa.memory_map(str(path)) as source:
+def read_part(path: Location) -> Iterator[RowChunk]:
+    """The rows of one part file (mapped, not copied; a file in an object
+    store: read whole into memory), batch by batch."""
+    opened = (
+        pa.BufferReader(path.read_buffer())
+        if isinstance(path, RemotePath)
+        else pa.memory_map(str(path))
+    )
+    with opened as source:
         reader = pa.ipc.open_file(source)
         for i in range(reader.num_record_batches):
             yield batch_to_rows(reader.get_batch(i))

@@ -5,16 +5,31 @@ writes the manifest last and renames the directory into place; a crash at
 any point leaves the versions already there intact (and a ``.tmp-``
 directory that the next writer in the same root removes).
 
+In an object store (a root named by a URI, ``location``), which has no
+rename, each file is uploaded whole under its final name
+(``<root>/<name>/...``; files the caller writes are staged in a local
+temporary folder first, part files written by parameter servers go there
+directly), and the manifest is uploaded last: the version exists for
+readers once its manifest does. A folder there without a manifest (a crashed
+writer's) is not a version; the next writer of that name clears it. One
+writer per directory: nothing there stops two writing the same version.
+
 ``Version`` reads one: the manifest parsed into a typed ``Manifest``, and
 each file checked against its size and sha256 before its first use (a
 missing, truncated or altered file raises ``CorruptVersionError`` naming
 it, never loads silently). A ``Version`` object checks a file once:
 ``verify()`` (every file) before a restore or an apply, then reading its
-rows, records or SavedModel costs no second hash.
+rows, records or SavedModel costs no second hash. A version in an object
+store is read the same way: ``verify()`` streams every file through the
+hash; rows are read part by part into memory, each part checked again as it
+arrives; the files that must be local (a TF checkpoint, a SavedModel:
+``local_folder``) are downloaded once, checked, into a temporary folder
+that lives as long as the ``Version``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -23,6 +38,7 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +49,7 @@ import pyarrow as pa
 from wuliang.ps_server.chunk import RowChunk
 from wuliang.ps_server.spec import TableSpec
 from wuliang.ps_server.storage.crash import crash_point
+from wuliang.ps_server.storage.location import Location, RemotePath, location
 from wuliang.ps_server.storage.manifest import (
     KINDS,
     CorruptVersionError,
@@ -41,7 +58,12 @@ from wuliang.ps_server.storage.manifest import (
     ModelDescription,
     TableEntry,
 )
-from wuliang.ps_server.storage.rows import batch_to_rows, rows_schema, rows_to_batch, select_rows
+from wuliang.ps_server.storage.rows import (
+    batch_to_rows,
+    rows_schema,
+    rows_to_batch,
+    select_rows,
+)
 
 MANIFEST = "manifest.json"
 PART_ROWS = 1 << 20  # rows per part file
@@ -81,8 +103,12 @@ def write_json_atomic(path: Path, value: Any) -> None:
     os.replace(tmp, path)
 
 
-def remove_stale_temporaries(root: Path) -> None:
-    """Removes what crashed writers left in root (``.tmp-*``)."""
+def remove_stale_temporaries(root: Location) -> None:
+    """Removes what crashed writers left in root (``.tmp-*``; nothing in an
+    object store, where a crashed writer leaves a folder without a manifest,
+    cleared by the next writer of that version)."""
+    if isinstance(root, RemotePath):
+        return
     for p in root.glob(f"{TMP_PREFIX}*"):
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
@@ -91,7 +117,7 @@ def remove_stale_temporaries(root: Path) -> None:
 
 
 def write_parts(
-    folder: Path,
+    folder: Location,
     spec: TableSpec,
     chunks: Iterable[RowChunk],
     *,
@@ -102,7 +128,25 @@ def write_parts(
     files of at most ``PART_ROWS`` rows, each fsynced and checksummed;
     returns ((relative path, entry) of each file, rows). ``state``: keep the
     optimizer state. Parameter servers write their parts of a version this
-    way (each with its own prefix), the client records them."""
+    way (each with its own prefix), the client records them. A folder in an
+    object store gets each part uploaded whole once written (staged in a
+    local temporary folder, one part at a time)."""
+    if isinstance(folder, RemotePath):
+        with tempfile.TemporaryDirectory(prefix="wuliang-parts-") as staging:
+            return _write_parts(Path(staging), spec, chunks, state, prefix, folder)
+    return _write_parts(Path(folder), spec, chunks, state, prefix, None)
+
+
+def _write_parts(
+    folder: Path,
+    spec: TableSpec,
+    chunks: Iterable[RowChunk],
+    state: bool,
+    prefix: str,
+    upload: RemotePath | None,
+) -> tuple[list[tuple[str, FileEntry]], int]:
+    """``write_parts`` into a local folder; with ``upload``, each part
+    then goes there (under the same relative path) and leaves the folder."""
     table, dim = spec.name, spec.dim
     state_dim = spec.state_dim if state else 0
     schema = rows_schema(dim, state_dim)
@@ -120,6 +164,9 @@ def write_parts(
             path = folder / relative
             _fsync_path(path)
             files.append((relative, FileEntry(sha256_file(path), path.stat().st_size, in_part)))
+            if upload is not None:
+                (upload / relative).upload(path)
+                path.unlink()
             crash_point("rows-file")
         writer = sink = None
 
@@ -149,53 +196,76 @@ class VersionWriter:
     """Writes one version directory atomically (see the module docstring).
 
     Use as a context manager: leaving the block without ``commit()`` (an
-    exception) removes the temporary directory.
+    exception) removes the temporary directory (in an object store: what
+    was uploaded).
+
+    ``dir`` is where parameter servers write their part files: the
+    temporary directory, or in an object store the version's final folder.
+    Files the caller writes go to ``path(relative)`` (always local) and are
+    recorded (in an object store: uploaded) by ``add_file``/``add_tree``.
     """
 
-    def __init__(self, root: str | os.PathLike, name: str, kind: str) -> None:
+    def __init__(self, root: str | os.PathLike | RemotePath, name: str, kind: str) -> None:
         if kind not in KINDS:
             raise ValueError(f"kind must be checkpoint, full or delta, got {kind!r}")
         if not name or "/" in name or name.startswith("."):
             raise ValueError(f"bad version name {name!r}")
-        self.root = Path(root)
+        self.root: Location = location(root)
         self.name = name
         self.kind = kind
-        self.root.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(self.root)
-        self.final = self.root / name
-        if self.final.exists():
-            raise FileExistsError(f"version {self.final} already exists")
-        self.dir = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}-", dir=self.root))
+        self.final: Location = self.root / name
         self.files: dict[str, FileEntry] = {}
         self.tables: dict[str, TableEntry] = {}
         self.committed = False
+        self.dir: Location
+        if isinstance(self.final, RemotePath):
+            if (self.final / MANIFEST).exists():
+                raise FileExistsError(f"version {self.final} already exists")
+            self.final.rmtree()  # a crashed writer's files: no manifest, no version
+            self.dir = self.final
+            self._staging = Path(tempfile.mkdtemp(prefix=f"wuliang-{name}-"))
+        else:
+            self.root.mkdir(parents=True, exist_ok=True)
+            remove_stale_temporaries(self.root)
+            if self.final.exists():
+                raise FileExistsError(f"version {self.final} already exists")
+            self.dir = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}-", dir=self.root))
+            self._staging = self.dir
         crash_point("writer-open")
 
     def __enter__(self) -> VersionWriter:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        if not self.committed:
+        if isinstance(self.dir, RemotePath):
+            shutil.rmtree(self._staging, ignore_errors=True)
+            if not self.committed:
+                self.dir.rmtree()
+        elif not self.committed:
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def path(self, relative: str) -> Path:
-        """Where a file of this version goes (its folder created)."""
-        p = self.dir / relative
+        """Where a file of this version goes (its folder created); a local path."""
+        p = self._staging / relative
         p.parent.mkdir(parents=True, exist_ok=True)
         return p
 
     def add_file(self, relative: str, rows: int | None = None) -> None:
-        """Records a file written under ``path(relative)`` in the manifest."""
-        p = self.dir / relative
+        """Records a file written under ``path(relative)`` in the manifest
+        (in an object store: uploads it, and the local copy goes)."""
+        p = self._staging / relative
         _fsync_path(p)
         self.files[relative] = FileEntry(sha256_file(p), p.stat().st_size, rows)
+        if isinstance(self.dir, RemotePath):
+            (self.dir / relative).upload(p)
+            p.unlink()
 
     def add_tree(self, relative: str) -> None:
         """Records every file under the folder ``path(relative)``."""
-        base = self.dir / relative
+        base = self._staging / relative
         for p in sorted(base.rglob("*")):
             if p.is_file():
-                self.add_file(str(p.relative_to(self.dir)))
+                self.add_file(str(p.relative_to(self._staging)))
 
     def write_table(self, spec: TableSpec, chunks: Iterable[RowChunk], *, state: bool) -> int:
         """Writes a table's rows (``RowChunk`` s) in parts of at most
@@ -273,9 +343,9 @@ class VersionWriter:
         reason: str = "",
         reader_position: Mapping[str, Any] | None = None,
         num_shards: int | None = None,
-    ) -> Path:
+    ) -> Location:
         """Writes the manifest (``Manifest``'s fields) and renames the
-        version into place."""
+        version into place (in an object store: uploads the manifest)."""
         crash_point("before-manifest")
         manifest = Manifest(
             kind=self.kind,
@@ -293,14 +363,31 @@ class VersionWriter:
             reader_position=reader_position,
             num_shards=num_shards,
         )
+        if isinstance(self.dir, RemotePath):  # no rename: the manifest, last, commits
+            (self.dir / MANIFEST).write_text(
+                json.dumps(manifest.to_dict(), indent=1, sort_keys=True)
+            )
+            self.committed = True
+            crash_point("after-rename")
+            return self.final
         write_json_atomic(self.dir / MANIFEST, manifest.to_dict())
         _fsync_path(self.dir)
         crash_point("before-rename")
+        assert isinstance(self.final, Path) and isinstance(self.root, Path)
         os.rename(self.dir, self.final)  # atomic; fails if final appeared meanwhile
         crash_point("after-rename")
         _fsync_path(self.root)
         self.committed = True
         return self.final
+
+
+def _check(path: Location, entry: FileEntry, size: int, sha256: Any) -> None:
+    """CorruptVersionError unless a file's size and sha256 (``sha256(path)``,
+    computed only when the size matches) are the manifest's."""
+    if size != entry.bytes:
+        raise CorruptVersionError(f"{path} has {size} bytes, the manifest says {entry.bytes}")
+    if sha256(path) != entry.sha256:
+        raise CorruptVersionError(f"{path} does not match its sha256 in the manifest")
 
 
 def _is_part(relative: str) -> bool:
@@ -320,8 +407,8 @@ class Version:
     ``step``, ``engine_version``, ``number`` and ``parent`` are its fields.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike | RemotePath) -> None:
+        self.path: Location = location(path)
         manifest_path = self.path / MANIFEST
         try:
             data = json.loads(manifest_path.read_text())
@@ -331,6 +418,13 @@ class Version:
             raise CorruptVersionError(f"{manifest_path} is not valid JSON: {e}") from None
         self.manifest = Manifest.from_dict(data, str(manifest_path))
         self._checked: set[str] = set()  # files whose size and sha256 matched
+        self._local: Path | None = None  # a remote version's downloaded files
+        self._fetched: set[str] = set()  # those of them that are there, checked
+
+    @property
+    def remote(self) -> bool:
+        """Whether the version is in an object store (``path`` a ``RemotePath``)."""
+        return isinstance(self.path, RemotePath)
 
     def __repr__(self) -> str:
         return f"Version({str(self.path)!r}, kind={self.kind!r})"
@@ -368,39 +462,126 @@ class Version:
 
     def checked(self, relative: str) -> Path:
         """The path of one of the version's files, after checking its size and
-        sha256 against the manifest (once per ``Version``)."""
+        sha256 against the manifest (once per ``Version``); of a remote
+        version, the local copy (downloaded once)."""
+        if isinstance(self.path, RemotePath):
+            return self._downloaded(relative)
         p = self.path / relative
         if relative in self._checked:
             return p
-        entry = self.manifest.files.get(relative)
-        if entry is None:
-            raise CorruptVersionError(f"{p} is not in {self.path / MANIFEST}")
+        entry = self._entry(relative)
         if not p.is_file():
             raise CorruptVersionError(f"{p} is missing")
-        if p.stat().st_size != entry.bytes:
-            raise CorruptVersionError(
-                f"{p} has {p.stat().st_size} bytes, the manifest says {entry.bytes}"
-            )
-        if sha256_file(p) != entry.sha256:
-            raise CorruptVersionError(f"{p} does not match its sha256 in the manifest")
+        _check(p, entry, p.stat().st_size, sha256_file)
         self._checked.add(relative)
         return p
 
+    def _entry(self, relative: str) -> FileEntry:
+        entry = self.manifest.files.get(relative)
+        if entry is None:
+            raise CorruptVersionError(f"{self.path / relative} is not in {self.path / MANIFEST}")
+        return entry
+
+    def _cache(self) -> Path:
+        """The local folder of a remote version's downloaded files."""
+        if self._local is None:
+            self._local = Path(tempfile.mkdtemp(prefix="wuliang-version-"))
+            weakref.finalize(self, shutil.rmtree, self._local, True)
+        return self._local
+
+    def _downloaded(self, relative: str) -> Path:
+        """A remote file's local copy, checked (downloaded on first use)."""
+        assert isinstance(self.path, RemotePath)
+        local = self._cache() / relative
+        if relative in self._fetched:
+            return local
+        entry = self._entry(relative)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        source = self.path / relative
+        partial = local.with_name(f"{TMP_PREFIX}{local.name}")
+        try:
+            size, digest = source.download(partial)
+            _check(source, entry, size, lambda _: digest)
+        except FileNotFoundError:
+            partial.unlink(missing_ok=True)
+            raise CorruptVersionError(f"{source} is missing") from None
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        os.replace(partial, local)
+        self._fetched.add(relative)
+        self._checked.add(relative)
+        return local
+
+    def _read_remote(self, relative: str) -> pa.Buffer:
+        """A remote file's bytes, checked against the manifest (every time:
+        each read is a new download)."""
+        assert isinstance(self.path, RemotePath)
+        entry = self._entry(relative)
+        source = self.path / relative
+        try:
+            data = source.read_buffer()
+        except FileNotFoundError:
+            raise CorruptVersionError(f"{source} is missing") from None
+        _check(source, entry, data.size, lambda _: hashlib.sha256(data).hexdigest())
+        self._checked.add(relative)
+        return data
+
+    def _digest(self, relative: str) -> None:
+        """Checks a remote file, read through the hash."""
+        assert isinstance(self.path, RemotePath)
+        entry = self._entry(relative)
+        source = self.path / relative
+        try:
+            size, digest = source.digest()
+        except FileNotFoundError:
+            raise CorruptVersionError(f"{source} is missing") from None
+        _check(source, entry, size, lambda _: digest)
+        self._checked.add(relative)
+
+    @contextlib.contextmanager
+    def _open(self, relative: str) -> Iterator[pa.NativeFile]:
+        """One of the version's files for reading, checked: mapped (local, or
+        a remote file downloaded before) or in memory (a remote one)."""
+        if isinstance(self.path, RemotePath) and relative not in self._fetched:
+            yield pa.BufferReader(self._read_remote(relative))
+            return
+        with pa.memory_map(str(self.checked(relative))) as source:
+            yield source
+
     def verify(self) -> None:
-        """Checks every file of the version (those not checked yet)."""
+        """Checks every file of the version (those not checked yet); a
+        remote version's files are read through the hash, not kept."""
         for relative in self.manifest.files:
-            self.checked(relative)
+            if isinstance(self.path, RemotePath):
+                if relative not in self._checked:
+                    self._digest(relative)
+            else:
+                self.checked(relative)
+
+    def local_folder(self, folder: str) -> Path:
+        """The local folder holding the version's files under ``folder`` (a
+        TF checkpoint, a SavedModel), for code that reads local files only:
+        a local version's own folder (``verify()`` checks it), a remote
+        version's files downloaded and checked (once), kept as long as this
+        ``Version``."""
+        if not isinstance(self.path, RemotePath):
+            return self.path / folder
+        for relative in self.files_under(folder):
+            self._downloaded(relative)
+        return self._cache() / folder
 
     def link_tree(self, folder: str, writer: VersionWriter) -> None:
         """Puts this version's files under folder into writer's version, as
         hard links where the file system allows (versions never change), and
-        records them."""
+        records them (a remote version's: downloaded, checked, then written)."""
         for relative in self.files_under(folder):
             target = writer.path(relative)
+            source = self.checked(relative)
             try:
-                os.link(self.checked(relative), target)
+                os.link(source, target)
             except OSError:
-                shutil.copyfile(self.path / relative, target)
+                shutil.copyfile(source, target)
         writer.add_tree(folder)
 
     def files_under(self, folder: str) -> list[str]:
@@ -426,7 +607,7 @@ class Version:
         for relative in self.files_under(f"tables/{table}"):
             if not _is_part(relative):
                 continue
-            with pa.memory_map(str(self.checked(relative))) as source:
+            with self._open(relative) as source:
                 reader = pa.ipc.open_file(source)
                 for i in range(reader.num_record_batches):
                     yield batch_to_rows(reader.get_batch(i))
@@ -451,7 +632,7 @@ class Version:
         keys: list[np.ndarray] = []
         values: list[np.ndarray] = []
         if relative in self.manifest.files:
-            with pa.memory_map(str(self.checked(relative))) as source:
+            with self._open(relative) as source:
                 reader = pa.ipc.open_file(source)
                 for i in range(reader.num_record_batches):
                     batch = reader.get_batch(i)

@@ -35,6 +35,13 @@ Rotation (``keep``) renames an old checkpoint to a ``.tmp-`` name before
 deleting its files, so a crash meanwhile never leaves a listed checkpoint
 with files missing.
 
+``model_dir`` may be a URI of an object store (``s3://bucket/prefix``):
+the checkpoint's files are uploaded whole and its manifest last
+(``wuliang.ps_server.storage``; TensorFlow's files are written locally
+first), rotation deletes an old checkpoint's manifest first, and folders
+that crashed writers left without a manifest, older than the newest
+checkpoint, go with the rotation.
+
 Restoring verifies every file first (a corrupt checkpoint changes nothing),
 replaces each table's rows (the engine's shard count may differ from the
 writer's: rows are re-partitioned by key), sets the step and the version,
@@ -46,7 +53,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from wuliang.ps_server.storage import (
@@ -54,11 +60,15 @@ from wuliang.ps_server.storage import (
     MANIFEST,
     SERVING,
     TMP_PREFIX,
+    Location,
+    RemotePath,
     Version,
     VersionWriter,
     checkpoints,
     crash_point,
     latest_checkpoint,
+    location,
+    uncommitted_checkpoints,
 )
 from wuliang.saved_model import quiet_tensorflow
 from wuliang.tower import DENSE_PREFIX, TowerState
@@ -104,10 +114,10 @@ def _unchanged_since(engine: ParameterServer, table: str, version: int) -> bool:
 def save(
     context: Context,
     tower: TowerState,
-    model_dir: str | os.PathLike,
+    model_dir: str | os.PathLike | RemotePath,
     position: Any = None,
     keep: int | None = 5,
-) -> Path:
+) -> Location:
     """Writes ``model_dir/ckpt-<global step>`` and keeps the newest ``keep``.
 
     Call when the parameter server is in sync with the step (every push
@@ -117,7 +127,7 @@ def save(
     """
     ps = context.ps
     step = context.global_step
-    final = Path(model_dir) / f"{CHECKPOINT_PREFIX}{step}"
+    final = location(model_dir) / f"{CHECKPOINT_PREFIX}{step}"
     if (final / MANIFEST).is_file():
         return final
     version = cut_version(ps)  # later changes: versions above every row saved here
@@ -147,17 +157,27 @@ def save(
             model=tower.model_description(),
         )
     if restored is not None:  # the restored one may be rotated out below
-        tower.schedule_restore(str(path / DENSE_PREFIX))
+        tower.schedule_restore(Version(path))
     if keep is not None:
         for _, old in checkpoints(model_dir)[:-keep]:
             _remove(old)
+        if isinstance(path, RemotePath):  # what crashed writers left there
+            for older, stale in uncommitted_checkpoints(model_dir):
+                if older < step:
+                    stale.rmtree()
     return path
 
 
-def _remove(path: Path) -> None:
+def _remove(path: Location) -> None:
     """Removes a checkpoint: renamed out of sight first (atomic), so a crash
     while its files go leaves a ``.tmp-`` folder for the next writer to
-    remove, never a listed checkpoint with files missing."""
+    remove, never a listed checkpoint with files missing. In an object
+    store its manifest goes first: no reader sees it from then on."""
+    if isinstance(path, RemotePath):
+        (path / MANIFEST).unlink(missing_ok=True)
+        crash_point("checkpoint-rotate")
+        path.rmtree()
+        return
     doomed = path.with_name(f"{TMP_PREFIX}{path.name}-removed-{os.getpid()}")
     try:
         os.rename(path, doomed)
@@ -167,10 +187,13 @@ def _remove(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def restore(context: Context, tower: TowerState, path: str | os.PathLike) -> dict[str, Any] | None:
+def restore(
+    context: Context, tower: TowerState, path: str | os.PathLike | RemotePath
+) -> dict[str, Any] | None:
     """Restores a checkpoint into the model; returns its reader position
     (a dict, or None). The tower's state follows at the next step."""
     version = Version(path)
+    path = version.path  # messages name a URI without its query
     if version.kind != "checkpoint":
         raise ValueError(f"{path} is a {version.kind} export, not a checkpoint")
     ps = context.ps
@@ -203,6 +226,6 @@ def restore(context: Context, tower: TowerState, path: str | os.PathLike) -> dic
         tower.hash_fields.update(
             {f.name: f.hash_field for f in version.model.sparse if f.hash_field}
         )
-    tower.schedule_restore(str(version.path / DENSE_PREFIX))
+    tower.schedule_restore(version)
     position = version.manifest.reader_position
     return None if position is None else dict(position)

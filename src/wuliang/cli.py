@@ -165,11 +165,12 @@ def _convert(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from wuliang.checkpoint import latest_checkpoint
     from wuliang.export import CheckpointSource, compact, export
+    from wuliang.ps_server.storage import location
 
     if args.compact:
         result = compact(args.export_dir)
     else:
-        model_dir = Path(args.model_dir)
+        model_dir = location(args.model_dir)  # a folder, or a URI of an object store
         if not model_dir.is_dir():
             what = "is not a folder" if model_dir.exists() else "does not exist"
             raise FileNotFoundError(f"model directory {model_dir} {what}")
@@ -190,13 +191,14 @@ def _check_export(args: argparse.Namespace) -> None:
 def _serve_options(args: argparse.Namespace) -> Any:
     from pathlib import Path
 
+    from wuliang.ps_server.storage import location
     from wuliang.serving.run import ServeOptions
 
     def path(value: str | None) -> Path | None:
         return None if value is None else Path(value)
 
     return ServeOptions(
-        exports=path(args.exports),
+        exports=None if args.exports is None else location(args.exports),  # or a URI
         model=args.model,
         host=args.host,
         port=args.port,
@@ -250,6 +252,7 @@ def _publish(args: argparse.Namespace) -> int:
 
 def _ps_options(args: argparse.Namespace) -> Any:
     from wuliang.ps_server.remote.run import PsOptions, listen_address
+    from wuliang.ps_server.storage import location
 
     host, port = listen_address(args.port, args.host)
     return PsOptions(
@@ -260,7 +263,7 @@ def _ps_options(args: argparse.Namespace) -> Any:
         tls_cert=None if args.tls_cert is None else Path(args.tls_cert),
         tls_key=None if args.tls_key is None else Path(args.tls_key),
         max_message_mb=args.max_message_mb,
-        restore=None if args.restore is None else Path(args.restore),
+        restore=None if args.restore is None else location(args.restore),
         server_index=args.server_index,
         num_servers=args.num_servers,
     )
@@ -381,8 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
         "full version when there is none. Idempotent and safe to rerun after a crash; "
         "prints one status line, exits 1 with a message on failure.",
     )
-    exp.add_argument("--model-dir", help="the trainer's checkpoints (ckpt-<step>/)")
-    exp.add_argument("--export-dir", required=True, help="versions 1/, 2/, ... and LATEST")
+    exp.add_argument(
+        "--model-dir", help="the trainer's checkpoints (ckpt-<step>/); a folder or a URI (s3://...)"
+    )
+    exp.add_argument(
+        "--export-dir", required=True, help="versions 1/, 2/, ... and LATEST; a folder or a URI"
+    )
     mode = exp.add_mutually_exclusive_group()
     mode.add_argument("--full", action="store_true", help="write a full version")
     mode.add_argument(
@@ -407,7 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
         "refused to stderr; runs until SIGINT or SIGTERM.",
     )
     srv.add_argument(
-        "--exports", help="the trainer's export directory (with --redis: for the towers)"
+        "--exports",
+        help="the trainer's export directory, a folder or a URI (s3://...) "
+        "(with --redis: for the towers)",
     )
     srv.add_argument("--model", help="the model's name in requests (default: EXPORTS' name)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (both servers)")

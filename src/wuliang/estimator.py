@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from wuliang import checkpoint
@@ -33,6 +32,7 @@ from wuliang.context import Context
 from wuliang.embedding.features import Feature
 from wuliang.hooks.base import SessionRunHook
 from wuliang.hooks.checkpoint import Checkpoint
+from wuliang.ps_server.storage import Location, location
 from wuliang.session import Session
 
 log = logging.getLogger("wuliang")
@@ -82,7 +82,7 @@ class Estimator:
     def global_step(self) -> int:
         return self.session.global_step
 
-    def latest_checkpoint(self) -> Path | None:
+    def latest_checkpoint(self) -> Location | None:
         """The newest checkpoint in ``model_dir`` (None: none, or no model_dir)."""
         return None if self.model_dir is None else checkpoint.latest_checkpoint(self.model_dir)
 
@@ -119,7 +119,7 @@ class Estimator:
         self._restore_newest()
         return self.session.export(export_dir, kind)
 
-    def save_checkpoint(self, model_dir: str | os.PathLike | None = None) -> Path:
+    def save_checkpoint(self, model_dir: str | os.PathLike | None = None) -> Location:
         """Writes ``ckpt-<step>`` into ``model_dir`` (default: the estimator's)."""
         target = model_dir if model_dir is not None else self.model_dir
         if target is None:
@@ -141,25 +141,29 @@ class Estimator:
             log.info("restored %s (step %d)", newest, step)
 
 
-def _model_dir(model_dir: str | os.PathLike | None, hooks: Sequence[Any]) -> Path | None:
-    """The estimator's model_dir: the argument, or the folder of its
-    Checkpoint hook; ValueError when both are given and differ."""
-    folders = {Path(h.model_dir).resolve() for h in hooks if isinstance(h, Checkpoint)}
+def _model_dir(model_dir: str | os.PathLike | None, hooks: Sequence[Any]) -> Location | None:
+    """The estimator's model_dir (a folder, or a URI of an object store): the
+    argument, or the folder of its Checkpoint hook; ValueError when both are
+    given and differ."""
+    folders = {location(h.model_dir).resolve() for h in hooks if isinstance(h, Checkpoint)}
     if model_dir is not None:
-        _check_agrees(Path(model_dir), hooks)
-        return Path(model_dir)
+        _check_agrees(location(model_dir), hooks)
+        return location(model_dir)
     if len(folders) > 1:
         raise ValueError(
-            f"Checkpoint hooks name different folders ({', '.join(map(str, sorted(folders)))}); "
+            f"Checkpoint hooks name different folders ({', '.join(sorted(map(str, folders)))}); "
             "give the estimator one model_dir"
         )
     hook = next((h for h in hooks if isinstance(h, Checkpoint)), None)
-    return None if hook is None else Path(hook.model_dir)
+    return None if hook is None else location(hook.model_dir)
 
 
-def _check_agrees(model_dir: Path, hooks: Sequence[Any]) -> None:
+def _check_agrees(model_dir: Location, hooks: Sequence[Any]) -> None:
     for hook in hooks:
-        if isinstance(hook, Checkpoint) and Path(hook.model_dir).resolve() != model_dir.resolve():
+        if (
+            isinstance(hook, Checkpoint)
+            and location(hook.model_dir).resolve() != model_dir.resolve()
+        ):
             raise ValueError(
                 f"a Checkpoint hook saves into {hook.model_dir}, but the estimator's "
                 f"model_dir is {model_dir}: one model, one folder"

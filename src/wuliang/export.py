@@ -47,6 +47,12 @@ committed version by the next run.
 Sources: ``LiveSource`` (a model in memory, in sync: the ``IncrementalExport``
 hook) and ``CheckpointSource`` (a checkpoint: the ``wuliang export`` job).
 
+``export_dir`` (and a checkpoint) may be a URI of an object store
+(``s3://bucket/prefix``): each file of a version is uploaded whole and its
+manifest last (``wuliang.ps_server.storage``), and ``LATEST`` is uploaded
+whole after it. An object store has no lock file: give such an export
+directory one writer.
+
 This module writes. The read side, which an online server needs without the
 writer or TensorFlow, is below it: listing (``versions``, ``latest``,
 ``chain``) in ``wuliang.ps_server.storage``, applying (``apply``,
@@ -73,12 +79,15 @@ from wuliang.ps_server import RowChunk, TableSpec, parameter_server
 from wuliang.ps_server.storage import (
     LATEST,
     SERVING,
+    Location,
     ModelDescription,
+    RemotePath,
     Version,
     VersionWriter,
     chain,
     crash_point,
     latest,
+    location,
     remove_stale_temporaries,
     select_rows,
     versions,
@@ -182,8 +191,9 @@ def SessionSource(session: Any) -> LiveSource:
 class CheckpointSource:
     """A checkpoint directory (``wuliang.checkpoint``), every file verified."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike | RemotePath) -> None:
         self.version = Version(path)
+        path = self.version.path  # messages name a URI without its query
         if self.version.kind != "checkpoint":
             raise ValueError(f"{path} is a {self.version.kind} export, not a checkpoint")
         if self.version.model is None:
@@ -230,7 +240,7 @@ class CheckpointSource:
 class ExportResult:
     """What ``export`` or ``compact`` did; ``status()`` is its one-line summary."""
 
-    path: Path
+    path: Location
     version: int
     kind: str
     _: KW_ONLY
@@ -258,7 +268,9 @@ class ExportResult:
         )
 
 
-def export(source: ExportSource, export_dir: str | os.PathLike, kind: str = "auto") -> ExportResult:
+def export(
+    source: ExportSource, export_dir: str | os.PathLike | RemotePath, kind: str = "auto"
+) -> ExportResult:
     """Writes the next version of export_dir from source: a delta of the
     newest version when possible (``kind="auto"``), or a full one
     (``kind="full"``). See the module docstring."""
@@ -268,7 +280,7 @@ def export(source: ExportSource, export_dir: str | os.PathLike, kind: str = "aut
         return _export(source, root, kind)
 
 
-def _export(source: ExportSource, root: Path, kind: str) -> ExportResult:
+def _export(source: ExportSource, root: Location, kind: str) -> ExportResult:
     start = time.perf_counter()
     remove_stale_temporaries(root)
     newest = latest(root)
@@ -342,10 +354,14 @@ def _delta_base(
 
 
 @contextlib.contextmanager
-def _exclusive(export_dir: str | os.PathLike) -> Iterator[Path]:
+def _exclusive(export_dir: str | os.PathLike | RemotePath) -> Iterator[Location]:
     """Holds export_dir's lock: one writer at a time (the hook and the cron
-    job may share a folder); the next one waits."""
-    root = Path(export_dir)
+    job may share a folder); the next one waits. An object store has no
+    lock: one writer there."""
+    root = location(export_dir)
+    if isinstance(root, RemotePath):
+        yield root
+        return
     root.mkdir(parents=True, exist_ok=True)
     with open(root / LOCK, "a") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
@@ -361,8 +377,9 @@ def _keys_into(chunks: Iterable[RowChunk], keys: list[np.ndarray]) -> Iterator[R
         yield chunk
 
 
-def _point_latest(root: Path, version: Version) -> None:
-    """Sets LATEST to version's name unless it says so already."""
+def _point_latest(root: Location, version: Version) -> None:
+    """Sets LATEST to version's name unless it says so already (in an
+    object store: uploaded whole, which replaces it at once)."""
     path = root / LATEST
     name = version.path.name
     try:
@@ -370,6 +387,10 @@ def _point_latest(root: Path, version: Version) -> None:
             return
     except FileNotFoundError:
         pass
+    if isinstance(path, RemotePath):
+        path.write_text(name + "\n")
+        return
+    assert isinstance(root, Path)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-LATEST-", dir=root)
     with os.fdopen(fd, "w") as f:
         f.write(name + "\n")
@@ -379,7 +400,7 @@ def _point_latest(root: Path, version: Version) -> None:
     os.replace(tmp, path)
 
 
-def compact(export_dir: str | os.PathLike) -> ExportResult:
+def compact(export_dir: str | os.PathLike | RemotePath) -> ExportResult:
     """Merges LATEST's chain (a full version and its deltas) into a new full
     version. Nothing is written when LATEST is already a full version.
 
@@ -387,7 +408,7 @@ def compact(export_dir: str | os.PathLike) -> ExportResult:
         FileNotFoundError: export_dir is missing or holds no version (nothing
             is created then).
     """
-    root = Path(export_dir)
+    root = location(export_dir)
     if not versions(root):  # before _exclusive, which would create the folder and its lock
         if root.is_dir():
             raise FileNotFoundError(f"{root} has no export")
@@ -398,7 +419,7 @@ def compact(export_dir: str | os.PathLike) -> ExportResult:
         return _compact(locked)
 
 
-def _compact(root: Path) -> ExportResult:
+def _compact(root: Location) -> ExportResult:
     start = time.perf_counter()
     versions_ = chain(root)
     top = versions_[-1]

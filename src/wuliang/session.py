@@ -48,6 +48,7 @@ from wuliang.hooks.standard import NanGuard
 from wuliang.nonfinite import NonFiniteGuard
 from wuliang.pipeline import Pipeline, Step
 from wuliang.ps_server import Handle, PullPart, PushPart, PushResult
+from wuliang.ps_server.storage import location
 from wuliang.reader.batch import CsrBatch
 from wuliang.reader.prepare import KeyPreparer, PreparedKeys
 from wuliang.tower import TowerState
@@ -174,7 +175,7 @@ class Session:
         """Restores a checkpoint (a ``ckpt-<step>`` folder, or the newest in a
         model_dir). The next ``train`` resumes its reader where the checkpoint's
         left off (when it is a ``ParquetReader`` over the same files)."""
-        target = Path(path)
+        target = location(path)  # a folder, or a URI of an object store
         if not (target / "manifest.json").is_file():
             latest = checkpoint.latest_checkpoint(target)
             if latest is None:

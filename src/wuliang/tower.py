@@ -70,6 +70,7 @@ class TowerState:
         # ``hashed_features``), recorded in the model description
         self.hash_fields: dict[str, str] = {}
         self._restore: str | None = None  # checkpoint prefix, read at the next step
+        self._restore_version: Version | None = None  # the checkpoint it is in
         self._restored_tower: str | None = None  # prefix whose tower variables are in
 
     @property
@@ -120,10 +121,13 @@ class TowerState:
 
     # -- restoring -------------------------------------------------------------
 
-    def schedule_restore(self, prefix: str) -> None:
-        """Restores the tower and its optimizer from a TF checkpoint prefix
+    def schedule_restore(self, version: Version) -> None:
+        """Restores the tower and its optimizer from a checkpoint's TF
+        checkpoint (``dense/model.*``; of a remote checkpoint, a local copy)
         at the next step, once traced (so that every variable exists)."""
-        self._restore = prefix
+        folder, _, name = DENSE_PREFIX.rpartition("/")
+        self._restore = str(version.local_folder(folder) / name)
+        self._restore_version = version
         self._restored_tower = None
 
     @property
@@ -136,10 +140,7 @@ class TowerState:
         tower's state until then; or None."""
         if self._restore is None:
             return None
-        path = Path(self._restore)
-        for _ in DENSE_PREFIX.split("/"):
-            path = path.parent
-        return Version(path)
+        return self._restore_version
 
     def restore_pending(self, inputs: Any, rows: Sequence[np.ndarray], train: bool) -> None:
         """A scheduled restore: trace (variables exist), then read. A
@@ -159,6 +160,7 @@ class TowerState:
             status = self.checkpoint().read(self._restore)
             status.assert_existing_objects_matched()
             self._restore = self._restored_tower = None
+            self._restore_version = None
             return
         status = tf.train.Checkpoint(**self.trackables()).read(self._restore)
         status.assert_existing_objects_matched()
