@@ -60,7 +60,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from bench_data import cores, parquet_files  # benchmarks/, the script's folder
 
@@ -266,7 +267,9 @@ def run_contender(
     return result
 
 
-def wuliang_pass(files: list[Path], threads: int | None, prepare: bool, batch: int) -> Pass:
+def wuliang_pass(
+    files: Sequence[Path | str], threads: int | None, prepare: bool, batch: int
+) -> Pass:
     def reader() -> ParquetReader:
         return ParquetReader(
             [str(f) for f in files],
@@ -295,6 +298,30 @@ def wuliang_pass(files: list[Path], threads: int | None, prepare: bool, batch: i
             first = b.sparse["C1"].values.copy()
     seconds = time.perf_counter() - t0
     return Pass(rows, keys, batches, seconds, first)
+
+
+def s3_passes(files: list[Path], args: argparse.Namespace, local: Result) -> dict[str, Any]:
+    """The same files read through s3:// URIs from a moto server on
+    loopback (a Python server: its own throughput bounds this), taking
+    turns with local reads; rows/s of each and their ratio."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from s3_server import moto_s3
+
+    with tempfile.TemporaryDirectory() as root, moto_s3(Path(root), ("bench",)) as (_, fs):
+        for f in files:
+            pafs.copy_files(str(f), f"bench/data/{f.name}", destination_filesystem=fs)
+        uris = [f"s3://bench/data/{f.name}" for f in files]
+        remote = run_contender(
+            "wuliang read from S3 (moto, loopback)",
+            lambda: wuliang_pass(uris, None, False, args.batch),
+            args.repeats,
+            args.rows,
+            None,
+        )
+    return {
+        "s3_read_rows_per_s": round(remote.rows_per_s),
+        "s3_vs_local_read": round(remote.rows_per_s / local.rows_per_s, 3),
+    }
 
 
 def tfdata_pass(tf: Any, files: list[Path], ragged: bool, batch: int) -> Pass:
@@ -414,6 +441,12 @@ def main() -> None:
     )
     parser.add_argument("--skip-naive", action="store_true", help="no pandas contender")
     parser.add_argument("--skip-tfdata", action="store_true", help="no tf.data contender")
+    parser.add_argument(
+        "--s3",
+        action="store_true",
+        help="also read the files from an S3 server (moto's, started on loopback; "
+        "needs the test extra): wuliang's reader over s3:// next to local files",
+    )
     args = parser.parse_args()
     if args.quick:
         args.rows = 200_000
@@ -522,6 +555,7 @@ def main() -> None:
     def speedup(r: Result, base: Result | None) -> float | None:
         return None if base is None else round(r.rows_per_s / base.rows_per_s, 2)
 
+    s3 = s3_passes(files, args, read) if args.s3 else {}
     result = {
         "rows": args.rows,
         "batch": args.batch,
@@ -555,6 +589,7 @@ def main() -> None:
         "prepared_speedup_vs_tfdata": speedup(prepared, best_tf),
         "read_speedup_vs_naive": speedup(read, naive),
         "prepared_speedup_vs_naive": speedup(prepared, naive),
+        **s3,
     }
     met = {k: None if result[k] is None else result[k] >= v for k, v in TARGETS.items()}
     met["prepare_keys_per_s"] = prepare_rate >= PREPARE_TARGET_KEYS_PER_S

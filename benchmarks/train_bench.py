@@ -766,7 +766,19 @@ def main() -> None:
     parser.add_argument(
         "--data-dir", type=Path, help="where the Parquet files are kept (default: in $TMPDIR)"
     )
+    parser.add_argument(
+        "--cluster",
+        metavar="SxW",
+        help="instead: a job of S servers, a chief and W workers under wuliang launch next "
+        "to one process (cluster_bench.py); --steps: timed steps per trainer",
+    )
     args = parser.parse_args()
+    if args.cluster:
+        import cluster_bench  # benchmarks/, the script's folder
+
+        steps = ["--steps", str(args.steps)] if "--steps" in sys.argv else []
+        cluster_bench.main(["--cluster", args.cluster, "--batch", str(args.batch), *steps])
+        return
     if args.quick:
         args.steps = 30
     if args.native_adam_steps is None:

@@ -561,6 +561,11 @@ class StepFunctions:
         self._label_names: list[str] | None = None
         self._functions: dict[tuple, Any] = {}
         self.tower_variable_names: list[str] = []  # order of the step's "tower_finite"
+        # False: the training step returns the tower's gradients ("tower_grads",
+        # in the order of tower_variables) instead of applying them (a tower
+        # shared through the parameter servers, wuliang.dense); set before tracing
+        self.apply_tower = True
+        self.tower_variables: list[tf.Variable] = []  # the trainable ones the step reaches
 
     # -- tracing -----------------------------------------------------------
 
@@ -811,7 +816,19 @@ class StepFunctions:
         # A non-finite gradient is not applied (zeros in its place); the host
         # reads which variables had one (``tower_finite``) and raises or counts.
         finite = [tf.reduce_all(tf.math.is_finite(g)) for g, _ in pairs]
-        if pairs:
+        self.tower_variables = variables
+        if not self.apply_tower:
+            by_variable = {
+                id(v): (ok, tf.convert_to_tensor(g))
+                for ok, (g, v) in zip(finite, pairs, strict=True)
+            }
+            tower_grads = tuple(
+                tf.zeros_like(v)
+                if id(v) not in by_variable
+                else tf.where(by_variable[id(v)][0], by_variable[id(v)][1], tf.zeros_like(v))
+                for v in variables
+            )
+        elif pairs:
             self.optimizer.apply_gradients(
                 [
                     (tf.where(ok, g, tf.zeros_like(g)), v)
@@ -827,6 +844,7 @@ class StepFunctions:
             **_embedding_outputs(embeddings, gathered[:packed], single, self.sparse),
             "outputs": outputs,
             "gather_grads": gather_grads,
+            **({} if self.apply_tower else {"tower_grads": tower_grads}),
         }
 
     def _eval_step(

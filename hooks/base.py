@@ -81,7 +81,7 @@ class HookSession(Protocol):
         """Writes ``model_dir/ckpt-<step>`` (when ``run_context.synced``)."""
         ...
 
-    def restore_checkpoint(self, path: str | os.PathLike) -> None:
+    def restore_checkpoint(self, path: str | os.PathLike) -> bool:
         """Restores a checkpoint (from ``restore_session``)."""
         ...
 

@@ -23,6 +23,8 @@ class Checkpoint(PeriodicSyncHook):
     stalls the pipeline for about one step per checkpoint.
     """
 
+    chief_only = True  # in a cluster, only the chief acts
+
     def __init__(
         self,
         model_dir: str | os.PathLike,

@@ -31,6 +31,8 @@ class Evict(PeriodicSyncHook):
             whose policy evicts anything).
     """
 
+    chief_only = True  # in a cluster, only the chief acts
+
     def __init__(
         self,
         every_steps: int | None = None,

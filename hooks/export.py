@@ -25,6 +25,8 @@ class IncrementalExport(PeriodicSyncHook):
     ``results`` lists what was written; each status line is logged at INFO.
     """
 
+    chief_only = True  # in a cluster, only the chief acts
+
     def __init__(
         self,
         export_dir: str | os.PathLike,

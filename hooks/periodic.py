@@ -15,8 +15,16 @@ class PeriodicSyncHook(SessionRunHook):
     in sync after that step (its push applied, nothing of later steps
     pulled), and in ``end`` when steps ran since the last trigger.
 
-    Syncing stalls the pipeline for about one step each time.
+    Syncing stalls the pipeline for about one step each time. Steps are
+    global steps: in a cluster they advance by every trainer's steps, so a
+    step "every N" is the first step at or past each multiple of N.
+
+    ``chief_only`` hooks (checkpoints, evictions, exports) act only in the
+    chief of a cluster (``Context.is_chief``); in the other trainers they
+    do nothing.
     """
+
+    chief_only = False
 
     def __init__(self, every_steps: int | None, every_secs: float | None) -> None:
         if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
@@ -29,6 +37,8 @@ class PeriodicSyncHook(SessionRunHook):
         self._due: set[int] = set()
         self._last_time = time.monotonic()
         self._last_step = -1  # global step at the last trigger (or start)
+        self._asked: int | None = None  # the step sync_after was asked last
+        self._active = True  # False: a chief_only hook in a trainer that is not the chief
 
     def trigger(self, session: HookSession) -> None:
         raise NotImplementedError
@@ -36,10 +46,18 @@ class PeriodicSyncHook(SessionRunHook):
     def after_create_session(self, session: HookSession) -> None:
         self._last_step = session.global_step
         self._last_time = time.monotonic()
+        self._active = not self.chief_only or getattr(session.context, "is_chief", True)
 
     def sync_after(self, step: int) -> bool:
         with self._lock:
-            due = bool(self.every_steps) and (step + 1) % self.every_steps == 0
+            if not self._active:
+                return False
+            last = step - 1 if self._asked is None or self._asked >= step else self._asked
+            self._asked = step
+            due = (
+                bool(self.every_steps)
+                and (step + 1) // self.every_steps > (last + 1) // self.every_steps
+            )
             now = time.monotonic()
             if self.every_secs is not None and now - self._last_time >= self.every_secs:
                 due = True
@@ -49,21 +67,24 @@ class PeriodicSyncHook(SessionRunHook):
             return due
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
-        if not run_context.train:  # an evaluation run changes nothing to save
+        # an evaluation run changes nothing to save; a step not synced is
+        # not the marked one (a cluster's steps jump: a mark may be <= it)
+        if not run_context.train or not run_context.synced:
             return
         with self._lock:
-            due = run_context.step in self._due
+            due = any(s <= run_context.step for s in self._due)
             # marks of this step and of steps read ahead but never trained
             self._due = {s for s in self._due if s > run_context.step}
-        if due and run_context.synced:
+        if due:
             self._fire(run_context.session)
 
     def begin(self) -> None:
         with self._lock:
             self._due.clear()  # marks of a previous train() that stopped early
+            self._asked = None
 
     def end(self, session: HookSession) -> None:
-        if session.global_step != self._last_step:
+        if self._active and session.global_step != self._last_step:
             self._fire(session)
 
     def _fire(self, session: HookSession) -> None:

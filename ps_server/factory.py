@@ -6,7 +6,10 @@ parameter server:
 * ``"embedded"``: the C++ engine in this process (``Engine``);
 * a list of ``"host:port"`` (or one string of them separated by commas):
   remote servers, ``wuliang ps`` processes (``RemoteServer``, loaded on
-  first use: it needs grpcio, the ``remote`` extra);
+  first use: it needs grpcio, the ``remote`` extra): the token from
+  ``WULIANG_PS_TOKEN_FILE``, and a server that stays unreachable longer
+  than ``WULIANG_PS_RETRY_SECONDS`` (default 60) fails the call naming it,
+  which ends a training job with that error instead of a hang;
 * ``"<address>?gpu_cache_rows=N"``: a GPU hot cache of N rows per table
   (``CachedServer``, ``wuliang.ps_server.cache``) in front of the server at
   ``<address>`` (either form above, as one string); more options after
@@ -151,7 +154,27 @@ def _remote(address: Any, num_shards: int | None) -> ParameterServer:
     from wuliang.ps_server.rpc.auth import ps_token_file, read_token
 
     token_file = ps_token_file()
-    return RemoteServer(list(address), token=read_token(token_file) if token_file else None)
+    return RemoteServer(
+        list(address),
+        token=read_token(token_file) if token_file else None,
+        retry_seconds=_seconds_from_env(RETRY_ENV, 60.0),
+    )
+
+
+RETRY_ENV = "WULIANG_PS_RETRY_SECONDS"  # how long a server may stay away (default 60)
+
+
+def _seconds_from_env(name: str, default: float) -> float:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name} must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 def _cached(address: Any, num_shards: int | None) -> ParameterServer:

@@ -57,6 +57,7 @@ import numpy as np
 from wuliang.ps_server import _engine
 from wuliang.ps_server.checks import as_keys
 from wuliang.ps_server.chunk import RowChunk
+from wuliang.ps_server.job import JobBoard, JobState
 from wuliang.ps_server.spec import TableSpec
 from wuliang.ps_server.threads import check_background, set_background
 
@@ -179,6 +180,7 @@ class ParameterServer(abc.ABC):
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         self._background = "normal"
+        self._job_board = JobBoard()
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -495,6 +497,26 @@ class ParameterServer(abc.ABC):
     def restore_version(self, version: int) -> None:
         """Raises the version to at least ``version`` (after restoring rows);
         ValueError above ``2**63 - 1``, so that advancing never wraps to 0."""
+
+    # -- the job board ---------------------------------------------------------
+
+    def job(
+        self,
+        *,
+        add_steps: int = 0,
+        floor: int = 0,
+        put: Mapping[str, bytes] | None = None,
+        get: Sequence[str] = (),
+        prefix: str | None = None,
+    ) -> JobState:
+        """The trainers' shared step and values (``wuliang.ps_server.job``):
+        raises the step to ``floor``, adds ``add_steps``, stores ``put``,
+        returns the step and the values asked for (``get``, ``prefix``), in
+        one atomic call. An embedded engine keeps the board in its process,
+        remote servers on the first server."""
+        return self._job_board.apply(
+            add_steps=add_steps, floor=floor, put=put, get=get, prefix=prefix
+        )
 
 
 def load_columns(rows: RowChunk) -> dict[str, np.ndarray | None]:

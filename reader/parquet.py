@@ -49,6 +49,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from wuliang.ps_server.cluster import Cluster
 from wuliang.ps_server.threads import check_background, set_background
 from wuliang.reader.batch import CsrBatch
 from wuliang.reader.columns import (
@@ -167,7 +168,11 @@ class ParquetReader:
         seed: seed of every shuffle (same seed, same order).
         num_threads: reader threads (default: the number of CPUs, at most 8).
         worker_index, num_workers: this worker reads files
-            ``sorted(files)[worker_index::num_workers]``.
+            ``sorted(files)[worker_index::num_workers]``. Default: in a
+            trainer of a ``TF_CONFIG`` cluster (``wuliang.ps_server.
+            cluster``) its own shard (``trainer_index`` of ``num_trainers``),
+            else every file; pass ``worker_index=0, num_workers=1`` to read
+            every file in a cluster (an evaluation).
         epochs: passes over the files (None: forever).
         drop_remainder: drop the last, smaller batch.
         prefetch: batches kept ready ahead of the consumer.
@@ -204,8 +209,8 @@ class ParquetReader:
         shuffle_buffer: int = 0,
         seed: int = 0,
         num_threads: int | None = None,
-        worker_index: int = 0,
-        num_workers: int = 1,
+        worker_index: int | None = None,
+        num_workers: int | None = None,
         epochs: int | None = 1,
         drop_remainder: bool = False,
         prefetch: int = 4,
@@ -228,6 +233,7 @@ class ParquetReader:
             _is_int(shuffle_buffer) and shuffle_buffer >= 0,
             f"shuffle_buffer must be an int >= 0, got {shuffle_buffer!r}",
         )
+        worker_index, num_workers = _shard_of(worker_index, num_workers)
         _require(
             isinstance(num_workers, int) and num_workers >= 1 and 0 <= worker_index < num_workers,
             f"worker_index must be in [0, num_workers), got {worker_index} of {num_workers}",
@@ -821,3 +827,16 @@ def _drain(q: queue.Queue) -> None:
             q.get_nowait()
         except queue.Empty:
             return
+
+
+def _shard_of(worker_index: int | None, num_workers: int | None) -> tuple[int, int]:
+    """The shard a reader reads: as given, or, when neither is given, this
+    trainer's of its TF_CONFIG cluster, or all files."""
+    if worker_index is not None or num_workers is not None:
+        return (0 if worker_index is None else worker_index), (
+            1 if num_workers is None else num_workers
+        )
+    cluster = Cluster.from_env()
+    if cluster is None or not cluster.is_trainer:
+        return 0, 1
+    return cluster.trainer_index, cluster.num_trainers

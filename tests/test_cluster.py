@@ -192,6 +192,8 @@ def test_the_tfjob_manifest_gives_every_pod_its_role() -> None:
         else:
             assert command[0] == "python" and (REPO / command[1]).is_file(), command
             assert "--ps" not in command  # the servers come from TF_CONFIG
+            model_dir = command[command.index("--model-dir") + 1]
+            assert model_dir == restore, (model_dir, restore)  # the servers restore from it
 
 
 def test_the_dockerfile_installs_with_the_readme_command() -> None:

@@ -319,6 +319,12 @@ class Pools:
                 folder=str(self.folder), table="t", files=self.parts,
                 server=0, servers=r.choice([1, 1, 2]), since=r.randint(0, 2), **self.step(),
             )  # fmt: skip
+        if method == "Job":
+            return M["JobRequest"](
+                add_steps=r.randint(0, 3), floor=r.randint(0, 50),
+                put={r.choice(["ready", "position/0", "x"]): bytes(r.randint(0, 20))},
+                get=["ready", "nothing"], has_prefix=r.random() < 0.5, prefix="position/",
+            )  # fmt: skip
         if method == "Export":
             return M["ExportRequest"](table=table, since=r.randint(0, 3),
                                       chunk_rows=r.choice([0, 1000, 64]))  # fmt: skip
@@ -436,8 +442,8 @@ def fields_of(message: Any) -> list[tuple[Any, Any]]:
     out = []
     for field in message.DESCRIPTOR.fields:
         out.append((message, field))
-        if field.type != FieldDescriptor.TYPE_MESSAGE:
-            continue
+        if field.type != FieldDescriptor.TYPE_MESSAGE or field.message_type.GetOptions().map_entry:
+            continue  # a map's entries: its keys and values are mutated as a whole
         if field.is_repeated:
             for item in getattr(message, field.name):
                 out.extend(fields_of(item))
@@ -455,6 +461,13 @@ def mutate_field(message: Any, rnd: random.Random, pools: Pools) -> str:
     name = field.name
     repeated = field.is_repeated
     if field.type == FieldDescriptor.TYPE_MESSAGE:
+        if field.message_type.GetOptions().map_entry:  # a map: emptied, or a huge value
+            entries = getattr(owner, name)
+            if rnd.random() < 0.5:
+                entries.clear()
+            elif field.message_type.fields_by_name["value"].type == FieldDescriptor.TYPE_BYTES:
+                entries["huge"] = bytes(2 << 20)
+            return f"{name}: map"
         if repeated:
             items = getattr(owner, name)
             if len(items) and rnd.random() < 0.5:

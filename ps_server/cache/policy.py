@@ -191,6 +191,10 @@ class HotSet:
         self._entry_of_slot = np.full(self.rows, -1, np.int64)
         self._free_slots = np.arange(self.rows - 1, -1, -1, dtype=np.int64)
         self._num_free_slots = self.rows
+        self._in_batch = np.zeros(entries, bool)
+        self._queue = np.zeros(0, np.int64)  # the victim queue (see _lowest)
+        self._queue_by = np.zeros(0, np.float64)
+        self._queue_bound = np.inf
         self.clock = 0  # batches observed
         self._base = 0  # scores are scaled by 2 ** ((clock - base) / half_life)
 
@@ -243,8 +247,12 @@ class HotSet:
         slots[tracked] = self._slot[entries[tracked]]
         candidates = np.nonzero(tracked & (slots < 0))[0]
         candidates = candidates[np.argsort(-self._score[entries[candidates]], kind="stable")]
-        admit, victims = self._choose(candidates, entries, slots, by=self._score)
-        return self._apply(keys, entries, slots, admit, victims)
+        admit, victims = self._choose(candidates, entries, by=self._score)
+        plan = self._apply(keys, entries, slots, admit, victims)
+        if len(admit):  # newcomers may rank below the queue's bound
+            low = float(self._score[entries[admit]].min())
+            self._queue_bound = min(self._queue_bound, low)
+        return plan
 
     def _observe_lru(self, keys: np.ndarray, counts: np.ndarray, entries: np.ndarray) -> Plan:
         hit = entries >= 0
@@ -253,7 +261,7 @@ class HotSet:
         slots[hit] = self._slot[entries[hit]]
         candidates = np.nonzero(~hit)[0]
         candidates = candidates[np.argsort(-counts[candidates], kind="stable")]
-        admit, victims = self._choose(candidates, entries, slots, by=self._last)
+        admit, victims = self._choose(candidates, entries, by=self._last)
         if len(victims):  # LRU forgets the keys that leave
             self._untrack(victims)
         if len(admit):
@@ -264,7 +272,7 @@ class HotSet:
         return plan
 
     def _choose(
-        self, candidates: np.ndarray, entries: np.ndarray, slots: np.ndarray, by: np.ndarray
+        self, candidates: np.ndarray, entries: np.ndarray, by: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """Which candidates (positions in the batch, best first) come in and
         which cached entries leave for them: free slots first, then, while a
@@ -275,23 +283,73 @@ class HotSet:
         self._victims = (np.zeros(0, np.uint64), np.zeros(0, np.int64))
         if not len(rest):
             return candidates, np.zeros(0, np.int64)
-        cached_slots = np.nonzero(self._entry_of_slot >= 0)[0]
-        in_batch = np.zeros(self.rows, bool)
-        in_batch[slots[slots >= 0]] = True
-        outside = self._entry_of_slot[cached_slots[~in_batch[cached_slots]]]
-        m = min(len(rest), len(outside))
-        if m == 0:
-            return candidates[:free], np.zeros(0, np.int64)
-        rank = by[outside]
-        lowest = np.argpartition(rank, m - 1)[:m] if m < len(outside) else np.arange(m)
-        lowest = lowest[np.argsort(rank[lowest], kind="stable")]
-        victims = outside[lowest]
-        if self.policy == "stats":
+        batch = entries[entries >= 0]
+        self._in_batch[batch] = True
+        try:
+            victims = self._lowest(len(rest), by)
+        finally:
+            self._in_batch[batch] = False
+        m = len(victims)
+        if self.policy == "stats" and m:
             wins = self._score[entries[rest[:m]]] > self._score[victims]
             m = int(np.argmin(wins)) if not wins.all() else m  # both sides sorted
             victims = victims[:m]
+        if m:
+            window = min(len(self._queue), 4 * m + 4096)
+            gone = np.isin(self._queue[:window], victims)
+            self._queue = np.concatenate([self._queue[:window][~gone], self._queue[window:]])
+            self._queue_by = np.concatenate(
+                [self._queue_by[:window][~gone], self._queue_by[window:]]
+            )
         self._victims = (self._key[victims], self._slot[victims].copy())
         return candidates[: free + m], victims
+
+    # The victim queue: the lowest-ranked cached entries, sorted, with the
+    # rank each had when queued, so that a batch finds its victims without
+    # ranking every cached entry. Ranks only rise (a score grows, a last
+    # sighting moves on), so a record whose rank changed is stale and
+    # dropped; every cached entry not in the queue ranks at least
+    # ``_queue_bound`` (lowered when a stale record or a newcomer ranks below
+    # it), and records up to the bound are in order. Rebuilt (one partition
+    # of all cached entries) when they run out.
+
+    def _lowest(self, m: int, by: np.ndarray) -> np.ndarray:
+        """Up to m cached entries outside the batch, lowest rank first."""
+        built = False
+        while True:
+            if not len(self._queue):
+                self._build_queue(m, by)
+                built = True
+            window = min(len(self._queue), 4 * m + 4096)
+            rec, val = self._queue[:window], self._queue_by[:window]
+            cached = self._slot[rec] >= 0
+            now = by[rec].astype(np.float64)
+            stale = cached & (now != val)
+            if stale.any():
+                self._queue_bound = min(self._queue_bound, float(now[stale].min()))
+            keep = cached & ~stale
+            if not keep.all():
+                rec, val = rec[keep], val[keep]
+                self._queue = np.concatenate([rec, self._queue[window:]])
+                self._queue_by = np.concatenate([val, self._queue_by[window:]])
+            usable = np.nonzero((val <= self._queue_bound) & ~self._in_batch[rec])[0]
+            if len(usable) >= m or built:
+                return rec[usable[:m]]
+            self._queue = np.zeros(0, np.int64)  # run out: rebuild
+
+    def _build_queue(self, m: int, by: np.ndarray) -> None:
+        cached = self._entry_of_slot[self._entry_of_slot >= 0]
+        values = by[cached].astype(np.float64)
+        size = min(len(cached), max(4 * m, 1 << 16))
+        if size < len(cached):
+            part = np.argpartition(values, size)[: size + 1]
+            self._queue_bound = float(values[part[size]])
+            part = part[:size]
+        else:
+            part = np.arange(len(cached))
+            self._queue_bound = np.inf
+        order = part[np.argsort(values[part], kind="stable")]
+        self._queue, self._queue_by = cached[order], values[order]
 
     def _apply(
         self,
@@ -321,6 +379,7 @@ class HotSet:
         if exponent > _RESCALE:
             self._score *= 2.0**-exponent
             self._base = self.clock
+            self._queue = np.zeros(0, np.int64)  # its ranks changed
             exponent = 0.0
         return 2.0**exponent
 
@@ -409,6 +468,7 @@ class HotSet:
         self._num_free_entries = len(self._live)
         self._free_slots = np.arange(self.rows - 1, -1, -1, dtype=np.int64)
         self._num_free_slots = self.rows
+        self._queue = np.zeros(0, np.int64)
 
     def seed(self, keys: np.ndarray, scores: np.ndarray | None = None) -> Plan:
         """Keys to cache ahead of training, best first (e.g. a server's

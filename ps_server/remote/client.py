@@ -85,6 +85,7 @@ from wuliang.ps_server.interface import (
     UnknownTableError,
     as_keys,
 )
+from wuliang.ps_server.job import JobState
 from wuliang.ps_server.remote import proto
 from wuliang.ps_server.remote.wire import (
     FLOAT,
@@ -314,6 +315,8 @@ class _Server:
             self.channel = grpc.secure_channel(address, credentials, options=options)
         self.instance = ""  # the server process's id (InfoResponse.instance)
         self.restarts = 0  # times it was found to be a new process
+        # called (address, checkpoint step or None: empty) when it came back
+        self.on_restart: list[Callable[[str, int | None], None]] = []
         self.seq = 0  # pushes sent, under push_lock (the order they are queued in)
         self.push_lock = threading.Lock()
         self.data = _DataStream(self)  # one, for the order of this client's calls
@@ -332,6 +335,11 @@ class _Server:
             return
         self.instance = info.instance
         self.restarts += 1
+        for listener in list(self.on_restart):
+            try:
+                listener(self.address, info.restored_step if info.restored else None)
+            except Exception:  # a listener's failure is not the data stream's
+                log.exception("a restart listener failed")
         if info.restored:
             log.warning(
                 "parameter server %s restarted from its checkpoint of step %d: the updates its "
@@ -529,6 +537,13 @@ class RemoteServer(ParameterServer):
 
     def __repr__(self) -> str:
         return f"RemoteServer({self.addresses!r})"
+
+    def add_restart_listener(self, listener: Callable[[str, int | None], None]) -> None:
+        """Calls ``listener(address, step)`` when a server is found to be a
+        new process: ``step`` is the checkpoint's it restored, None when it
+        came back empty (called on the thread that reads its answers)."""
+        for server in self._servers:
+            server.on_restart.append(listener)
 
     @property
     def instances(self) -> list[str]:
@@ -1178,6 +1193,28 @@ class RemoteServer(ParameterServer):
     def restore_version(self, version: int) -> None:
         version = check_restored_version(version)
         self._all("RestoreVersion", lambda s: M["VersionMessage"](version=version), "Empty")
+
+    # -- the job board: on the first server ---------------------------------
+
+    def job(
+        self,
+        *,
+        add_steps: int = 0,
+        floor: int = 0,
+        put: Mapping[str, bytes] | None = None,
+        get: Sequence[str] = (),
+        prefix: str | None = None,
+    ) -> JobState:
+        request = M["JobRequest"](
+            add_steps=check_step(add_steps),
+            floor=check_step(floor),
+            put=dict(put or {}),
+            get=list(get),
+            has_prefix=prefix is not None,
+            prefix=prefix or "",
+        )
+        answer = self._servers[0].call("Job", request, "JobResponse")
+        return JobState(answer.step, dict(answer.values))
 
     # -- checkpoints and exports: part files written by the servers ----------
 

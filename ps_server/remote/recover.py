@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from wuliang.ps_server.engine import Engine
+from wuliang.ps_server.job import checkpoint_values
 from wuliang.ps_server.routing import server_of
 from wuliang.ps_server.storage import Version
 from wuliang.ps_server.storage.directories import latest_checkpoint
@@ -83,6 +84,11 @@ def restore_own_part(
         mine = server_of(keys, servers) == server
         engine.load_pending(name, keys[mine], counts[mine])
     engine.restore_version(version.engine_version + 1)
+    # the job's step and the trainers' positions, for those that find the board gone back
+    engine.job(
+        floor=version.step,
+        put=checkpoint_values(version.step, version.manifest.trainer_positions),
+    )
     part = RestoredPart(version.path, version.step, rows, len(version.tables))
     log.warning(
         "restored server %d of %d from checkpoint %s (step %d): %d rows of %d tables; "

@@ -489,6 +489,18 @@ class PsService:
             self.engine.restore_version(request.version)
         return M["Empty"]()
 
+    # -- the job board ---------------------------------------------------------
+
+    def job(self, request: Any) -> Any:
+        state = self.engine.job(
+            add_steps=request.add_steps,
+            floor=request.floor,
+            put=dict(request.put),
+            get=list(request.get),
+            prefix=request.prefix if request.has_prefix else None,
+        )
+        return M["JobResponse"](step=state.step, values=state.values)
+
     # -- part files ----------------------------------------------------------
 
     def write_rows(self, request: Any) -> Any:
@@ -647,6 +659,7 @@ UNARY = {
     "RestoreVersion": ("VersionMessage", "restore_version"),
     "WriteRows": ("WriteRowsRequest", "write_rows"),
     "LoadRows": ("LoadRowsRequest", "load_rows"),
+    "Job": ("JobRequest", "job"),
 }
 
 

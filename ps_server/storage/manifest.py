@@ -9,6 +9,7 @@
      "version": export number, "parent": its parent's number or null,
      "source": what it was made from, "reason": why full      (exports)
      "reader_position": {...} or null, "num_shards": int      (checkpoints)
+     "trainer_positions": {trainer index: {...}} (a cluster's checkpoints)
      "model": ModelDescription.to_dict() or null,
      "tables": {name: {"spec": TableSpec.to_dict(), "state_dim", "rows",
                        "parts", "removed", "removed_floor", "pending"}},
@@ -273,6 +274,8 @@ class Manifest:
     reason: str = ""  # why an export is full
     reader_position: Mapping[str, Any] | None = None  # a checkpoint's
     num_shards: int | None = None  # shards of the engine a checkpoint came from
+    # a cluster's checkpoint: each trainer's reader position, by trainer index
+    trainer_positions: Mapping[str, Mapping[str, Any]] | None = None
     format: str = field(default=FORMAT)
 
     def to_dict(self) -> dict[str, Any]:
@@ -292,6 +295,8 @@ class Manifest:
                 None if self.reader_position is None else dict(self.reader_position)
             )
             out["num_shards"] = self.num_shards
+            if self.trainer_positions is not None:
+                out["trainer_positions"] = {k: dict(v) for k, v in self.trainer_positions.items()}
         else:
             out.update(
                 version=self.number, parent=self.parent, source=self.source, reason=self.reason
@@ -331,6 +336,12 @@ def _manifest(data: dict[str, Any], legacy: bool) -> Manifest:
     position = data.get("reader_position")
     if position is not None:
         position = dict(_object(position, "reader_position"))
+    trainers = data.get("trainer_positions")
+    if trainers is not None:
+        trainers = {
+            str(k): dict(_object(v, f"trainer_positions[{k!r}]"))
+            for k, v in _object(trainers, "trainer_positions").items()
+        }
     created = data.get("created", 0.0)
     if not isinstance(created, int | float) or not math.isfinite(created):
         raise ValueError(f"created must be a unix time, got {created!r}")
@@ -349,6 +360,7 @@ def _manifest(data: dict[str, Any], legacy: bool) -> Manifest:
         reason=str(data.get("reason") or ""),
         reader_position=position,
         num_shards=_optional_int(data, "num_shards", "manifest"),
+        trainer_positions=trainers,
         format=FORMAT,
     )
 

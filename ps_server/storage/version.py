@@ -343,6 +343,7 @@ class VersionWriter:
         reason: str = "",
         reader_position: Mapping[str, Any] | None = None,
         num_shards: int | None = None,
+        trainer_positions: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> Location:
         """Writes the manifest (``Manifest``'s fields) and renames the
         version into place (in an object store: uploads the manifest)."""
@@ -362,6 +363,7 @@ class VersionWriter:
             reason=reason,
             reader_position=reader_position,
             num_shards=num_shards,
+            trainer_positions=trainer_positions,
         )
         if isinstance(self.dir, RemotePath):  # no rename: the manifest, last, commits
             (self.dir / MANIFEST).write_text(

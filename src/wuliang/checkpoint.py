@@ -55,6 +55,7 @@ import os
 import shutil
 from typing import TYPE_CHECKING, Any
 
+from wuliang.dense import STATE_TABLE, TOWER_TABLE
 from wuliang.ps_server.storage import (
     CHECKPOINT_PREFIX,
     MANIFEST,
@@ -72,6 +73,8 @@ from wuliang.ps_server.storage import (
 )
 from wuliang.saved_model import quiet_tensorflow
 from wuliang.tower import DENSE_PREFIX, TowerState
+
+TOWER_TABLES = (TOWER_TABLE, STATE_TABLE)
 
 __all__ = ["checkpoints", "cut_version", "latest_checkpoint", "restore", "save"]
 
@@ -131,8 +134,10 @@ def save(
     if (final / MANIFEST).is_file():
         return final
     version = cut_version(ps)  # later changes: versions above every row saved here
+    job = context.job
+    positions = None if job is None else job.positions()  # every trainer's, in a cluster
     with VersionWriter(model_dir, final.name, "checkpoint") as writer:
-        for name in context.tables:  # each parameter server writes its own parts
+        for name in [*context.tables, *context.tower_tables]:  # each server writes its parts
             spec = ps.spec(name)
             files, rows = ps.write_rows(writer.dir, spec, state=True)
             writer.record_table(spec, files, rows, state=True)
@@ -155,6 +160,7 @@ def save(
             reader_position=None if position is None else position.to_dict(),
             num_shards=context.num_shards,
             model=tower.model_description(),
+            trainer_positions=positions or None,
         )
     if restored is not None:  # the restored one may be rotated out below
         tower.schedule_restore(Version(path))
@@ -197,8 +203,12 @@ def restore(
     if version.kind != "checkpoint":
         raise ValueError(f"{path} is a {version.kind} export, not a checkpoint")
     ps = context.ps
+    tables = {name: table.spec() for name, table in context.tables.items()}
+    tables.update(context.tower_tables)
     for name, saved in version.tables.items():
-        if name not in context.tables:
+        if name in TOWER_TABLES and name not in tables:
+            continue  # a cluster's shared tower: here its dense/ variables restore it
+        if name not in tables:
             raise ValueError(
                 f"checkpoint {path} has table {name!r}, which this model does not "
                 f"(tables: {', '.join(sorted(context.tables)) or 'none'})"
@@ -212,9 +222,9 @@ def restore(
             )
     version.verify()  # every file, before changing anything
     step = version.step
-    for name in context.tables:
+    for name, spec in tables.items():
         ps.drop_table(name)
-        ps.create_table(context.tables[name].spec())
+        ps.create_table(spec)
         if name in version.tables:  # the files verified: the server reads them as they are
             ps.load_rows(version.path, name, version.part_files(name), step=step)
             keys, versions = version.removed_log(name)
@@ -227,5 +237,8 @@ def restore(
             {f.name: f.hash_field for f in version.model.sparse if f.hash_field}
         )
     tower.schedule_restore(version)
+    if context.job is not None:  # the job's step and every trainer's position, on the board
+        context.job.call(floor=step)
+        context.job.put_positions(dict(version.manifest.trainer_positions or {}))
     position = version.manifest.reader_position
     return None if position is None else dict(position)

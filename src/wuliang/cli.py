@@ -286,6 +286,7 @@ def _launch_options(args: argparse.Namespace) -> Any:
         chief=not args.no_chief,
         ps_threads=args.ps_threads,
         max_restarts=args.max_restarts,
+        model_dir=args.model_dir,
     )
 
 
@@ -543,6 +544,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.add_argument(
         "--ps-threads", type=bounded_int(1, 1024), default=2, help="each server's --threads"
+    )
+    launch.add_argument(
+        "--model-dir",
+        help="the job's model_dir: each server started (or restarted) takes its part of the "
+        "newest checkpoint there (wuliang ps --restore)",
     )
     launch.add_argument(
         "--max-restarts",

@@ -8,6 +8,7 @@ train side by side without interfering.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -15,10 +16,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from wuliang.embedding.features import EmbeddingTable
+from wuliang.job import Job
 from wuliang.nonfinite import check_policy
 from wuliang.ps_server import ParameterServer, address_kind, parameter_server
 from wuliang.ps_server.cluster import Cluster
+from wuliang.ps_server.spec import TableSpec
 from wuliang.ps_server.threads import check_background
+
+log = logging.getLogger("wuliang")
 
 
 class Trace:
@@ -145,11 +150,32 @@ class Context:
 
             self.ps = CachedServer(self.ps, rows=gpu_cache_rows)
         self.ps.set_background(self.background)
+        listen = getattr(self.ps, "add_restart_listener", None)
+        if listen is not None:
+            listen(self._server_restarted)
         self.staleness = staleness
         self.prefetch = prefetch
         self.evict_every_steps = evict_every_steps
         self.global_step = 0
         self.tables: dict[str, EmbeddingTable] = {}
+        self.tower_tables: dict[str, TableSpec] = {}  # a shared tower's (wuliang.dense)
+        # a trainer of a cluster: the job's step, ready mark and positions (wuliang.job)
+        self.job: Job | None = (
+            Job(self.ps, self.cluster) if self.cluster is not None and self.cluster.is_trainer
+            else None
+        )  # fmt: skip
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this trainer restores, checkpoints, evicts and exports
+        (every trainer that is not part of a cluster)."""
+        return self.job is None or self.job.is_chief
+
+    @property
+    def shares_tower(self) -> bool:
+        """Whether the tower's variables live on the parameter servers:
+        several trainers of one cluster (``wuliang.dense``)."""
+        return self.job is not None and self.job.trainers > 1
 
     @property
     def engine(self) -> ParameterServer:
@@ -171,13 +197,52 @@ class Context:
                 f"table {table.name!r} already exists in this context with another spec"
             )
 
-    def advance(self) -> int:
+    def _server_restarted(self, address: str, step: int | None) -> None:
+        if step is None:
+            log.error(
+                "parameter server %s came back empty at step %d: its rows are lost (start "
+                "servers with --restore MODEL_DIR to take back their part of a checkpoint)",
+                address,
+                self.global_step,
+            )
+        else:
+            log.warning(
+                "parameter server %s came back with its part of the checkpoint of step %d; "
+                "the job is at step %d: the updates of %d steps to its rows are lost",
+                address,
+                step,
+                self.global_step,
+                max(0, self.global_step - step),
+            )
+
+    def create_tower_table(self, spec: TableSpec) -> None:
+        """Creates a table of a tower shared through the parameter servers
+        (``wuliang.dense``); checkpoints hold it beside the embedding tables."""
+        if spec.name not in self.tower_tables:
+            self.ps.create_table(spec)
+            self.tower_tables[spec.name] = spec
+
+    def advance(self, position: object = None) -> int:
         """Counts one training step (each call to the parameter server that
-        stamps rows passes the step it belongs to)."""
+        stamps rows passes the step it belongs to). In a cluster the step is
+        the job's: counted on the job board with the reader ``position``
+        after the step, and raised to the job's as far as it is known."""
         self.global_step += 1
+        if self.job is not None:
+            self.job.note_step(position)
+            self.global_step = max(self.global_step, self.job.step)
+        return self.global_step
+
+    def sync_step(self) -> int:
+        """In a cluster: counts what is unsent and takes the job's step now
+        (before a checkpoint or an export names it)."""
+        if self.job is not None:
+            self.global_step = max(self.global_step, self.job.sync())
         return self.global_step
 
     def close(self) -> None:
+        if self.job is not None:
+            self.job.close()
         self.ps.close()
 
     def __enter__(self) -> Context:

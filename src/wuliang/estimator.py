@@ -136,8 +136,8 @@ class Estimator:
             return
         step = int(newest.name.removeprefix(checkpoint.CHECKPOINT_PREFIX))
         held = self.session.global_step
-        if step > held or (held == 0 and self.session.restored is None):
-            self.session.restore_checkpoint(newest)
+        wanted = step > held or (held == 0 and self.session.restored is None)
+        if wanted and self.session.restore_checkpoint(newest):
             log.info("restored %s (step %d)", newest, step)
 
 

@@ -6,7 +6,10 @@ ps``), a chief and M workers (the command after ``--``), each with its own
 ``TF_CONFIG`` (free loopback ports; ``wuliang.ps_server.cluster`` reads it).
 The servers start first; the trainers once every server has printed its
 start line. Every line a process prints goes to this terminal prefixed
-with its role (``[ps-1]``, ``[chief-0]``, ``[worker-0]``).
+with its role (``[ps-1]``, ``[chief-0]``, ``[worker-0]``). With
+``--model-dir`` each server, at every start, takes its part of the newest
+checkpoint there (``wuliang ps --restore``): a server that died comes back
+with the rows of that checkpoint, the others keep theirs.
 
 Like ``restartPolicy: OnFailure``, a process that fails (a non-zero exit, a
 signal) is started again with the same ``TF_CONFIG``, up to
@@ -46,6 +49,7 @@ class LaunchOptions:
     max_restarts: int = 3
     start_timeout: float = 60.0
     grace: float = 10.0
+    model_dir: str | None = None  # servers restore their part of its newest checkpoint
 
     def check(self) -> None:
         if not self.command:
@@ -98,6 +102,8 @@ class _Job:
         self.cluster = cluster_of(options)
         server = [sys.executable, "-m", "wuliang", "ps", "--threads", str(options.ps_threads)]
         server += ["--host", "127.0.0.1"]
+        if options.model_dir is not None:
+            server += ["--restore", options.model_dir]
         self.roles = [
             _Role(kind, i, server if kind == "ps" else list(options.command), self._env(kind, i))
             for kind in ("ps", "chief", "worker")

@@ -148,6 +148,9 @@ class Pipeline:
         staleness: 0 or 1 (see the module docstring).
         trace: where stage timings go (``wuliang.context.Trace``).
         first_step: the global step of the first batch.
+        step_floor: in a cluster, the job's step as far as known: a batch's
+            step is the higher of it and the previous batch's step + 1
+            (None: ``first_step`` + the batch's sequence number).
         sync_after: global step -> bool, asked before a step is handed over:
             True marks it ``sync`` (the main thread then waits for
             ``applied`` before that step's hooks and sets ``released`` after
@@ -168,6 +171,7 @@ class Pipeline:
         first_step: int = 0,
         sync_after: Callable[[int], bool] | None = None,
         background: str = "normal",
+        step_floor: Callable[[], int] | None = None,
     ) -> None:
         self.batches = batches
         self.source = source
@@ -176,6 +180,7 @@ class Pipeline:
         self.staleness = staleness
         self.trace = trace
         self.first_step = first_step
+        self.step_floor = step_floor
         self.sync_after = sync_after
         self.background = background
         self.stop = threading.Event()
@@ -294,13 +299,18 @@ class Pipeline:
         steps: list[Step] = []  # the last two
         try:
             seq = 0
+            number = self.first_step - 1
             while not self.stop.is_set():
                 start = time.perf_counter()
                 batch = next(self.batches, None)
                 read = time.perf_counter()
                 if batch is None:
                     break
-                number = self.first_step + seq
+                number = (
+                    self.first_step + seq
+                    if self.step_floor is None
+                    else max(number + 1, self.step_floor())
+                )
                 self.trace.record("read", number, start, read)
                 prepared, inputs, rows = self.source.prepare(batch)
                 prepared_at = time.perf_counter()

@@ -29,6 +29,7 @@ import numpy as np
 
 from wuliang import checkpoint
 from wuliang.context import Context, Trace
+from wuliang.dense import SharedTower, tower_specs
 from wuliang.embedding.bridge import (
     Layout,
     LossFn,
@@ -45,6 +46,7 @@ from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook
 from wuliang.hooks.evict import Evict
 from wuliang.hooks.metrics import Metrics
 from wuliang.hooks.standard import NanGuard
+from wuliang.job import Job
 from wuliang.nonfinite import NonFiniteGuard
 from wuliang.pipeline import Pipeline, Step
 from wuliang.ps_server import Handle, PullPart, PushPart, PushResult
@@ -131,6 +133,11 @@ class Session:
             order=[f.name for f in features],
         )
         self.tower = TowerState(self.functions, self.sparse, self.dense, self.optimizer)
+        self._shared: SharedTower | None = None  # the tower on the servers, from the first step
+        if self.context.shares_tower:  # several trainers: the tower lives on the servers
+            self.functions.apply_tower = False
+            for spec in tower_specs(self.optimizer).values():  # refuses what cannot be mapped
+                self.context.create_tower_table(spec)
         self.hooks = list(hooks)
         evicting = [name for name, t in tables.items() if t.eviction.enabled]
         every = self.context.evict_every_steps
@@ -168,13 +175,36 @@ class Session:
     ) -> Path:
         """Writes ``model_dir/ckpt-<global step>`` (``wuliang.checkpoint``).
         Between ``run`` calls or from a hook's ``after_run`` when
-        ``run_context.synced``; ``position``: the reader position to resume at."""
+        ``run_context.synced``; ``position``: the reader position to resume at.
+        In a cluster (the chief): the job's step, every trainer's position."""
+        self._sync_cluster()
         return checkpoint.save(self.context, self.tower, model_dir, position, keep)
 
-    def restore_checkpoint(self, path: str | os.PathLike) -> None:
+    def _sync_cluster(self) -> None:
+        """Before a checkpoint or an export in a cluster: the job's step now,
+        and the tower's variables as the servers hold them."""
+        self.context.sync_step()
+        if self._shared is not None:
+            self._shared.pull()
+
+    def restore_checkpoint(self, path: str | os.PathLike) -> bool:
         """Restores a checkpoint (a ``ckpt-<step>`` folder, or the newest in a
-        model_dir). The next ``train`` resumes its reader where the checkpoint's
-        left off (when it is a ``ParquetReader`` over the same files)."""
+        model_dir); returns whether it did. The next ``train`` resumes its
+        reader where the checkpoint's left off (when it is a ``ParquetReader``
+        over the same files). In a cluster only the chief restores, and only
+        before the job is ready: once it is, the servers' rows are newer than
+        any checkpoint (a trainer that restarts takes them as they are)."""
+        job = self.context.job
+        if job is not None and not job.is_chief:
+            log.debug("trainer %d of the job does not restore: the chief does", job.trainer)
+            return False
+        if job is not None and (mark := job.ready()) is not None:
+            log.info(
+                "the job is running on the parameter servers (%s): nothing restored, "
+                "training goes on from their rows",
+                mark,
+            )
+            return False
         target = location(path)  # a folder, or a URI of an object store
         if not (target / "manifest.json").is_file():
             latest = checkpoint.latest_checkpoint(target)
@@ -183,6 +213,7 @@ class Session:
             target = latest
         self._resume_position = checkpoint.restore(self.context, self.tower, target)
         self.restored = target
+        return True
 
     def export(self, export_dir: str | os.PathLike, kind: str = "auto") -> Any:
         """Writes the next version of ``export_dir`` from this model
@@ -191,6 +222,7 @@ class Session:
         or from a hook's ``after_run`` when ``run_context.synced``."""
         from wuliang.export import LiveSource, export
 
+        self._sync_cluster()
         return export(LiveSource(self.context, self.tower), export_dir, kind)
 
     def run(
@@ -242,6 +274,9 @@ class Session:
             for hook in extra:
                 hook.end(self)
             return {"steps": 0, "samples": 0, "samples_per_s": 0.0}
+        job = ctx.job
+        if job is not None:
+            self._join(job)
         resume = self._resume_position is not None and hasattr(reader, "start")
         if resume:  # this pass continues where the checkpoint left off; later ones do not
             previous, reader.start = reader.start, self._resume_position
@@ -266,6 +301,7 @@ class Session:
             first_step=self.global_step,
             sync_after=sync_after,
             background=ctx.background,
+            step_floor=None if job is None else (lambda: ctx.global_step),
         )
         done = samples = 0
         start = time.perf_counter()
@@ -344,6 +380,47 @@ class Session:
             hook.restore_session(self)
         for hook in hooks:
             hook.after_create_session(self)
+
+    def _join(self, job: Job) -> None:
+        """A trainer of a cluster, before its first step: the chief (having
+        restored, or not) marks the job ready unless the tower still has to
+        go onto the servers (its first step does that); a worker waits for
+        the mark. Either takes the job's step and its own reader position
+        from the job board."""
+        if job.is_chief:
+            if not self.context.shares_tower and job.ready() is None:
+                job.mark_ready(restored=None if self.restored is None else str(self.restored))
+        else:
+            mark = job.wait_ready()
+            log.info("trainer %d joins the job (%s)", job.trainer, mark)
+        self.context.sync_step()
+        position = job.position()
+        if position is not None:
+            log.info("trainer %d resumes its reader where the job board has it", job.trainer)
+            self._resume_position = position
+
+    def _pull_tower(self, inputs: StepInputs, rows: list[np.ndarray]) -> None:
+        """A shared tower's variables from the servers before a step; at the
+        first step the chief puts its tower there (or takes theirs) and marks
+        the job ready (``wuliang.dense``)."""
+        if self._shared is None:
+            self.functions.trace(inputs, rows, train=True)  # the variables exist
+            trainable = list(self.functions.tower_variables)
+            known = {id(v) for v in trainable} | {id(v) for v in self.optimizer.variables}
+            others = [v for v in self.functions.variables() if id(v) not in known]
+            job = self.context.job
+            assert job is not None
+            self._shared = SharedTower(self.context.ps, trainable, others, job.is_chief)
+            if job.is_chief:
+                how = self._shared.start()
+                if job.ready() is None:
+                    job.mark_ready(
+                        restored=None if self.restored is None else str(self.restored), tower=how
+                    )
+                log.info("the tower's %d variables are on the parameter servers (%s)",
+                         len(trainable), how)  # fmt: skip
+                return
+        self._shared.pull()
 
     def _check_fetches(self, names: Sequence[str], strict: bool) -> None:
         valid = set(self.fetchable())
@@ -533,6 +610,8 @@ class Session:
             wanted += names
         start = time.perf_counter()
         self.tower.restore_pending(inputs, rows, train)
+        if train and self.context.shares_tower:
+            self._pull_tower(inputs, rows)
         run = self.functions.train if train else self.functions.evaluate
         out = run(inputs, rows)
         if self._output_names is None:
@@ -549,8 +628,10 @@ class Session:
             )
             grads = None if skip else out["gather_grads"]  # None: nothing pushed
             pusher.push(item, (inputs, grads))
+            if not skip and self._shared is not None:
+                self._shared.push(list(out["tower_grads"]), item.number)
             if not skip:
-                self.context.advance()
+                self.context.advance(getattr(batch, "position", None))
         timings = {**item.timings, "compute": computed - start}
         if train and item.sync:
             pusher.wait_applied(item)
@@ -580,6 +661,8 @@ class Session:
             raise ValueError(f"steps must be an int >= 0 or None, got {steps!r}")
         self.prepare_reader(reader, train=False)
         self._attach_preparer(reader)
+        if self._shared is not None:  # the servers' tower, not this trainer's last pull
+            self._shared.pull()
         pipeline = Pipeline(
             iter(reader),
             _Steps(self, train=False),

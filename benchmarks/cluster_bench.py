@@ -1,0 +1,201 @@
+"""A training cluster next to one process: ``train_bench.py --cluster SxW``.
+
+The model and data of ``train_bench.py`` (26 Criteo-like embeddings of dim
+16, 13 dense features, a Keras MLP 512-256-128-1; Adagrad(0.05) on the
+tables, Adagrad(0.01) on the tower; batches of ``--batch``), trained
+
+* by one process with the embedded engine (the baseline), for ``W + 1``
+  times ``--steps`` steps;
+* by a job of ``S`` servers, a chief and ``W`` workers under ``wuliang
+  launch`` (every process on this machine), each trainer ``--steps`` steps
+  of its own shard of the files, the tower shared through the servers.
+
+Each trainer times its steps after ``--warmup`` untimed ones, and where a
+step's time goes: the TensorFlow step (``compute``), the tower's pull and
+push (``tower_pull``, ``tower_push``: synchronous calls to the servers), and
+the rest (the embedding pull and push the pipeline did not hide, the job
+board, hooks). The job's samples/s is every trainer's timed samples over
+the span from the first timed step's start to the last one's end.
+
+On one machine of 2 cores the cluster is slower than one process: every
+process shares the same cores. ``docs/cluster.md`` models samples/s for W
+workers and S servers on separate machines from the per-step costs printed
+here and the per-call costs of ``ps_bench.py --remote``. Last line: JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+def trainer(args: argparse.Namespace) -> None:
+    """One trainer (of the job, or the baseline): trains and writes its timings."""
+    import train_bench as tb
+
+    import wuliang as wl
+    from wuliang import dense
+    from wuliang.embedding import bridge, concat
+    from wuliang.optimizers import Adagrad
+    from wuliang.reader import ParquetReader
+    from wuliang.reader.datagen import DENSE, LABEL, SINGLE
+
+    spent: dict[str, float] = {"compute": 0.0, "tower_pull": 0.0, "tower_push": 0.0}
+    timing = [False]
+
+    def timed(name: str, fn: Any) -> Any:
+        def run(*a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if timing[0]:
+                    spent[name] += time.perf_counter() - start
+
+        return run
+
+    bridge.StepFunctions.train = timed("compute", bridge.StepFunctions.train)  # type: ignore[method-assign]
+    dense.SharedTower.pull = timed("tower_pull", dense.SharedTower.pull)  # type: ignore[method-assign]
+    dense.SharedTower.push = timed("tower_push", dense.SharedTower.push)  # type: ignore[method-assign]
+
+    model = tb.make_tower(0)
+    context = wl.Context()
+    tables = {n: wl.EmbeddingTable(n, tb.DIM, optimizer=Adagrad(0.05)) for n in SINGLE}
+    features: list[Any] = [wl.SparseFeature(n, tables[n]) for n in SINGLE]
+    features += [wl.DenseFeature(n) for n in DENSE]
+
+    def tower(embeddings: dict, dense_in: dict) -> Any:
+        return model(concat([embeddings[n] for n in SINGLE] + [dense_in[n] for n in DENSE]))
+
+    session = wl.Session(tower, features, context, optimizer=tb.tower_optimizer("adagrad"))
+    marks: dict[str, float] = {}
+
+    class Clock(wl.hooks.SessionRunHook):
+        def __init__(self) -> None:
+            self.done = 0
+
+        def after_run(self, run_context: Any, run_values: Any) -> None:
+            self.done += 1
+            if self.done == args.warmup:
+                marks["start"] = time.time()
+                timing[0] = True
+
+    steps = args.warmup + args.steps
+    reader = ParquetReader(args.files, args.batch, [*SINGLE, *DENSE], label=LABEL, epochs=None)
+    session.train(reader, steps=steps, hooks=[Clock()])
+    marks["end"] = time.time()
+    job = context.job
+    if job is not None:
+        job.finish()
+    out = {
+        "steps": args.steps,
+        "samples": args.steps * args.batch,
+        "start": marks["start"],
+        "end": marks["end"],
+        **{k: v / args.steps * 1e3 for k, v in spent.items()},  # ms per step
+    }
+    name = "single" if job is None else f"trainer-{job.trainer}"
+    Path(args.out, f"{name}.json").write_text(json.dumps(out))
+    if job is not None and job.is_chief:
+        job.wait_finished(timeout=600)
+    context.close()
+
+
+def run_job(args: argparse.Namespace, files: list[str], out: Path) -> dict[str, Any]:
+    servers, workers = args.servers, args.workers
+    trainer_cmd = [sys.executable, str(Path(__file__).resolve()), "--trainer", "--out", str(out),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--batch", str(args.batch), "--files", *files]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    launch = [sys.executable, "-m", "wuliang", "launch", "--ps", str(servers),
+              "--workers", str(workers), "--", *trainer_cmd]  # fmt: skip
+    done = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"the job failed:\n{done.stdout[-4000:]}")
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("trainer-*.json"))]
+    span = max(r["end"] for r in results) - min(r["start"] for r in results)
+    samples = sum(r["samples"] for r in results)
+    mean = {k: sum(r[k] for r in results) / len(results)
+            for k in ("compute", "tower_pull", "tower_push")}  # fmt: skip
+    step_ms = sum((r["end"] - r["start"]) / r["steps"] * 1e3 for r in results) / len(results)
+    return {"samples_per_s": samples / span, "trainers": len(results), "step_ms": step_ms,
+            **{f"{k}_ms": v for k, v in mean.items()}}  # fmt: skip
+
+
+def run_single(args: argparse.Namespace, files: list[str], out: Path, steps: int) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--trainer", "--out", str(out),
+           "--steps", str(steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+           "--files", *files]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"the single process failed:\n{done.stderr[-4000:]}")
+    r = json.loads((out / "single.json").read_text())
+    return {"samples_per_s": r["samples"] / (r["end"] - r["start"]),
+            "step_ms": (r["end"] - r["start"]) / r["steps"] * 1e3,
+            "compute_ms": r["compute"]}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cluster", default="2x2", help="SERVERSxWORKERS (and a chief)")
+    p.add_argument("--steps", type=int, default=60, help="timed steps per trainer")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--rows", type=int, default=2_000_000)
+    p.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--files", nargs="*", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(HERE))
+    if args.trainer:
+        trainer(args)
+        return
+    servers, _, workers = args.cluster.partition("x")
+    args.servers, args.workers = int(servers), int(workers)
+    from bench_data import cores, parquet_files
+
+    data = Path(tempfile.gettempdir()) / f"wuliang-bench-{args.rows}"
+    files = [str(f) for f in parquet_files(data / "parquet", args.rows)[0]]
+    trainers = args.workers + 1
+    with tempfile.TemporaryDirectory() as tmp:
+        single_dir, job_dir = Path(tmp, "single"), Path(tmp, "job")
+        single_dir.mkdir()
+        job_dir.mkdir()
+        print(f"one process: {trainers * args.steps} steps of {args.batch}", flush=True)
+        single = run_single(args, files, single_dir, trainers * args.steps)
+        print(f"  {single['samples_per_s']:,.0f} samples/s", flush=True)
+        print(f"job: {args.servers} servers, a chief and {args.workers} workers", flush=True)
+        job = run_job(args, files, job_dir)
+        print(f"  {job['samples_per_s']:,.0f} samples/s", flush=True)
+    result = {
+        "cluster": args.cluster,
+        "cores": cores(),
+        "batch": args.batch,
+        "steps_per_trainer": args.steps,
+        "single_samples_per_s": round(single["samples_per_s"]),
+        "single_step_ms": round(single["step_ms"], 1),
+        "single_compute_ms": round(single["compute_ms"], 1),
+        "cluster_samples_per_s": round(job["samples_per_s"]),
+        "cluster_vs_single": round(job["samples_per_s"] / single["samples_per_s"], 3),
+        "cluster_step_ms": round(job["step_ms"], 1),
+        "cluster_compute_ms": round(job["compute_ms"], 1),
+        "cluster_tower_pull_ms": round(job["tower_pull_ms"], 1),
+        "cluster_tower_push_ms": round(job["tower_push_ms"], 1),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""The job board and a trainer's part in a job, without TensorFlow: the step
+counted by every trainer and raised to the highest seen, values put and
+taken, the chief's ready mark waited for (and the wait bounded, naming the
+chief), finished trainers, a restored server's board, the tower's optimizer
+mapped onto the engine's, and periodic hooks that fire when a cluster's
+steps jump past their multiple."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from wuliang.job import Job, JobError
+from wuliang.ps_server import Engine
+from wuliang.ps_server.cluster import Cluster
+from wuliang.ps_server.job import POSITION, READY, JobBoard, checkpoint_values
+from wuliang.ps_server.remote.client import RemoteServer
+from wuliang.ps_server.remote.server import PsServer
+
+
+@pytest.fixture
+def remote() -> Iterator[RemoteServer]:
+    servers = [PsServer(Engine(1), "127.0.0.1", 0, threads=4) for _ in range(2)]
+    client = RemoteServer([f"127.0.0.1:{s.port}" for s in servers])
+    yield client
+    client.close()
+    for server in servers:
+        server.stop(grace=None)
+
+
+def cluster(task: str, index: int, workers: int = 2) -> Cluster:
+    return Cluster.from_dict(
+        {
+            "cluster": {
+                "chief": ["c:1"],
+                "worker": [f"w{i}:1" for i in range(workers)],
+                "ps": ["p:1"],
+            },
+            "task": {"type": task, "index": index},
+        }
+    )
+
+
+def test_the_board_counts_raises_and_keeps_values() -> None:
+    board = JobBoard()
+    assert board.apply(add_steps=3).step == 3
+    assert board.apply(floor=10, add_steps=2).step == 12  # raised first, then counted
+    assert board.apply(floor=5).step == 12  # a floor below changes nothing
+    state = board.apply(put={"a": b"1", "position/0": b"{}", "position/1": b"[]"}, get=["a", "x"])
+    assert state.values == {"a": b"1"}
+    assert board.apply(prefix="position/").values == {"position/0": b"{}", "position/1": b"[]"}
+    assert board.apply(put={"a": b""}, get=["a"]).values == {}  # an empty value removes
+    with pytest.raises(ValueError, match="add_steps"):
+        board.apply(add_steps=-1)
+    with pytest.raises(ValueError, match="non-empty name"):
+        board.apply(put={"": b"x"})
+    with pytest.raises(ValueError, match="more than"):
+        board.apply(put={"big": b"x" * (2 << 20)})
+
+
+@pytest.mark.parametrize("kind", ["embedded", "remote"])
+def test_the_board_of_a_parameter_server(kind: str, remote: RemoteServer) -> None:
+    ps = Engine(1) if kind == "embedded" else remote
+    assert ps.job(add_steps=4).step == 4
+    state = ps.job(add_steps=1, floor=100, put={"k": b"v"}, get=["k"], prefix="none/")
+    assert (state.step, state.values) == (101, {"k": b"v"})
+    assert ps.job(prefix="").values == {"k": b"v"}
+    if kind == "remote":  # kept on the first server only
+        assert remote._servers[0].address != remote._servers[1].address
+
+
+def test_a_restored_server_puts_the_checkpoint_on_its_board() -> None:
+    values = checkpoint_values(40, {"0": {"a": 1}, "2": {"b": 2}})
+    engine = Engine(1)
+    state = engine.job(floor=40, put=values, get=[READY], prefix=POSITION)
+    assert state.step == 40
+    assert json.loads(state.values[READY]) == {"restored_step": 40}
+    assert json.loads(state.values["position/2"]) == {"b": 2}
+
+
+def test_trainers_count_steps_and_share_positions(remote: RemoteServer) -> None:
+    class Position:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def to_dict(self) -> dict[str, int]:
+            return {"n": self.n}
+
+    chief, worker = Job(remote, cluster("chief", 0)), Job(remote, cluster("worker", 1))
+    assert (chief.is_chief, chief.trainer, worker.trainer, worker.trainers) == (True, 0, 2, 3)
+    for n in range(50):
+        chief.note_step(Position(n))
+        worker.note_step(Position(100 + n))
+    chief.sync()
+    worker.sync()
+    assert chief.sync() == worker.sync() == 100  # every step counted once
+    assert worker.position() == {"n": 149}
+    assert chief.positions() == {"0": {"n": 49}, "2": {"n": 149}}
+    worker.put_positions({"1": {"n": 7}})
+    assert Job(remote, cluster("worker", 0)).position() == {"n": 7}
+    chief.close()
+    worker.close()
+
+
+def test_workers_wait_for_the_chief_and_the_wait_is_bounded(remote: RemoteServer) -> None:
+    worker = Job(remote, cluster("worker", 0), wait_seconds=0.3)
+    with pytest.raises(JobError, match=r"the chief \(c:1\) has not made the job ready"):
+        worker.wait_ready()
+    worker.wait_seconds = 30
+    chief = Job(remote, cluster("chief", 0))
+    timer = threading.Timer(0.3, lambda: chief.mark_ready(restored=None))
+    timer.start()
+    start = time.monotonic()
+    assert worker.wait_ready() == {"restored": None}
+    assert time.monotonic() - start < 10
+    timer.join()
+
+
+def test_the_chief_waits_for_every_trainer_to_finish(remote: RemoteServer) -> None:
+    jobs = [Job(remote, cluster("chief", 0))] + [
+        Job(remote, cluster("worker", i)) for i in range(2)
+    ]
+    jobs[0].finish()
+    jobs[2].finish()
+    with pytest.raises(JobError, match=r"trainer\(s\) 1 did not finish"):
+        jobs[0].wait_finished(timeout=0.2)
+    jobs[1].finish()
+    jobs[0].wait_finished(timeout=5)
+
+
+def test_the_towers_optimizer_maps_onto_the_engines() -> None:
+    keras = pytest.importorskip("keras")
+    from wuliang.dense import engine_optimizer
+    from wuliang.ps_server.spec import FTRL, SGD, Adagrad, Adam
+
+    assert engine_optimizer(keras.optimizers.SGD(0.1)) == SGD(0.1)
+    assert engine_optimizer(keras.optimizers.Adagrad(0.05, initial_accumulator_value=0.2)) == (
+        Adagrad(0.05, initial_accumulator=0.2, epsilon=1e-7)
+    )
+    adam = engine_optimizer(keras.optimizers.Adam(0.002, beta_1=0.8, beta_2=0.99, epsilon=1e-6))
+    assert adam == Adam(0.002, beta1=0.8, beta2=0.99, epsilon=1e-6)
+    ftrl = engine_optimizer(keras.optimizers.Ftrl(0.1, l1_regularization_strength=0.01,
+                                                  l2_regularization_strength=0.5))  # fmt: skip
+    assert (ftrl.l1, ftrl.l2) == (0.01, 1.0) and isinstance(ftrl, FTRL)
+    refused = [
+        (keras.optimizers.SGD(0.1, momentum=0.9), "momentum"),
+        (keras.optimizers.Adam(0.1, clipnorm=1.0), "clipnorm"),
+        (keras.optimizers.AdamW(0.1), "weight_decay"),
+        (keras.optimizers.RMSprop(0.1), "RMSprop cannot be applied"),
+        (keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)),
+         "learning-rate schedule"),
+    ]  # fmt: skip
+    for optimizer, message in refused:
+        with pytest.raises(ValueError, match=message):
+            engine_optimizer(optimizer)
+
+
+def test_a_shared_tower_applies_the_optimizer_as_keras_does() -> None:
+    """One Adam step of a tower's variables on the parameter server equals
+    Keras's Adam on the same gradients; pulled values land in the variables."""
+    keras = pytest.importorskip("keras")
+    tf = pytest.importorskip("tensorflow")
+    from wuliang.dense import BLOCK, SharedTower, tower_specs
+
+    rng = np.random.default_rng(0)
+    shapes = [(300, 7), (7,), (1,)]  # 2,108 floats: 9 blocks, the last one padded
+    local = [tf.Variable(rng.normal(size=s).astype(np.float32)) for s in shapes]
+    shared = [tf.Variable(v.numpy()) for v in local]
+    optimizer = keras.optimizers.Adam(0.01)
+    engine = Engine(2)
+    for spec in tower_specs(optimizer).values():
+        engine.create_table(spec)
+    tower = SharedTower(engine, shared, [], is_chief=True)
+    assert tower.start() == "filled" and tower.trainable.rows == -(-2108 // BLOCK)
+    for _ in range(3):
+        grads = [rng.normal(size=s).astype(np.float32) for s in shapes]
+        optimizer.apply_gradients(zip([tf.constant(g) for g in grads], local, strict=True))
+        tower.push(grads, step=1)
+        tower.pull()
+        for a, b in zip(local, shared, strict=True):
+            np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6)
+    again = SharedTower(engine, [tf.Variable(np.zeros(s, np.float32)) for s in shapes], [], True)
+    assert again.start() == "pulled"  # a chief that comes back takes the servers' values
+    np.testing.assert_array_equal(again.trainable.variables[0].numpy(), shared[0].numpy())
+
+
+def test_periodic_hooks_fire_when_a_clusters_steps_jump() -> None:
+    from wuliang.hooks.periodic import PeriodicSyncHook
+
+    hook = PeriodicSyncHook(every_steps=10, every_secs=None)
+    asked = [0, 3, 8, 13, 14, 29, 30, 31, 40]  # steps jump: other trainers trained between
+    due = [s for s in asked if hook.sync_after(s)]
+    assert due == [13, 29, 40]  # the first at or past each multiple (steps + 1: 10, 20+30, 40)
+    sequential = PeriodicSyncHook(every_steps=10, every_secs=None)
+    assert [s for s in range(35) if sequential.sync_after(s)] == [9, 19, 29]
