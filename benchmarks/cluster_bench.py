@@ -17,6 +17,14 @@ the rest (the embedding pull and push the pipeline did not hide, the job
 board, hooks). The job's samples/s is every trainer's timed samples over
 the span from the first timed step's start to the last one's end.
 
+``--kill-auc N``: the cost in AUC of one server killed with SIGKILL and
+restored from the newest checkpoint (partial recovery): the MovieLens job
+of ``examples/movielens_cluster.py`` (2 servers, a chief, 2 workers) run N
+times undisturbed and N times with server 1 killed 30 job steps after the
+first checkpoint past a third of the run (checkpoints every 60 steps), seeds
+alternating; the mean AUC of each
+and their difference.
+
 On one machine of 2 cores the cluster is slower than one process: every
 process shares the same cores. ``docs/cluster.md`` models samples/s for W
 workers and S servers on separate machines from the per-step costs printed
@@ -147,6 +155,62 @@ def run_single(args: argparse.Namespace, files: list[str], out: Path, steps: int
             "compute_ms": r["compute"]}  # fmt: skip
 
 
+def movielens_job(data: Path, work: Path, seed: int, kill: bool) -> dict[str, Any]:
+    """One MovieLens job under wuliang launch; with kill, server 1 is killed
+    with SIGKILL once a checkpoint past a third of the run exists."""
+    import signal
+
+    model, out = work / "model", work / "out.json"
+    job = [sys.executable, str(HERE.parent / "examples" / "movielens_cluster.py"),
+           "--prepare", str(data), "--model-dir", str(model), "--out", str(out),
+           "--batch-size", "1024", "--epochs", "4", "--seed", str(seed),
+           "--checkpoint-steps", "60", "--step-pause", "0.1"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    launch = [sys.executable, "-m", "wuliang", "launch", "--ps", "2", "--workers", "2",
+              "--model-dir", str(model), "--", *job]  # fmt: skip
+    proc = subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    killed_at = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        step = line.rsplit(" step ", 1)[1].strip() if " step " in line else ""
+        if kill and killed_at is None and step.isdigit():
+            done = [int(p.name[5:]) for p in model.glob("ckpt-*") if (p / "manifest.json").exists()]
+            # halfway between checkpoints past a third of the run: 30 steps of updates lost
+            if done and max(done) >= 100 and int(step) >= max(done) + 30:
+                pid = next(int(x.split("(pid ")[1].rstrip(")\n"))
+                           for x in reversed(lines) if "started ps-1 (pid" in x)  # fmt: skip
+                os.kill(pid, signal.SIGKILL)
+                killed_at = int(step)
+    if proc.wait(timeout=1800) != 0:
+        raise RuntimeError("the job failed:\n" + "".join(lines[-60:]))
+    lost = [line for line in lines if "the updates of" in line]
+    return {**json.loads(out.read_text()), "killed_at": killed_at, "lost_lines": len(lost)}
+
+
+def kill_auc(runs: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp, "data")
+        plain, killed = [], []
+        for i in range(runs):
+            for kill, into in ((False, plain), (True, killed)):
+                work = Path(tmp, f"{'kill' if kill else 'plain'}-{i}")
+                work.mkdir()
+                r = movielens_job(data, work, 42 + i, kill)
+                print(f"seed {42 + i} {'killed' if kill else 'undisturbed'}: AUC "
+                      f"{r['auc']:.4f} (killed at step {r['killed_at']})", flush=True)  # fmt: skip
+                into.append(r)
+    mean = lambda rs: sum(r["auc"] for r in rs) / len(rs)  # noqa: E731
+    return {
+        "runs": runs,
+        "auc_undisturbed": [round(r["auc"], 4) for r in plain],
+        "auc_server_killed": [round(r["auc"], 4) for r in killed],
+        "killed_at_step": [r["killed_at"] for r in killed],
+        "auc_cost_of_a_kill": round(mean(plain) - mean(killed), 4),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cluster", default="2x2", help="SERVERSxWORKERS (and a chief)")
@@ -154,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--rows", type=int, default=2_000_000)
+    p.add_argument("--kill-auc", type=int, metavar="N", help="instead: the AUC cost of a kill")
     p.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--files", nargs="*", help=argparse.SUPPRESS)
@@ -161,6 +226,9 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(HERE))
     if args.trainer:
         trainer(args)
+        return
+    if args.kill_auc:
+        print(json.dumps(kill_auc(args.kill_auc)))
         return
     servers, _, workers = args.cluster.partition("x")
     args.servers, args.workers = int(servers), int(workers)

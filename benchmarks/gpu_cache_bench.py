@@ -1,0 +1,311 @@
+"""GPU hot cache benchmark: hit rates of its policies, and its rows/s next
+to the engine's.
+
+Hit rates. Key streams over a fixed universe of 10M keys, Zipf(1.05),
+Zipf(1.1) and Zipf(1.2) by rank (ranks scrambled into hash-like keys),
+batches of 4096 x 26 keys. Caches of 1%, 5% and 20% of the universe, each
+with the decayed-counts policy (``"stats"``) and LRU, all fed the same
+batches through the policy class the cache itself uses
+(``wuliang.ps_server.cache.HotSet.observe``: one call per batch with its
+unique keys and their counts, the index and slots changing as in
+training). The first ``--warmup`` batches fill the caches; the hit rates
+are those of the batches after: per key occurrence (what the trainer's
+lookups see) and per batch-unique key (what the cache's gather sees).
+``oracle`` is the share of occurrences that the most frequent keys of each
+size take (a cache that knew the distribution).
+
+Rows/s, in the same run, on one table (dim 16, Adagrad) and batches of
+65,536 unique keys:
+
+* engine pull / push: the embedded engine (``--shards`` threads), training
+  pulls of existing rows and Adagrad pushes;
+* cache lookup / update: ``CachedServer.pull`` and ``push`` of keys all in
+  the cache (host index and policy, the device gather or update, the copies
+  between host and device); and the kernels alone (gather to the host,
+  Adagrad update on the device);
+* swap-in: pulls of keys not in the cache: rows the pull creates (known
+  without a read) and rows that exist (read whole from the inner server: the
+  interface has no per-key read of optimizer state, so this exports the
+  table and filters it; ``swap_in_read_table_rows`` says how big);
+* write-back: the cache's updated rows loaded back into the engine.
+
+The array module is cupy where a GPU is present (``--xp`` to choose), numpy
+otherwise. Does not import TensorFlow. The last line printed is one JSON
+object.
+
+    python benchmarks/gpu_cache_bench.py            # 1000 batches per stream
+    python benchmarks/gpu_cache_bench.py --quick    # 200 batches, smaller table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from wuliang.ps_server import Adagrad, Engine, TableSpec
+from wuliang.ps_server.cache import CachedServer, HotSet, array_module
+from wuliang.ps_server.cache.kernels import OptimizerMath, engine_float_model, kernels_for
+
+UNIVERSE = 10_000_000
+BATCH = 4096 * 26
+STREAMS = {"zipf1.05": 1.05, "zipf1.1": 1.1, "zipf1.2": 1.2}
+SIZES = {"1%": 0.01, "5%": 0.05, "20%": 0.20}
+POLICIES = ("stats", "lru")
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+DIM = 16
+ROWS_BATCH = 65_536
+
+
+def keys_of(ranks: np.ndarray) -> np.ndarray:
+    """Key of rank r (0 = most frequent): an odd-multiplier scramble."""
+    return (ranks.astype(np.uint64) + np.uint64(1)) * GOLDEN
+
+
+def zipf_cdf(alpha: float, n: int) -> np.ndarray:
+    weights = np.arange(1, n + 1, dtype=np.float64) ** -alpha
+    cdf = np.cumsum(weights)
+    return cdf / cdf[-1]
+
+
+def hit_rates(args: argparse.Namespace) -> dict:
+    """Every stream through every (size, policy) cache; rates after warm-up."""
+    out: dict = {"hit_rate": {}, "unique_hit_rate": {}, "oracle_hit_rate": {}, "policy_ms": {}}
+    for stream, alpha in STREAMS.items():
+        cdf = zipf_cdf(alpha, args.universe)
+        rng = np.random.default_rng([args.seed, int(alpha * 1000)])
+        caches = {
+            (size, policy): HotSet(
+                int(share * args.universe), policy=policy, half_life=args.half_life
+            )
+            for size, share in SIZES.items()
+            for policy in POLICIES
+        }
+        hits = dict.fromkeys(caches, 0)
+        unique_hits = dict.fromkeys(caches, 0)
+        seconds = dict.fromkeys(caches, 0.0)
+        occurrences = uniques = 0
+        t0 = time.perf_counter()
+        for batch in range(args.warmup + args.batches):
+            ranks = np.searchsorted(cdf, rng.random(args.batch), side="right")
+            keys, counts = np.unique(keys_of(ranks), return_counts=True)
+            measured = batch >= args.warmup
+            for config, cache in caches.items():
+                start = time.perf_counter()
+                plan = cache.observe(keys, counts)
+                seconds[config] += time.perf_counter() - start
+                if measured:
+                    hits[config] += int(counts[plan.hits].sum())
+                    unique_hits[config] += int(plan.hits.sum())
+            if measured:
+                occurrences += int(counts.sum())
+                uniques += len(keys)
+        batches = args.warmup + args.batches
+        out["hit_rate"][stream] = {size: {} for size in SIZES}
+        out["unique_hit_rate"][stream] = {size: {} for size in SIZES}
+        out["policy_ms"][stream] = {size: {} for size in SIZES}
+        for (size, policy), n in hits.items():
+            out["hit_rate"][stream][size][policy] = round(n / occurrences, 4)
+            out["unique_hit_rate"][stream][size][policy] = round(
+                unique_hits[(size, policy)] / uniques, 4
+            )
+            out["policy_ms"][stream][size][policy] = round(
+                1000 * seconds[(size, policy)] / batches, 2
+            )
+        out["oracle_hit_rate"][stream] = {
+            size: round(float(cdf[int(share * args.universe) - 1]), 4)
+            for size, share in SIZES.items()
+        }
+        rates = out["hit_rate"][stream]
+        print(
+            f"{stream}: {uniques / args.batches:,.0f} unique keys per batch; hit rate "
+            + " | ".join(
+                f"{size} stats {rates[size]['stats']:.4f} lru {rates[size]['lru']:.4f} "
+                f"(oracle {out['oracle_hit_rate'][stream][size]:.4f})"
+                for size in SIZES
+            )
+            + f"  [{time.perf_counter() - t0:.0f} s]",
+            flush=True,
+        )
+    return out
+
+
+def best_rate(fn: Callable[[np.ndarray], object], batches: list[np.ndarray], repeats: int) -> float:
+    """Best rows/s over ``repeats`` passes through the batches."""
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for keys in batches:
+            fn(keys)
+        best = max(best, sum(len(k) for k in batches) / (time.perf_counter() - start))
+    return best
+
+
+def fill(ps, table: str, keys: np.ndarray, step: int = 1) -> None:
+    out = np.empty((1 << 18, DIM), np.float32)
+    for start in range(0, len(keys), len(out)):
+        part = keys[start : start + len(out)]
+        ps.pull(table, part, out=out[: len(part)], step=step)
+
+
+def throughput(args: argparse.Namespace, xp) -> dict:
+    """Rows/s of the engine and of the cache on the same keys, same run."""
+    spec = TableSpec("bench", DIM, optimizer=Adagrad(learning_rate=0.05))
+    rng = np.random.default_rng(args.seed)
+    hot = keys_of(np.arange(args.cache_rows))
+    batches = [
+        np.sort(rng.choice(hot, size=ROWS_BATCH, replace=False)) for _ in range(args.rate_batches)
+    ]
+    grads = (rng.standard_normal((ROWS_BATCH, DIM)) * 0.01).astype(np.float32)
+    out = np.empty((ROWS_BATCH, DIM), np.float32)
+    result: dict = {}
+
+    with Engine(args.shards) as engine:
+        engine.create_table(spec)
+        fill(engine, "bench", keys_of(np.arange(args.table_rows)))
+        result["engine_pull_rows_per_s"] = best_rate(
+            lambda k: engine.pull("bench", k, out=out, step=2), batches, args.repeats
+        )
+        result["engine_push_rows_per_s"] = best_rate(
+            lambda k: engine.push("bench", k, grads, unique=True, step=2), batches, args.repeats
+        )
+
+    with CachedServer(Engine(args.shards), rows=args.cache_rows, xp=xp) as cached:
+        cached.create_table(spec)
+        start = time.perf_counter()
+        fill(cached, "bench", hot)  # every row new: swapped in without a read
+        result["swap_in_new_rows_per_s"] = args.cache_rows / (time.perf_counter() - start)
+        kernels = cached.kernels
+
+        def lookup(k: np.ndarray) -> None:
+            cached.pull("bench", k, out=out, step=3)
+            kernels.synchronize()
+
+        def update(k: np.ndarray) -> None:
+            cached.push("bench", k, grads, unique=True, step=3)
+            kernels.synchronize()
+
+        result["cache_lookup_rows_per_s"] = best_rate(lookup, batches, args.repeats)
+        result["cache_update_rows_per_s"] = best_rate(update, batches, args.repeats)
+        stats = cached.cache_stats("bench")
+        assert stats["rows"] == args.cache_rows and stats["misses"] == args.cache_rows, stats
+        start = time.perf_counter()
+        written = cached.flush("bench")
+        result["write_back_rows_per_s"] = written / (time.perf_counter() - start)
+
+        # the kernels alone, on the cache's own arrays
+        cache = cached._tables["bench"]
+        assert cache is not None
+        slots = [cache.hot.slots_of(k) for k in batches]
+        math_ = OptimizerMath(spec.optimizer, DIM)
+        model, _ = engine_float_model()
+
+        def gather(s: np.ndarray) -> None:
+            kernels.to_host(kernels.gather(cache.weights, s))
+
+        def adagrad(s: np.ndarray) -> None:
+            kernels.update(math_, model, cache.weights, cache.state, s, grads, None)
+            kernels.synchronize()
+
+        result["cache_gather_kernel_rows_per_s"] = best_rate(gather, slots, args.repeats)
+        result["cache_adagrad_kernel_rows_per_s"] = best_rate(adagrad, slots, args.repeats)
+
+    # Rows that exist but are not cached: read whole (an export scan).
+    read_rows = args.read_table_rows
+    with CachedServer(Engine(args.shards), rows=ROWS_BATCH, xp=xp, policy="lru") as cached:
+        cached.create_table(spec)
+        fill(cached.inner, "bench", keys_of(np.arange(read_rows)))
+        waves = [keys_of(np.arange(i, read_rows, 4)[:ROWS_BATCH]) for i in range(2)]
+        start = time.perf_counter()
+        for i, keys in enumerate(waves):
+            cached.pull("bench", keys, out=out[: len(keys)], step=4 + i)
+        seconds = time.perf_counter() - start
+        result["swap_in_read_rows_per_s"] = sum(len(k) for k in waves) / seconds
+        result["swap_in_read_table_rows"] = read_rows
+    return {k: round(v) if isinstance(v, float) else v for k, v in result.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="200 batches, smaller tables")
+    parser.add_argument("--universe", type=int, default=UNIVERSE)
+    parser.add_argument("--batch", type=int, default=BATCH)
+    parser.add_argument("--batches", type=int, default=500, help="measured batches per stream")
+    parser.add_argument("--warmup", type=int, default=500, help="batches before measuring")
+    parser.add_argument("--half-life", type=float, default=1000.0, help="stats policy, batches")
+    parser.add_argument("--table-rows", type=int, default=4_000_000, help="engine table rows")
+    parser.add_argument("--cache-rows", type=int, default=1 << 20, help="rows/s: cache rows")
+    parser.add_argument("--read-table-rows", type=int, default=1_000_000)
+    parser.add_argument("--rate-batches", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--xp", default="auto", choices=("auto", "numpy", "cupy"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.quick:
+        given = {a.split("=")[0] for a in __import__("sys").argv[1:]}
+        for name, value in (
+            ("--batches", 100),
+            ("--warmup", 100),
+            ("--table-rows", 1_000_000),
+            ("--cache-rows", 1 << 18),
+            ("--read-table-rows", 250_000),
+            ("--rate-batches", 4),
+            ("--repeats", 2),
+        ):
+            if name not in given:
+                setattr(args, name[2:].replace("-", "_"), value)
+    xp = array_module(args.xp)
+    kernels = kernels_for(xp)
+    model, exact = engine_float_model()
+    print(
+        f"array module {kernels.name} on {kernels.device}; universe {args.universe:,} keys, "
+        f"batches of {args.batch:,}: {args.warmup} to warm up, {args.batches} measured; "
+        f"engine rounding {model} ({'exact' if exact else 'NOT exact'})",
+        flush=True,
+    )
+    started = time.perf_counter()
+    rates = hit_rates(args)
+    speed = throughput(args, xp)
+    print(
+        "rows/s: engine pull {engine_pull_rows_per_s:,} push {engine_push_rows_per_s:,} | "
+        "cache lookup {cache_lookup_rows_per_s:,} update {cache_update_rows_per_s:,} | "
+        "kernels gather {cache_gather_kernel_rows_per_s:,} adagrad "
+        "{cache_adagrad_kernel_rows_per_s:,} | swap-in new {swap_in_new_rows_per_s:,} "
+        "read {swap_in_read_rows_per_s:,} (table of {swap_in_read_table_rows:,}) | "
+        "write-back {write_back_rows_per_s:,}".format(**speed),
+        flush=True,
+    )
+    hit = rates["hit_rate"]
+    result = {
+        "array_module": kernels.name,
+        "device": kernels.device,
+        "exact_rounding": exact,
+        "universe": args.universe,
+        "batch": args.batch,
+        "warmup_batches": args.warmup,
+        "measured_batches": args.batches,
+        "half_life": args.half_life,
+        **rates,
+        "targets": {
+            "zipf1.2_5%_stats_at_least_0.95": hit["zipf1.2"]["5%"]["stats"] >= 0.95,
+            "stats_at_least_lru_everywhere": all(
+                hit[s][z]["stats"] >= hit[s][z]["lru"] for s in STREAMS for z in SIZES
+            ),
+        },
+        "rows_batch": ROWS_BATCH,
+        "dim": DIM,
+        "shards": args.shards,
+        "table_rows": args.table_rows,
+        "cache_rows": args.cache_rows,
+        **speed,
+        "seconds": round(time.perf_counter() - started),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
