@@ -25,6 +25,9 @@ first checkpoint past a third of the run (checkpoints every 60 steps), seeds
 alternating; the mean AUC of each
 and their difference.
 
+``--sync-auc 1,4,16``: the same job with the tower synced every k steps
+(``Context(tower_sync_steps=k)``, GEO mode), ``--runs`` seeds each.
+
 On one machine of 2 cores the cluster is slower than one process: every
 process shares the same cores. ``docs/cluster.md`` models samples/s for W
 workers and S servers on separate machines from the per-step costs printed
@@ -155,7 +158,9 @@ def run_single(args: argparse.Namespace, files: list[str], out: Path, steps: int
             "compute_ms": r["compute"]}  # fmt: skip
 
 
-def movielens_job(data: Path, work: Path, seed: int, kill: bool) -> dict[str, Any]:
+def movielens_job(
+    data: Path, work: Path, seed: int, kill: bool, sync_steps: int = 1
+) -> dict[str, Any]:
     """One MovieLens job under wuliang launch; with kill, server 1 is killed
     with SIGKILL once a checkpoint past a third of the run exists."""
     import signal
@@ -164,7 +169,8 @@ def movielens_job(data: Path, work: Path, seed: int, kill: bool) -> dict[str, An
     job = [sys.executable, str(HERE.parent / "examples" / "movielens_cluster.py"),
            "--prepare", str(data), "--model-dir", str(model), "--out", str(out),
            "--batch-size", "1024", "--epochs", "4", "--seed", str(seed),
-           "--checkpoint-steps", "60", "--step-pause", "0.1"]  # fmt: skip
+           "--checkpoint-steps", "60", "--step-pause", "0.1",
+           "--tower-sync-steps", str(sync_steps)]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     launch = [sys.executable, "-m", "wuliang", "launch", "--ps", "2", "--workers", "2",
               "--model-dir", str(model), "--", *job]  # fmt: skip
@@ -211,6 +217,26 @@ def kill_auc(runs: int) -> dict[str, Any]:
     }
 
 
+def sync_auc(every: list[int], runs: int) -> dict[str, Any]:
+    """The MovieLens job with the tower synced every k steps (GEO mode), for
+    each k, ``runs`` seeds; the mean AUC of each k."""
+    aucs: dict[int, list[float]] = {k: [] for k in every}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp, "data")
+        for i in range(runs):
+            for k in every:
+                work = Path(tmp, f"k{k}-{i}")
+                work.mkdir()
+                auc = movielens_job(data, work, 42 + i, False, k)["auc"]
+                print(f"seed {42 + i}, tower synced every {k} steps: AUC {auc:.4f}", flush=True)
+                aucs[k].append(round(auc, 4))
+    return {
+        "runs": runs,
+        "auc": {str(k): v for k, v in aucs.items()},
+        "mean_auc": {str(k): round(sum(v) / len(v), 4) for k, v in aucs.items()},
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cluster", default="2x2", help="SERVERSxWORKERS (and a chief)")
@@ -219,6 +245,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--rows", type=int, default=2_000_000)
     p.add_argument("--kill-auc", type=int, metavar="N", help="instead: the AUC cost of a kill")
+    p.add_argument(
+        "--sync-auc",
+        metavar="K,K",
+        help="instead: the MovieLens job's AUC with the tower synced every K steps "
+        "(GEO mode), --runs seeds each",
+    )
+    p.add_argument("--runs", type=int, default=2)
     p.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--files", nargs="*", help=argparse.SUPPRESS)
@@ -226,6 +259,9 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(HERE))
     if args.trainer:
         trainer(args)
+        return
+    if args.sync_auc:
+        print(json.dumps(sync_auc([int(k) for k in args.sync_auc.split(",")], args.runs)))
         return
     if args.kill_auc:
         print(json.dumps(kill_auc(args.kill_auc)))

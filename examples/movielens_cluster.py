@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shuffle", type=int, default=20_000)
     p.add_argument("--checkpoint-steps", type=int, default=50)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument(
+        "--tower-sync-steps", type=int, default=1, help="Context(tower_sync_steps=): GEO mode"
+    )
     p.add_argument("--step-pause", type=float, default=0.0, help="seconds after each step")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         wl.SparseFeature(name, tables[table], combiner=combiner)
         for name, (table, combiner) in ml.FEATURES.items()
     ]
-    context = wl.Context()
+    context = wl.Context(tower_sync_steps=args.tower_sync_steps)
     job = context.job
     trainer = 0 if job is None else job.trainer
     if args.prepare:

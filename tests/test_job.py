@@ -198,3 +198,63 @@ def test_periodic_hooks_fire_when_a_clusters_steps_jump() -> None:
     assert due == [13, 29, 40]  # the first at or past each multiple (steps + 1: 10, 20+30, 40)
     sequential = PeriodicSyncHook(every_steps=10, every_secs=None)
     assert [s for s in range(35) if sequential.sync_after(s)] == [9, 19, 29]
+
+
+def test_every_k_steps_the_trainers_changes_are_added() -> None:
+    """GEO mode: each trainer's change since its last sync is added to the
+    servers' values, and each then takes the sum of everyone's."""
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    from wuliang.dense import SharedTower, tower_specs
+
+    engine = Engine(1)
+    for spec in tower_specs(keras.optimizers.RMSprop(0.1), sync_steps=3).values():
+        engine.create_table(spec)  # any optimizer: the trainers apply it
+    start = np.arange(6, dtype=np.float32)
+    a = [tf.Variable(start.copy())]
+    b = [tf.Variable(np.zeros(6, np.float32))]
+    chief = SharedTower(engine, a, [], True, sync_steps=3)
+    worker = SharedTower(engine, b, [], False, sync_steps=3)
+    assert chief.start() == "filled"
+    worker.pull()
+    np.testing.assert_array_equal(b[0].numpy(), start)
+    for _ in range(2):  # no sync before the third step
+        a[0].assign_add(np.ones(6, np.float32))
+        b[0].assign_add(np.full(6, 10, np.float32))
+        chief.after_step(None, 1)
+        worker.after_step(None, 1)
+    np.testing.assert_array_equal(engine.lookup("__tower__", np.array([1], np.uint64)).rows[0, :6],
+                                  start)  # fmt: skip
+    a[0].assign_add(np.ones(6, np.float32))
+    chief.after_step(None, 3)  # +3 added
+    b[0].assign_add(np.full(6, 10, np.float32))
+    worker.after_step(None, 3)  # +30 added, and it takes +33
+    np.testing.assert_allclose(b[0].numpy(), start + 33)
+    chief.pull()  # a sync with nothing changed: takes everyone's
+    np.testing.assert_allclose(a[0].numpy(), start + 33)
+
+
+def test_non_trainable_variables_follow_the_chiefs() -> None:
+    """Batch-norm statistics: the chief writes its values with each push,
+    the other trainers take them with each pull (theirs are overwritten)."""
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    from wuliang.dense import SharedTower, tower_specs
+
+    engine = Engine(1)
+    for spec in tower_specs(keras.optimizers.SGD(0.1)).values():
+        engine.create_table(spec)
+    weights = [tf.Variable(np.ones(3, np.float32)) for _ in range(2)]
+    moving = [tf.Variable(np.full(300, 5.0, np.float32)), tf.Variable(np.zeros(300, np.float32))]
+    chief = SharedTower(engine, [weights[0]], [moving[0]], is_chief=True)
+    worker = SharedTower(engine, [weights[1]], [moving[1]], is_chief=False)
+    chief.start()
+    worker.pull()
+    np.testing.assert_array_equal(moving[1].numpy(), 5.0)
+    moving[0].assign(np.full(300, 7.0, np.float32))
+    moving[1].assign(np.full(300, -1.0, np.float32))  # a worker's own statistics do not count
+    worker.push([np.ones(3, np.float32)], step=1)
+    chief.push([np.ones(3, np.float32)], step=2)
+    worker.pull()
+    np.testing.assert_array_equal(moving[1].numpy(), 7.0)
+    np.testing.assert_allclose(weights[1].numpy(), 1 - 2 * 0.1)  # both pushes applied

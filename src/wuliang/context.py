@@ -101,6 +101,14 @@ class Context:
             ``"raise"`` stops training with ``NonFiniteError`` naming the
             loss, tower variable or table and the step; ``"drop"`` skips
             such updates, counts and logs them. See ``wuliang.nonfinite``.
+        tower_sync_steps: with several trainers of a cluster, the tower's
+            variables live on the servers (``wuliang.dense``): 1 (the
+            default) pulls them before every step and has the servers
+            apply each step's gradients with the tower's optimizer; k > 1
+            lets each trainer's optimizer apply them and adds each trainer's
+            change to the servers' values every k steps (Paddle's GEO
+            mode: k times less traffic, some AUC: see ``docs/cluster.md``).
+            Every trainer of a job must use the same.
     """
 
     def __init__(
@@ -114,6 +122,7 @@ class Context:
         evict_every_steps: int | None = 1000,
         background: str = "normal",
         non_finite: str = "raise",
+        tower_sync_steps: int = 1,
     ) -> None:
         self.cluster = Cluster.from_env()  # None: not part of a cluster
         if ps is None:
@@ -132,6 +141,9 @@ class Context:
             raise ValueError(
                 f"evict_every_steps must be an int >= 1 or None, got {evict_every_steps!r}"
             )
+        if not isinstance(tower_sync_steps, int) or tower_sync_steps < 1:
+            raise ValueError(f"tower_sync_steps must be an int >= 1, got {tower_sync_steps!r}")
+        self.tower_sync_steps = tower_sync_steps
         self.background = check_background(background)
         self.non_finite = check_policy(non_finite)
         if num_shards is not None and not (isinstance(num_shards, int) and num_shards >= 1):

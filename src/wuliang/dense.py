@@ -18,6 +18,12 @@ update them asynchronously:
 * **a step.** Before computing, a trainer pulls the blocks and assigns them
   to its variables; after, it pushes the step's gradients (a variable the
   loss does not reach: zeros), which the servers apply.
+* **every k steps** (``Context(tower_sync_steps=k)``, Paddle's GEO mode):
+  each trainer applies its own Keras optimizer (any) for k steps, then
+  pushes the change of its variables since its last sync and pulls the
+  sum of everyone's: ``__tower__`` is then ``SGD(1.0)`` over the pushed
+  negated deltas, i.e. the servers add them. The tower's traffic is k
+  times smaller; its cost in AUC is measured in ``docs/cluster.md``.
 * **start.** At its first step the chief, having restored (or not), fills
   the tables from its own variables when they are empty, and pulls them
   otherwise (the servers' rows are the newest); then it marks the job
@@ -120,14 +126,15 @@ def _number(value: Any) -> float:
     return float(str(np.float32(value)))
 
 
-def tower_specs(optimizer: Any) -> dict[str, TableSpec]:
-    """The specs of the tower's two tables for a Keras optimizer."""
+def tower_specs(optimizer: Any, sync_steps: int = 1) -> dict[str, TableSpec]:
+    """The specs of the tower's two tables for a Keras optimizer (every step),
+    or for deltas added every ``sync_steps`` > 1 steps."""
     never = Eviction()
     return {
         TOWER_TABLE: TableSpec(
             TOWER_TABLE,
             BLOCK,
-            optimizer=engine_optimizer(optimizer),
+            optimizer=engine_optimizer(optimizer) if sync_steps == 1 else SGD(1.0),
             initializer=Zeros(),
             eviction=never,
             nan_policy="drop",
@@ -173,16 +180,55 @@ class SharedTower:
         trainable: the variables the training step updates, in its order.
         non_trainable: the tower's other variables (batch-norm statistics).
         is_chief: whether this trainer's non-trainable values are the job's.
+        sync_steps: 1: the servers apply every step's gradients; k > 1: the
+            trainer's optimizer applies them and the change is added to the
+            servers' values every k steps.
     """
 
     def __init__(
-        self, ps: ParameterServer, trainable: list[Any], non_trainable: list[Any], is_chief: bool
+        self,
+        ps: ParameterServer,
+        trainable: list[Any],
+        non_trainable: list[Any],
+        is_chief: bool,
+        sync_steps: int = 1,
     ) -> None:
         self.ps = ps
         self.trainable = _Blocks(trainable)
         self.state = _Blocks(non_trainable) if non_trainable else None
         self.is_chief = is_chief
+        self.sync_steps = sync_steps
         self._pulled = np.empty((self.trainable.rows, BLOCK), np.float32)
+        self._base: np.ndarray | None = None  # the values of the last sync (k > 1)
+        self._since = 0  # steps since then
+
+    def before_step(self) -> None:
+        """Every step's pull (k = 1); with k > 1 the variables are the trainer's."""
+        if self.sync_steps == 1:
+            self.pull()
+
+    def after_step(self, grads: list[Any] | None, step: int) -> None:
+        """A trained step: its gradients pushed (k = 1), or every k-th step
+        the change since the last sync added and everyone's pulled."""
+        if self.sync_steps == 1:
+            if grads is not None:
+                self.push(grads, step)
+            return
+        self._since += 1
+        if self._since >= self.sync_steps:
+            self.sync(step)
+
+    def sync(self, step: int | None = None) -> None:
+        """k > 1: pushes this trainer's change since the last sync (the
+        servers add it) and takes the sum of everyone's."""
+        current = self.trainable.pack([v.numpy() for v in self.trainable.variables])
+        if self._base is not None:
+            part = PushPart(TOWER_TABLE, self.trainable.keys, self._base - current)  # SGD(1): +Δ
+            self.ps.push_many([part], unique=True, step=step)
+        if self.is_chief:
+            self.write_state()
+        self._since = 0
+        self._pull_values()
 
     def start(self) -> str:
         """The chief: fills the tables from its variables where they are
@@ -199,13 +245,24 @@ class SharedTower:
         values = self.trainable.pack([v.numpy() for v in self.trainable.variables])
         self.ps.load(TOWER_TABLE, self.trainable.keys, values)
         self.write_state()
+        if self.sync_steps > 1:
+            self._base = values
         return "filled"
 
     def pull(self) -> None:
-        """Assigns the servers' values to the variables."""
+        """Assigns the servers' values to the variables (k > 1: after adding
+        this trainer's change since its last sync)."""
+        if self.sync_steps > 1 and self._base is not None:
+            self.sync()
+            return
+        self._pull_values()
+
+    def _pull_values(self) -> None:
         part = PullPart(TOWER_TABLE, self.trainable.keys, self._pulled)
         self.ps.pull_many([part], train=False)
         self.trainable.assign(self._pulled)
+        if self.sync_steps > 1:
+            self._base = self._pulled.copy()
         if self.state is not None and not self.is_chief:
             found = self.ps.lookup(STATE_TABLE, self.state.keys)
             if found.found.all():

@@ -135,8 +135,9 @@ class Session:
         self.tower = TowerState(self.functions, self.sparse, self.dense, self.optimizer)
         self._shared: SharedTower | None = None  # the tower on the servers, from the first step
         if self.context.shares_tower:  # several trainers: the tower lives on the servers
-            self.functions.apply_tower = False
-            for spec in tower_specs(self.optimizer).values():  # refuses what cannot be mapped
+            every = self.context.tower_sync_steps
+            self.functions.apply_tower = every > 1  # k > 1: the trainer's optimizer applies
+            for spec in tower_specs(self.optimizer, every).values():  # refuses what cannot map
                 self.context.create_tower_table(spec)
         self.hooks = list(hooks)
         evicting = [name for name, t in tables.items() if t.eviction.enabled]
@@ -331,6 +332,8 @@ class Session:
                 )
             else:
                 log.warning("the reader yielded no batches: nothing trained")
+        if finished and self._shared is not None:  # the tower's last change, on the servers
+            self._shared.pull()
         if finished:
             for hook in extra:
                 hook.end(self)
@@ -406,11 +409,18 @@ class Session:
         if self._shared is None:
             self.functions.trace(inputs, rows, train=True)  # the variables exist
             trainable = list(self.functions.tower_variables)
-            known = {id(v) for v in trainable} | {id(v) for v in self.optimizer.variables}
-            others = [v for v in self.functions.variables() if id(v) not in known]
+            owned = [*self.optimizer.variables, *trainable]  # Keras's and TF's objects
+            known = {id(v) for v in owned} | {id(getattr(v, "value", v)) for v in owned}
+            others = sorted(  # batch-norm statistics: the same order in every trainer
+                (v for v in self.functions.variables()
+                 if id(v) not in known and v.dtype.is_floating),
+                key=lambda v: v.name,
+            )  # fmt: skip
             job = self.context.job
             assert job is not None
-            self._shared = SharedTower(self.context.ps, trainable, others, job.is_chief)
+            self._shared = SharedTower(
+                self.context.ps, trainable, others, job.is_chief, self.context.tower_sync_steps
+            )
             if job.is_chief:
                 how = self._shared.start()
                 if job.ready() is None:
@@ -420,7 +430,9 @@ class Session:
                 log.info("the tower's %d variables are on the parameter servers (%s)",
                          len(trainable), how)  # fmt: skip
                 return
-        self._shared.pull()
+            self._shared.pull()  # a worker's first step: the servers' tower
+            return
+        self._shared.before_step()
 
     def _check_fetches(self, names: Sequence[str], strict: bool) -> None:
         valid = set(self.fetchable())
@@ -629,7 +641,8 @@ class Session:
             grads = None if skip else out["gather_grads"]  # None: nothing pushed
             pusher.push(item, (inputs, grads))
             if not skip and self._shared is not None:
-                self._shared.push(list(out["tower_grads"]), item.number)
+                grads = out.get("tower_grads")
+                self._shared.after_step(None if grads is None else list(grads), item.number)
             if not skip:
                 self.context.advance(getattr(batch, "position", None))
         timings = {**item.timings, "compute": computed - start}
