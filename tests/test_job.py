@@ -258,3 +258,33 @@ def test_non_trainable_variables_follow_the_chiefs() -> None:
     worker.pull()
     np.testing.assert_array_equal(moving[1].numpy(), 7.0)
     np.testing.assert_allclose(weights[1].numpy(), 1 - 2 * 0.1)  # both pushes applied
+
+
+def test_trainers_without_servers_share_nothing_and_are_told(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import wuliang as wl
+
+    config = {
+        "cluster": {"chief": ["c:1"], "worker": ["w:1"]},
+        "task": {"type": "worker", "index": 0},
+    }
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+    with wl.Context() as context:  # no ps tasks: an embedded engine, no job to wait for
+        assert context.job is None and context.is_chief and not context.shares_tower
+    assert "each trains a model of its own" in caplog.text
+
+
+def test_a_trainer_of_a_job_with_servers_has_a_job(
+    monkeypatch: pytest.MonkeyPatch, remote: RemoteServer
+) -> None:
+    import wuliang as wl
+
+    config = {
+        "cluster": {"chief": ["c:1"], "worker": ["w:1"], "ps": remote.addresses},
+        "task": {"type": "worker", "index": 0},
+    }
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+    with wl.Context() as context:
+        assert context.job is not None and not context.is_chief and context.shares_tower
+        assert context.ps.num_servers == 2

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from wuliang.embedding.features import EmbeddingTable
 from wuliang.job import Job
 from wuliang.nonfinite import check_policy
-from wuliang.ps_server import ParameterServer, address_kind, parameter_server
+from wuliang.ps_server import Engine, ParameterServer, address_kind, parameter_server
 from wuliang.ps_server.cluster import Cluster
 from wuliang.ps_server.spec import TableSpec
 from wuliang.ps_server.threads import check_background
@@ -172,10 +172,18 @@ class Context:
         self.tables: dict[str, EmbeddingTable] = {}
         self.tower_tables: dict[str, TableSpec] = {}  # a shared tower's (wuliang.dense)
         # a trainer of a cluster: the job's step, ready mark and positions (wuliang.job)
-        self.job: Job | None = (
-            Job(self.ps, self.cluster) if self.cluster is not None and self.cluster.is_trainer
-            else None
-        )  # fmt: skip
+        self.job: Job | None = None
+        if self.cluster is not None and self.cluster.is_trainer:
+            if isinstance(self.ps, Engine):  # tables in this process: nothing is shared
+                if self.cluster.num_trainers > 1:
+                    log.warning(
+                        "TF_CONFIG names %d trainers but this one trains with an embedded "
+                        "engine: each trains a model of its own (give the job ps tasks, or "
+                        "Context(ps=[...]) the servers)",
+                        self.cluster.num_trainers,
+                    )
+            else:
+                self.job = Job(self.ps, self.cluster)
 
     @property
     def is_chief(self) -> bool:
