@@ -79,12 +79,14 @@ bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/export_bench.py
 	$(BIN)/python benchmarks/train_bench.py
 	$(BIN)/python benchmarks/serving_bench.py
+	$(BIN)/python benchmarks/gpu_cache_bench.py
 
 bench-quick: $(VENV)/.bench
 	$(BIN)/python benchmarks/ps_bench.py --quick
 	$(BIN)/python benchmarks/reader_bench.py --quick
 	$(BIN)/python benchmarks/export_bench.py --quick
 	$(BIN)/python benchmarks/train_bench.py --quick
+	$(BIN)/python benchmarks/gpu_cache_bench.py --quick
 	$(BIN)/python benchmarks/serving_bench.py --quick
 
 # After editing serving/serving.proto: rebuilds the descriptor in serving/proto.py.

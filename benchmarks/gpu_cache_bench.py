@@ -15,7 +15,7 @@ lookups see) and per batch-unique key (what the cache's gather sees).
 size take (a cache that knew the distribution).
 
 Rows/s, in the same run, on one table (dim 16, Adagrad) and batches of
-65,536 unique keys:
+65,536 unique keys (``--rows-batch``):
 
 * engine pull / push: the embedded engine (``--shards`` threads), training
   pulls of existing rows and Adagrad pushes;
@@ -57,7 +57,6 @@ SIZES = {"1%": 0.01, "5%": 0.05, "20%": 0.20}
 POLICIES = ("stats", "lru")
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 DIM = 16
-ROWS_BATCH = 65_536
 
 
 def keys_of(ranks: np.ndarray) -> np.ndarray:
@@ -157,10 +156,11 @@ def throughput(args: argparse.Namespace, xp) -> dict:
     rng = np.random.default_rng(args.seed)
     hot = keys_of(np.arange(args.cache_rows))
     batches = [
-        np.sort(rng.choice(hot, size=ROWS_BATCH, replace=False)) for _ in range(args.rate_batches)
+        np.sort(rng.choice(hot, size=args.rows_batch, replace=False))
+        for _ in range(args.rate_batches)
     ]
-    grads = (rng.standard_normal((ROWS_BATCH, DIM)) * 0.01).astype(np.float32)
-    out = np.empty((ROWS_BATCH, DIM), np.float32)
+    grads = (rng.standard_normal((args.rows_batch, DIM)) * 0.01).astype(np.float32)
+    out = np.empty((args.rows_batch, DIM), np.float32)
     result: dict = {}
 
     with Engine(args.shards) as engine:
@@ -215,10 +215,10 @@ def throughput(args: argparse.Namespace, xp) -> dict:
 
     # Rows that exist but are not cached: read whole (an export scan).
     read_rows = args.read_table_rows
-    with CachedServer(Engine(args.shards), rows=ROWS_BATCH, xp=xp, policy="lru") as cached:
+    with CachedServer(Engine(args.shards), rows=args.rows_batch, xp=xp, policy="lru") as cached:
         cached.create_table(spec)
         fill(cached.inner, "bench", keys_of(np.arange(read_rows)))
-        waves = [keys_of(np.arange(i, read_rows, 4)[:ROWS_BATCH]) for i in range(2)]
+        waves = [keys_of(np.arange(i, read_rows, 4)[: args.rows_batch]) for i in range(2)]
         start = time.perf_counter()
         for i, keys in enumerate(waves):
             cached.pull("bench", keys, out=out[: len(keys)], step=4 + i)
@@ -239,6 +239,7 @@ def main() -> None:
     parser.add_argument("--table-rows", type=int, default=4_000_000, help="engine table rows")
     parser.add_argument("--cache-rows", type=int, default=1 << 20, help="rows/s: cache rows")
     parser.add_argument("--read-table-rows", type=int, default=1_000_000)
+    parser.add_argument("--rows-batch", type=int, default=65_536, help="rows/s: keys a batch")
     parser.add_argument("--rate-batches", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shards", type=int, default=2)
@@ -296,7 +297,7 @@ def main() -> None:
                 hit[s][z]["stats"] >= hit[s][z]["lru"] for s in STREAMS for z in SIZES
             ),
         },
-        "rows_batch": ROWS_BATCH,
+        "rows_batch": args.rows_batch,
         "dim": DIM,
         "shards": args.shards,
         "table_rows": args.table_rows,

@@ -11,7 +11,9 @@ runs the cache through the whole interface as well."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -501,3 +503,49 @@ def test_float_model_helpers_are_exact() -> None:
             candidates, key=lambda v: (abs(Fraction(float(v)) - exact), int(v.view(np.int32)) & 1)
         )
         assert r == best, (x, y, z, r, best)
+
+
+# --- the benchmark ------------------------------------------------------------------
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_cache_bench.py"
+
+
+def test_the_benchmark_runs_without_tensorflow(tmp_path: Path) -> None:
+    """benchmarks/gpu_cache_bench.py, tiny: its last line is one JSON object
+    with the hit rates by stream, size and policy and the rows/s of cache and
+    engine, and it never imports TensorFlow."""
+    args = [
+        "--universe", "100000", "--batch", "8192", "--batches", "3", "--warmup", "3",
+        "--table-rows", "20000", "--cache-rows", "8192", "--rows-batch", "4096",
+        "--read-table-rows", "20000", "--rate-batches", "1", "--repeats", "1", "--xp", "numpy",
+    ]  # fmt: skip
+    code = (
+        "import runpy, sys\n"
+        "class NoTensorFlow:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'tensorflow' or name.startswith('tensorflow.'):\n"
+        "            raise ImportError('the benchmark must not import TensorFlow')\n"
+        "sys.meta_path.insert(0, NoTensorFlow())\n"
+        f"sys.argv = ['gpu_cache_bench.py', *{args!r}]\n"
+        f"runpy.run_path({str(BENCH)!r}, run_name='__main__')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["array_module"] == "numpy" and result["device"] == "cpu"
+    assert set(result["hit_rate"]) == {"zipf1.05", "zipf1.1", "zipf1.2"}
+    for stream in result["hit_rate"].values():
+        assert set(stream) == {"1%", "5%", "20%"}
+        for size in stream.values():
+            assert set(size) == {"stats", "lru"} and all(0 <= v <= 1 for v in size.values())
+    for key in (
+        "cache_lookup_rows_per_s",
+        "cache_update_rows_per_s",
+        "engine_pull_rows_per_s",
+        "engine_push_rows_per_s",
+        "swap_in_new_rows_per_s",
+        "swap_in_read_rows_per_s",
+    ):
+        assert result[key] > 0, key

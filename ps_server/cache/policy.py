@@ -40,8 +40,8 @@ _RESCALE = 256.0  # rescale scores when the decay exponent passes this many halv
 class KeyIndex:
     """uint64 key → int64 id, for batches of keys: linear probing over a
     power-of-two table of (key, id) in numpy arrays (ids -1: empty, -2:
-    deleted), at most half full counting deleted entries; a batch's keys
-    advance together one probe at a time."""
+    deleted), a quarter full at most after a rebuild and half full counting
+    deleted entries; a batch's keys advance together one probe at a time."""
 
     def __init__(self, expected: int) -> None:
         self._reset(self._capacity_for(expected))
@@ -49,7 +49,7 @@ class KeyIndex:
     @staticmethod
     def _capacity_for(n: int) -> int:
         capacity = 1024
-        while capacity < 2 * max(n, 1):
+        while capacity < 4 * max(n, 1):
             capacity *= 2
         return capacity
 
@@ -99,12 +99,14 @@ class KeyIndex:
             free = self._ids[p] < 0
             if free.any():
                 candidates, where = pending[free], p[free]
-                _, first = np.unique(where, return_index=True)
-                winners, spots = candidates[first], where[first]
-                self._used += int((self._ids[spots] == _EMPTY).sum())
-                self._keys[spots] = keys[winners]
-                self._ids[spots] = ids[winners]
-                placed[winners] = True
+                was_empty = self._ids[where] == _EMPTY
+                # Keys racing for one free place: one write lands, the key
+                # read back says which (keys are distinct).
+                self._keys[where] = keys[candidates]
+                won = self._keys[where] == keys[candidates]
+                self._ids[where[won]] = ids[candidates[won]]
+                self._used += int(was_empty[won].sum())
+                placed[candidates[won]] = True
                 pending = pending[~placed[pending]]
             pos[pending] = (pos[pending] + 1) & self._mask
         self.size += len(keys)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -94,6 +94,7 @@ class _Table:
     dirty: np.ndarray  # [rows] bool, host: updated since it came in
     adam_t: np.ndarray | None  # [rows] float32, host: Adam's t of each row
     admitted_at: np.ndarray  # [rows] uint64, host: step + 1 of an admission no push followed
+    extra: dict[str, np.ndarray]  # host: any further RowChunk column by slot, as it came
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     # what the inner server's counters miss: (the keys the cache answered)
     pulled_keys: int = 0
@@ -254,6 +255,7 @@ class CachedServer(ParameterServer):
                 dirty=np.zeros(rows, bool),
                 adam_t=np.zeros(rows, F32) if math.kind == "adam" else None,
                 admitted_at=np.zeros(rows, np.uint64),
+                extra={name: np.zeros(rows, F32) for name in _EXTRA},
             )
         self._tables[name] = made
         return made
@@ -287,6 +289,7 @@ class CachedServer(ParameterServer):
             counts=k.to_host(k.gather(cache.counts, slots)),
             steps=k.to_host(k.gather(cache.steps, slots)),
             times=k.to_host(k.gather(cache.times, slots)),
+            **{name: values[slots] for name, values in cache.extra.items()},
         )
         cache.dirty[slots] = False
         cache.counters["written_back"] += len(slots)
@@ -472,6 +475,7 @@ class CachedServer(ParameterServer):
         steps = np.zeros(n, np.uint64)
         times = np.zeros(n, np.uint32)
         found = np.ones(n, bool)
+        extra = {column: np.zeros(n, F32) for column in _EXTRA}
         new = p.new[incoming] if p.new is not None else np.zeros(n, bool)
         # min_count 1: a new row is the initial vector and state, count 0
         fresh = cache.spec.admission.min_count == 1 and step is not None
@@ -489,6 +493,8 @@ class CachedServer(ParameterServer):
             weights[at] = rows.weights
             state[at] = rows.state.reshape(len(at), state_dim)
             counts[at], steps[at], times[at] = rows.counts, rows.steps, rows.times
+            for column, values in extra.items():
+                values[at] = getattr(rows, column)
         if not found.all():
             self._forget_keys(name, keys[~found])
             p.slots[p.misses[incoming[~found]]] = -1
@@ -502,6 +508,8 @@ class CachedServer(ParameterServer):
         k.scatter(cache.steps, slots, k.to_device(steps[found]))
         k.scatter(cache.times, slots, k.to_device(times[found]))
         cache.dirty[slots] = False
+        for column, values in extra.items():
+            cache.extra[column][slots] = values[found]
         if cache.adam_t is not None:
             cache.adam_t[slots] = state[found][:, 2 * dim]
         # A row this pull admitted (min_count > 1) carries the engine's
@@ -597,7 +605,15 @@ class CachedServer(ParameterServer):
                     f"table {table!r}: gradient row {i} (key {int(keys.view(np.uint64)[i])}) "
                     "is not finite"
                 )
-        return PushPart(table, keys, grads, None, updated, updated_rows), spec
+        checked = replace(
+            part,
+            keys=keys,
+            grads=grads,
+            shard_offsets=None,
+            updated=updated,
+            updated_rows=updated_rows,
+        )
+        return checked, spec
 
     def _push_cached(
         self,
@@ -801,16 +817,14 @@ class CachedServer(ParameterServer):
         table: str,
         keys: KeyArray,
         weights: np.ndarray,
-        state: np.ndarray | None = None,
-        counts: np.ndarray | None = None,
-        steps: np.ndarray | None = None,
-        times: np.ndarray | None = None,
-        versions: np.ndarray | None = None,
-        *,
+        *columns: np.ndarray | None,
         step: int | None = None,
+        **named: np.ndarray | None,
     ) -> None:
+        """The inner server's ``load`` (every column it takes); the keys
+        leave the cache (their rows are the loaded ones now)."""
         with self._lock:
-            self.inner.load(table, keys, weights, state, counts, steps, times, versions, step=step)
+            self.inner.load(table, keys, weights, *columns, step=step, **named)
             self._forget_keys(table, as_keys(keys))
 
     def erase(self, table: str, keys: KeyArray) -> int:
@@ -881,44 +895,51 @@ class CachedServer(ParameterServer):
 
 
 def read_rows(server: ParameterServer, table: str, keys: np.ndarray) -> tuple[RowChunk, np.ndarray]:
-    """The whole rows (every column) of keys that have one, in key order,
-    and which keys had one. A server with ``read_rows(table, keys)`` answers
-    it; otherwise the table is exported and filtered (a scan of every row:
-    the interface has no per-key read of optimizer state)."""
+    """The whole rows (every column) of the keys that have one, in the order
+    of ``keys``, and which keys had one. A server with ``read_rows(table,
+    keys)`` answers it; otherwise the table is exported and filtered (a scan
+    of every row: the interface has no per-key read of optimizer state)."""
     own = getattr(server, "read_rows", None)
     if own is not None:
         return own(table, keys)
     keys = np.asarray(keys, np.uint64)
-    parts: list[RowChunk] = []
-    for chunk in server.export(table):
-        hit = np.isin(chunk.keys, keys)
-        if hit.any():
-            parts.append(_select(chunk, hit))
-    if parts:
-        rows = RowChunk(*[np.concatenate([getattr(p, name) for p in parts]) for name in _COLUMNS])
-    else:
-        spec = server.spec(table)
-        rows = RowChunk(
-            keys=np.zeros(0, np.uint64),
-            weights=np.zeros((0, spec.dim), F32),
-            state=np.zeros((0, spec.state_dim), F32),
-            counts=np.zeros(0, np.uint32),
-            steps=np.zeros(0, np.uint64),
-            times=np.zeros(0, np.uint32),
-            versions=np.zeros(0, np.uint64),
-        )
-    position = {int(k): i for i, k in enumerate(rows.keys.tolist())}
-    order = [position.get(int(k), -1) for k in keys.tolist()]
-    found = np.array([i >= 0 for i in order], bool)
-    take = np.array([i for i in order if i >= 0], np.int64)
-    return _select(rows, take), found
+    wanted = np.unique(keys)
+    parts = [_select(chunk, np.isin(chunk.keys, wanted)) for chunk in server.export(table)]
+    rows = _concat([p for p in parts if len(p)], server.spec(table))
+    order = np.argsort(rows.keys)
+    known = rows.keys[order]
+    at = np.minimum(np.searchsorted(known, keys), max(len(known) - 1, 0))
+    found = known[at] == keys if len(known) else np.zeros(len(keys), bool)
+    return _select(rows, order[at[found]]), found
 
 
 _COLUMNS = ("keys", "weights", "state", "counts", "steps", "times", "versions")
+# Columns a RowChunk may carry beyond these (per-row statistics): the cache
+# keeps them per slot as the rows came and writes them back unchanged.
+_EXTRA = tuple(f.name for f in fields(RowChunk) if f.name not in _COLUMNS)
 
 
 def _select(rows: RowChunk, which: np.ndarray) -> RowChunk:
-    return RowChunk(*[getattr(rows, name)[which] for name in _COLUMNS])
+    return RowChunk(**{f.name: getattr(rows, f.name)[which] for f in fields(RowChunk)})
+
+
+def _concat(parts: list[RowChunk], spec: TableSpec) -> RowChunk:
+    if parts:
+        return RowChunk(
+            **{
+                f.name: np.concatenate([getattr(p, f.name) for p in parts])
+                for f in fields(RowChunk)
+            }
+        )
+    return RowChunk(
+        keys=np.zeros(0, np.uint64),
+        weights=np.zeros((0, spec.dim), F32),
+        state=np.zeros((0, spec.state_dim), F32),
+        counts=np.zeros(0, np.uint32),
+        steps=np.zeros(0, np.uint64),
+        times=np.zeros(0, np.uint32),
+        versions=np.zeros(0, np.uint64),
+    )
 
 
 def _check_rows(n: Any, what: str) -> None:
@@ -936,24 +957,30 @@ def _only(part: PushPart, only: str) -> PushPart:
     keep = np.nonzero(has_row if only == "updated" else ~has_row)[0]
     chosen = _subset(part, keep)
     if only == "rest":
-        return PushPart(chosen.table, chosen.keys, chosen.grads)
+        return replace(chosen, updated=None, updated_rows=None)
     return chosen
 
 
+_ROUTING = ("table", "shard_offsets", "updated", "updated_rows")
+
+
 def _subset(part: PushPart, where: np.ndarray) -> PushPart:
-    """The part's keys at positions ``where`` (their gradients, and where
-    their ``updated`` rows go)."""
+    """The part's keys at positions ``where`` with what goes with each key
+    (gradient, and any other per-key column), and where their ``updated``
+    rows go."""
+    n = len(part.keys)
+    per_key: dict[str, Any] = {}
+    for f in fields(PushPart):
+        value = getattr(part, f.name)
+        if f.name in _ROUTING or value is None:
+            continue
+        value = np.asarray(value)
+        if value.ndim and len(value) == n:
+            per_key[f.name] = np.ascontiguousarray(value[where])
     updated_rows = None
     if part.updated is not None:
         if part.updated_rows is None:
             updated_rows = where.astype(np.int32)
         else:
             updated_rows = np.ascontiguousarray(np.asarray(part.updated_rows)[where])
-    return PushPart(
-        part.table,
-        np.asarray(part.keys)[where],
-        np.ascontiguousarray(np.asarray(part.grads)[where]),
-        None,
-        part.updated,
-        updated_rows,
-    )
+    return replace(part, shard_offsets=None, updated_rows=updated_rows, **per_key)
