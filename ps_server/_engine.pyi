@@ -67,6 +67,7 @@ class TableSpec:
     nan_policy: NanPolicy
     reserve_rows: int
     precision: Precision
+    stats_half_life: float
 
 class UnknownTableError(KeyError): ...
 
@@ -115,7 +116,12 @@ class Engine:
         self, parts: list[tuple], train: bool = True, step: int | None = None
     ) -> None: ...
     def push_many(
-        self, parts: list[tuple], unique: bool = False, only: int = 0, step: int | None = None
+        self,
+        # (table, keys, grads, shard_offsets, updated, updated_rows, shows, clicks)
+        parts: list[tuple],
+        unique: bool = False,
+        only: int = 0,
+        step: int | None = None,
     ) -> dict[str, int]: ...
     def erase(self, table: int, keys: np.ndarray) -> int: ...
     def contains(self, table: int, keys: np.ndarray) -> np.ndarray: ...
@@ -147,6 +153,8 @@ class Engine:
         steps: np.ndarray | None = None,
         times: np.ndarray | None = None,
         versions: np.ndarray | None = None,
+        shows: np.ndarray | None = None,
+        clicks: np.ndarray | None = None,
         step: int | None = None,
     ) -> None: ...
 

@@ -228,6 +228,8 @@ class Engine(ParameterServer):
         updated: np.ndarray | None = None,
         updated_rows: np.ndarray | None = None,
         step: int | None = None,
+        shows: np.ndarray | None = None,
+        clicks: np.ndarray | None = None,
     ) -> PushResult:
         """Applies the optimizer to the rows of keys with float32 grads ``[n, dim]``.
 
@@ -238,11 +240,12 @@ class Engine(ParameterServer):
         (``[n, dim]``), or with ``updated_rows`` (int32 ``[n]``) to
         ``updated[updated_rows[i]]`` (``[rows, dim]``; nowhere where -1; no
         row twice): how a trainer refreshes the next step's pulled rows.
+        ``shows`` and ``clicks``: as for ``PushPart``.
         """
-        part = PushPart(table, keys, grads, shard_offsets, updated, updated_rows)
-        if step is not None:
+        part = PushPart(table, keys, grads, shard_offsets, updated, updated_rows, shows, clicks)
+        if step is not None or shows is not None or clicks is not None:
             return self.push_many([part], unique=unique, step=step)
-        tid, keys, grads, offsets, updated, updated_rows = self._push_args(part)
+        tid, keys, grads, offsets, updated, updated_rows, _, _ = self._push_args(part)
         return PushResult(
             **self.native.push(tid, keys, grads, unique, offsets, updated, updated_rows)
         )
@@ -299,7 +302,10 @@ class Engine(ParameterServer):
             check_float32(updated, (rows, spec.dim), "updated")
             if not updated.flags.c_contiguous or not updated.flags.writeable:
                 raise ValueError("updated must be a writeable C-contiguous array")
-        return tid, keys, grads, self._offsets(part.shard_offsets), updated, updated_rows
+        offsets = self._offsets(part.shard_offsets)
+        shows = as_column(part.shows, np.float32, (len(keys),), f"shows for table {table!r}")
+        clicks = as_column(part.clicks, np.float32, (len(keys),), f"clicks for table {table!r}")
+        return tid, keys, grads, offsets, updated, updated_rows, shows, clicks
 
     def _offsets(self, shard_offsets: np.ndarray | None) -> np.ndarray | None:
         if shard_offsets is None:
@@ -349,6 +355,8 @@ class Engine(ParameterServer):
                         as_column(rows.steps, np.uint64, (n,), "steps"),
                         as_column(rows.times, np.uint32, (n,), "times"),
                         as_column(rows.versions, np.uint64, (n,), "versions"),
+                        as_column(rows.shows, np.float32, (n,), "shows"),
+                        as_column(rows.clicks, np.float32, (n,), "clicks"),
                     )
                 if update.removed is not None and len(update.removed):
                     if update.full:
@@ -501,13 +509,16 @@ class Engine(ParameterServer):
         steps: np.ndarray | None = None,
         times: np.ndarray | None = None,
         versions: np.ndarray | None = None,
+        shows: np.ndarray | None = None,
+        clicks: np.ndarray | None = None,
         *,
         step: int | None = None,
     ) -> None:
         """Inserts or overwrites rows exactly (e.g. from a RowChunk).
 
         Missing columns default to the optimizer's initial state, count 0,
-        ``step`` (default ``self.step``), now, and the current version.
+        ``step`` (default ``self.step``), now, the current version, and no
+        shows or clicks.
         """
         tid, spec = self._table(table)
         keys = as_keys(keys)
@@ -521,5 +532,7 @@ class Engine(ParameterServer):
             as_column(steps, np.uint64, (n,), "steps"),
             as_column(times, np.uint32, (n,), "times"),
             as_column(versions, np.uint64, (n,), "versions"),
+            as_column(shows, np.float32, (n,), "shows"),
+            as_column(clicks, np.float32, (n,), "clicks"),
             check_step(step),
         )

@@ -14,13 +14,15 @@ Data half (any number of threads at once):
   admission allows; ``train=False`` is a pure lookup. Keys without a row read
   as their initial vector.
 * ``push_many(parts, unique, only, step)``: applies each table's optimizer to
-  the rows of the keys with the given gradients; ``push`` for one table.
+  the rows of the keys with the given gradients, and adds the parts' show
+  and click increments to the rows' statistics; ``push`` for one table.
 * ``pull_many_async`` / ``push_many_async``: the same, started now; the
   returned ``Handle`` 's ``wait()`` returns the result or raises the error.
   The arrays passed in must not change (nor ``out`` be read) until then.
 
 Admin half: tables (``create_table``, ``drop_table``, ``tables``, ``spec``),
 ``stats``, chunked ``export`` (rows modified after a version) and ``load``,
+``top_keys`` (the keys with the most shows),
 the removal log (``removed_log``, ``load_removed``, ``trim_removed``), the
 admission counts of keys not admitted yet (``pending_counts``,
 ``load_pending``), ``erase``, ``contains``, ``evict``, versions
@@ -117,6 +119,11 @@ class PushPart:
     push (what a lookup would read next): key i's at ``updated[i]``, or with
     ``updated_rows`` (int32 ``[n]``) at ``updated[updated_rows[i]]`` (nowhere
     where -1; no row twice). A trainer refreshes the next step's rows this way.
+
+    ``shows`` and ``clicks`` (float32 ``[n]``, aligned with ``keys``; None:
+    no change) are added to the statistics of the rows the push updates,
+    after their decay to the push's step (``TableSpec.stats_half_life``);
+    a repeated key's are summed. ``count`` is not affected.
     """
 
     table: str
@@ -125,6 +132,8 @@ class PushPart:
     shard_offsets: np.ndarray | None = None
     updated: np.ndarray | None = None
     updated_rows: np.ndarray | None = None
+    shows: np.ndarray | None = None  # float32 [n]
+    clicks: np.ndarray | None = None  # float32 [n]
 
 
 @dataclass
@@ -311,10 +320,13 @@ class ParameterServer(abc.ABC):
         updated: np.ndarray | None = None,
         updated_rows: np.ndarray | None = None,
         step: int | None = None,
+        shows: np.ndarray | None = None,
+        clicks: np.ndarray | None = None,
     ) -> PushResult:
         """Applies the table's optimizer to the rows of keys with float32
-        grads ``[n, dim]`` (duplicate keys summed first)."""
-        part = PushPart(table, keys, grads, shard_offsets, updated, updated_rows)
+        grads ``[n, dim]`` (duplicate keys summed first); ``shows`` and
+        ``clicks`` as for ``PushPart``."""
+        part = PushPart(table, keys, grads, shard_offsets, updated, updated_rows, shows, clicks)
         return self.push_many([part], unique=unique, step=step)
 
     def _start(self, call: Callable[[], T]) -> Handle[T]:
@@ -368,12 +380,26 @@ class ParameterServer(abc.ABC):
         steps: np.ndarray | None = None,
         times: np.ndarray | None = None,
         versions: np.ndarray | None = None,
+        shows: np.ndarray | None = None,
+        clicks: np.ndarray | None = None,
         *,
         step: int | None = None,
     ) -> None:
         """Inserts or overwrites rows exactly (e.g. a ``RowChunk``'s columns).
         Missing columns default to the optimizer's initial state, count 0,
-        ``step`` (default: the server's), now, and the current version."""
+        ``step`` (default: the server's), now, the current version, and no
+        shows or clicks."""
+
+    def top_keys(
+        self, table: str, n: int, *, step: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The ``n`` keys with the most shows decayed to ``step`` (None:
+        the newest step stamped on the table's rows), most first, ties by
+        key: (keys uint64 ``[m]``, shows float32 ``[m]``), m = min(n, rows).
+        This one scans ``export`` (twice when ``step`` is None); remote
+        servers each scan their own rows and the client merges their tops."""
+        keys, shows, _ = scan_top_keys(self, table, n, step)
+        return keys, shows
 
     @abc.abstractmethod
     def erase(self, table: str, keys: KeyArray) -> int:
@@ -517,6 +543,55 @@ class ParameterServer(abc.ABC):
         return self._job_board.apply(
             add_steps=add_steps, floor=floor, put=put, get=get, prefix=prefix
         )
+
+
+def scan_top_keys(
+    server: ParameterServer, table: str, n: Any, step: int | None
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """``top_keys`` over ``server.export``, and the step the shows are
+    decayed to (``step``, or the newest stamped on the rows when None)."""
+    n = check_top(n)
+    if step is not None and (isinstance(step, bool) or not 0 <= step < 2**63):
+        raise ValueError(f"step must be an int in [0, 2**63), got {step!r}")
+    half_life = server.spec(table).stats_half_life
+    if step is None and half_life > 0:
+        steps = (int(c.steps.max()) for c in server.export(table) if len(c))
+        step = max(steps, default=0)
+    step = step or 0
+    chunks = server.export(table)
+    keys, shows = top_of(((c.keys, c.decayed(half_life, step)[0]) for c in chunks), n)
+    return keys, shows, int(step)
+
+
+def check_top(n: Any) -> int:
+    """``top_keys``'s ``n``: an int >= 0."""
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
+        raise ValueError(f"n must be an int >= 0, got {n!r}")
+    return int(n)
+
+
+def top_of(parts: Iterable[tuple[np.ndarray, np.ndarray]], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``n`` (key, shows) pairs with the most shows over parts of
+    (keys uint64, shows float32), most first, ties by key (a partial sort of
+    each part, merged)."""
+    best_keys = np.zeros(0, np.uint64)
+    best_shows = np.zeros(0, np.float32)
+    for keys, shows in parts:
+        keys = np.concatenate([best_keys, np.asarray(keys, np.uint64)])
+        shows = np.concatenate([best_shows, np.asarray(shows, np.float32)])
+        if len(keys) > n:
+            keep = np.argpartition(-shows, n - 1)[:n] if n else np.zeros(0, np.int64)
+            # ties at the cut: keep the smallest keys among those equal to it
+            if n:
+                cut = shows[keep].min()
+                above = np.flatnonzero(shows > cut)
+                at = np.flatnonzero(shows == cut)
+                at = at[np.argsort(keys[at], kind="stable")[: n - len(above)]]
+                keep = np.concatenate([above, at])
+            keys, shows = keys[keep], shows[keep]
+        best_keys, best_shows = keys, shows
+    order = np.lexsort((best_keys, -best_shows))
+    return best_keys[order], best_shows[order]
 
 
 def load_columns(rows: RowChunk) -> dict[str, np.ndarray | None]:

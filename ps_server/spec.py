@@ -459,6 +459,11 @@ class TableSpec:
             (ValueError naming it), and lookups read on the calling thread,
             without a hand-off to the shard workers: what a serving process
             needs. ``wuliang.serving`` creates its tables so.
+        stats_half_life: half-life in steps of the rows' show and click
+            statistics (fed by pushes, ``PushPart.shows``/``clicks``): a
+            row's are multiplied by ``0.5 ** ((s - s0) / stats_half_life)``
+            when it is updated at step s after its last update at s0, and
+            read so by ``top_keys``. 0 (the default): no decay.
     """
 
     name: str
@@ -473,6 +478,7 @@ class TableSpec:
     reserve_rows: int = 0
     precision: Precision = "fp32"
     serving: bool = False
+    stats_half_life: float = 0.0
 
     def __post_init__(self) -> None:
         _check(
@@ -511,6 +517,13 @@ class TableSpec:
         _check(
             isinstance(self.precision, str) and self.precision in _PRECISIONS,
             f"{who}: precision must be 'fp32', 'fp16' or 'int8', got {self.precision!r}",
+        )
+        _check(
+            isinstance(self.stats_half_life, int | float)
+            and not isinstance(self.stats_half_life, bool)
+            and math.isfinite(self.stats_half_life)
+            and self.stats_half_life >= 0,
+            f"{who}: stats_half_life must be a number >= 0 (steps), got {self.stats_half_life!r}",
         )
 
     @property
@@ -567,6 +580,7 @@ class TableSpec:
         spec.reserve_rows = self.reserve_rows
         spec.serving = self.serving
         spec.precision = _PRECISIONS[self.precision]
+        spec.stats_half_life = float(self.stats_half_life)
         return spec
 
 

@@ -47,6 +47,10 @@ What passing guarantees, for every implementation and shard count:
 9. Bad input raises ``TypeError`` / ``ValueError`` / ``UnknownTableError``
    naming what is wrong, before anything changes; errors of async calls come
    out of ``wait()``.
+10. Show and click statistics: pushes add their increments (repeated keys
+   summed) after decaying a row's by ``stats_half_life`` from its last
+   update; ``count`` is unchanged by them; ``top_keys`` orders keys by
+   shows decayed to a step; export / load and part files carry them exactly.
 """
 
 from __future__ import annotations
@@ -1302,3 +1306,184 @@ def test_apply_update_full_then_delta(ps: ParameterServer) -> None:
     assert ps.stats("served")["rows"] == 160
     with pytest.raises(ValueError, match="served"):
         ps.push("served", keys[:1], full(1, 2))  # a serving table takes versions only
+
+
+# --- 10. show and click statistics -------------------------------------------------
+
+
+def stats_table(ps: ParameterServer, name: str = "t", half_life: float = 10.0) -> str:
+    ps.create_table(
+        TableSpec(name, dim=2, optimizer=SGD(), initializer=Zeros(), stats_half_life=half_life)
+    )
+    return name
+
+
+def push_stats(
+    ps: ParameterServer,
+    table: str,
+    keys: Any,
+    step: int,
+    shows: Any = None,
+    clicks: Any = None,
+) -> None:
+    keys = np.asarray(keys, np.int64)
+    part = PushPart(
+        table,
+        keys,
+        full(len(keys), 2, 0.0),
+        shows=None if shows is None else np.asarray(shows, F32),
+        clicks=None if clicks is None else np.asarray(clicks, F32),
+    )
+    ps.push_many([part], step=step)
+
+
+def stats_by_key(ps: ParameterServer, table: str) -> dict[int, tuple[float, float, int, int]]:
+    """{key: (shows, clicks, count, step)} of the exported rows."""
+    out = {}
+    for chunk in ps.export(table):
+        assert chunk.shows.dtype == F32 and chunk.clicks.dtype == F32
+        assert chunk.shows.shape == chunk.clicks.shape == (len(chunk),)
+        for key, shows, clicks, count, step in zip(
+            chunk.keys.tolist(),
+            chunk.shows.tolist(),
+            chunk.clicks.tolist(),
+            chunk.counts.tolist(),
+            chunk.steps.tolist(),
+            strict=True,
+        ):
+            out[key] = (shows, clicks, count, step)
+    return out
+
+
+def test_pushes_feed_shows_and_clicks_with_lazy_decay(ps: ParameterServer) -> None:
+    """Increments are added after the row's statistics decay from its last
+    update to the push's step; a repeated key's are summed; a push without
+    increments decays them; ``count`` counts applied pushes as before."""
+    t = stats_table(ps)
+    push_stats(ps, t, [1, 2, 2, 3], step=0, shows=[1, 1, 1, 1], clicks=[1, 0, 1, 0])
+    assert stats_by_key(ps, t) == {1: (1, 1, 1, 0), 2: (2, 1, 1, 0), 3: (1, 0, 1, 0)}
+    push_stats(ps, t, [2], step=10, shows=[1])  # no clicks: they only decay
+    push_stats(ps, t, [1], step=20)  # no increments at all
+    push_stats(ps, t, [3], step=5, clicks=[4])
+    rows = stats_by_key(ps, t)
+    assert rows[2] == (2 * 0.5 + 1, 0.5, 2, 10)
+    assert rows[1] == (0.25, 0.25, 2, 20)
+    assert rows[3][2:] == (2, 5)
+    np.testing.assert_allclose(rows[3][:2], [0.5**0.5, 4], rtol=1e-6)
+    ps.push(t, [9], full(1, 2, 0.0), step=30)  # plain push: no statistics
+    assert stats_by_key(ps, t)[9] == (0, 0, 1, 30)
+
+    still = stats_table(ps, "still", half_life=0)
+    push_stats(ps, still, [5], step=1, shows=[3], clicks=[1])
+    push_stats(ps, still, [5], step=1000, shows=[1])
+    assert stats_by_key(ps, still) == {5: (4, 1, 2, 1000)}
+
+
+def test_top_keys_orders_by_decayed_shows(ps: ParameterServer) -> None:
+    """The hottest keys by shows decayed to a step (default: the newest
+    row's), most first, ties by key, over every shard and server."""
+    t = stats_table(ps, half_life=4)
+    keys = np.arange(1, 61, dtype=np.int64) * 7919
+    shows = (np.arange(60) % 7 + 1).astype(F32)  # ties across keys
+    push_stats(ps, t, keys, step=0, shows=shows)
+    late = keys[:5]
+    push_stats(ps, t, late, step=8, shows=np.full(5, 2, F32))  # newest step: 8
+
+    def expected(at: int) -> list[tuple[int, float]]:  # at >= 8
+        decayed = {
+            int(k): float(s) * 0.5 ** (at / 4) for k, s in zip(keys, shows, strict=True)
+        }  # stamped at 0
+        for k, s in zip(late.tolist(), shows[:5].tolist(), strict=True):
+            decayed[k] = (s * 0.25 + 2) * 0.5 ** ((at - 8) / 4)  # 0.5 ** (8 / 4), + 2 at 8
+        return sorted(decayed.items(), key=lambda kv: (-kv[1], kv[0]))
+
+    for step, n in ((None, 10), (8, 60), (12, 100), (20, 1)):
+        top, top_shows = ps.top_keys(t, n) if step is None else ps.top_keys(t, n, step=step)
+        assert top.dtype == np.uint64 and top_shows.dtype == F32
+        want = expected(8 if step is None else step)[:n]
+        assert top.tolist() == [k for k, _ in want], step
+        np.testing.assert_allclose(top_shows, [s for _, s in want], rtol=1e-6)
+    assert len(ps.top_keys(t, 0)[0]) == 0
+    empty = stats_table(ps, "empty")
+    assert len(ps.top_keys(empty, 5)[0]) == 0
+    with pytest.raises(UnknownTableError, match="nope"):
+        ps.top_keys("nope", 5)
+    with pytest.raises(ValueError, match="n must be"):
+        ps.top_keys(t, -1)
+
+
+def test_statistics_round_trip_through_load_and_part_files(
+    ps: ParameterServer, make_ps: MakeServer, shards: int, tmp_path: Any
+) -> None:
+    """``export`` → ``load`` and ``write_rows`` → ``load_rows`` carry shows
+    and clicks as of each row's step: the copies decay and rank alike."""
+    t = stats_table(ps, half_life=3)
+    rng = np.random.default_rng(SEED)
+    keys = np.unique(rng.integers(1, 2**62, 80, dtype=np.int64))
+    for step in range(1, 6):
+        idx = rng.integers(0, len(keys), 40)
+        push_stats(ps, t, keys[idx], step, rng.integers(1, 4, 40), rng.integers(0, 2, 40))
+    source = stats_by_key(ps, t)
+    assert len({s for s, *_ in source.values()}) > 3
+
+    other = make_ps(OTHER_SHARDS[shards])
+    other.create_table(ps.spec(t))
+    for chunk in ps.export(t, chunk_rows=7):
+        other.load(
+            t,
+            chunk.keys,
+            chunk.weights,
+            chunk.state,
+            chunk.counts,
+            chunk.steps,
+            chunk.times,
+            chunk.versions,
+            shows=chunk.shows,
+            clicks=chunk.clicks,
+        )
+    assert stats_by_key(other, t) == source
+
+    files, n = ps.write_rows(tmp_path, ps.spec(t), state=True)
+    assert n == len(source)
+    back = make_ps(shards)
+    back.create_table(ps.spec(t))
+    assert back.load_rows(tmp_path, t, [name for name, _ in files]) == n
+    assert stats_by_key(back, t) == source
+    for server in (other, back):
+        for step in (None, 9):
+            mine, theirs = ps.top_keys(t, 20, step=step), server.top_keys(t, 20, step=step)
+            np.testing.assert_array_equal(mine[0], theirs[0])
+            np.testing.assert_array_equal(mine[1], theirs[1])
+    push_stats(back, t, keys[:1], step=9, shows=[1])
+    push_stats(ps, t, keys[:1], step=9, shows=[1])
+    assert stats_by_key(back, t)[int(keys[0])] == stats_by_key(ps, t)[int(keys[0])]
+
+
+def test_statistics_accumulate_over_training_steps(
+    ps: ParameterServer, request: pytest.FixtureRequest
+) -> None:
+    """A trainer's pattern (a training pull, then a push with increments,
+    step after step) adds up as one push at a time does, decay included."""
+    if request.node.callspec.params["make_ps"] == "cached":
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="the GPU cache keeps a cached row's shows and clicks as they were "
+                "when it was cached: the pushes it applies do not add to them",
+            )
+        )
+    t = stats_table(ps, half_life=20)
+    keys = np.array([1, 2, 3, 4], np.int64)
+    expected = np.zeros(4)
+    for step in range(1, 41):
+        ps.pull(t, keys, step=step)
+        shows = np.array([1, 2, 3, 4], F32)
+        push_stats(ps, t, keys, step, shows=shows, clicks=shows / 2)
+        expected = expected * 0.5 ** (1 / 20) + shows
+    rows = stats_by_key(ps, t)
+    got = np.array([rows[k][0] for k in range(1, 5)])
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    np.testing.assert_allclose([rows[k][1] for k in range(1, 5)], expected / 2, rtol=1e-5)
+    top, top_shows = ps.top_keys(t, 2)
+    assert top.tolist() == [4, 3]
+    np.testing.assert_allclose(top_shows, expected[[3, 2]], rtol=1e-5)

@@ -33,6 +33,7 @@ from wuliang.ps_server import (
     TruncatedNormal,
     Uniform,
     Zeros,
+    parameter_server,
 )
 from wuliang.ps_server.storage import (
     CorruptVersionError,
@@ -213,6 +214,25 @@ def test_a_first_format_checkpoint_reads_restores_and_exports(tmp_path: Path) ->
     exported = session.export(tmp_path / "exports", kind="full")
     assert Version(exported.path).tables["users"].spec == context.ps.spec("users")
     context.close()
+
+
+def test_first_format_rows_read_without_show_and_click_statistics() -> None:
+    """Part files written before the ``shows`` and ``clicks`` columns read
+    them as zeros, and load so."""
+    ckpt = Version(OLD / "model" / "ckpt-2")
+    for name in ("users", "items"):
+        chunks = list(ckpt.read_rows(name))
+        assert chunks
+        for chunk in chunks:
+            for column in (chunk.shows, chunk.clicks):
+                assert column.dtype == np.float32 and column.shape == (len(chunk),)
+                assert not column.any()
+        spec = ckpt.tables[name].spec
+        with parameter_server("embedded", num_shards=2) as ps:
+            ps.create_table(spec)
+            files = [f for f in ckpt.files_under(f"tables/{name}") if "part-" in f]
+            assert ps.load_rows(ckpt.path, name, files) == sum(len(c) for c in chunks)
+            assert ps.top_keys(name, 3)[1].tolist() == [0.0] * min(3, sum(map(len, chunks)))
 
 
 def test_a_first_format_export_chain_serves(tmp_path: Path) -> None:

@@ -37,7 +37,7 @@ char* NaiveEngine::FindOrCreate(uint64_t key) {
   char* row = static_cast<char*>(std::malloc(stride_));
   if (row == nullptr) throw std::bad_alloc();
   auto* meta = Meta(row);
-  *meta = details::RowMeta{0, 1, static_cast<uint32_t>(std::time(nullptr)), 0};
+  *meta = details::RowMeta{0, 1, static_cast<uint32_t>(std::time(nullptr)), 0, 0.0f, 0.0f};
   details::InitializeWeights(spec_.initializer, spec_.seed, key, spec_.dim, Weights(row));
   details::InitState(spec_.optimizer, spec_.dim, Weights(row) + spec_.dim);
   rows_.emplace(key, row);

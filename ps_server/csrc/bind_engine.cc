@@ -88,7 +88,8 @@ T* Column(const py::object& obj, size_t rows, size_t width, const char* name) {
 // The columns of rows of a table (Load, StageRows), checked against its spec.
 RowColumns Columns(const TableSpec& spec, const KeyArray& keys, const py::object& weights,
                    const py::object& state, const py::object& counts, const py::object& steps,
-                   const py::object& times, const py::object& versions) {
+                   const py::object& times, const py::object& versions, const py::object& shows,
+                   const py::object& clicks) {
   const size_t n = keys.size;
   RowColumns rows;
   rows.keys = const_cast<uint64_t*>(keys.data);
@@ -98,6 +99,8 @@ RowColumns Columns(const TableSpec& spec, const KeyArray& keys, const py::object
   rows.steps = Column<uint64_t>(steps, n, 1, "steps");
   rows.times = Column<uint32_t>(times, n, 1, "times");
   rows.versions = Column<uint64_t>(versions, n, 1, "versions");
+  rows.shows = Column<float>(shows, n, 1, "shows");
+  rows.clicks = Column<float>(clicks, n, 1, "clicks");
   return rows;
 }
 
@@ -255,7 +258,8 @@ void BindSpecs(py::module_& m) {
       .def_readwrite("nan_policy", &TableSpec::nan_policy)
       .def_readwrite("reserve_rows", &TableSpec::reserve_rows)
       .def_readwrite("serving", &TableSpec::serving)
-      .def_readwrite("precision", &TableSpec::precision);
+      .def_readwrite("precision", &TableSpec::precision)
+      .def_readwrite("stats_half_life", &TableSpec::stats_half_life);
   m.def("state_dim", &StateDim, "kind"_a, "dim"_a);
 }
 
@@ -343,14 +347,17 @@ void BindEngine(py::module_& m) {
           [](Engine& e, const py::list& parts, bool unique, int only,
              std::optional<uint64_t> step) {
             if (only < 0 || only > 2) throw py::value_error("push_many: only must be 0, 1 or 2");
-            // parts: [(table, keys, grads, shard_offsets, updated, updated_rows)].
-            const auto many = PartsOf(e, parts, 6, "push_many", [&](auto& t, int dim, auto& p) {
+            // parts: [(table, keys, grads, shard_offsets, updated, updated_rows,
+            //          shows, clicks)].
+            const auto many = PartsOf(e, parts, 8, "push_many", [&](auto& t, int dim, auto& p) {
               p.grads = Column<float>(py::reinterpret_borrow<py::object>(t[2]), p.n, dim, "grads");
               if (p.grads == nullptr) throw py::value_error("push_many: grads must be given");
               const auto updated = py::reinterpret_borrow<py::object>(t[4]);
               p.updated_rows =
                   Column<int32_t>(py::reinterpret_borrow<py::object>(t[5]), p.n, 1, "updated_rows");
               p.updated = UpdatedRows(updated, p.n, dim, p.updated_rows, /*writes=*/only != 2);
+              p.shows = Column<float>(py::reinterpret_borrow<py::object>(t[6]), p.n, 1, "shows");
+              p.clicks = Column<float>(py::reinterpret_borrow<py::object>(t[7]), p.n, 1, "clicks");
             });
             py::gil_scoped_release release;
             const PushResult r =
@@ -462,19 +469,20 @@ void BindEngine(py::module_& m) {
             py::array_t<float> state({max_rows, state_dim});
             py::array_t<uint32_t> counts(max_rows), times(max_rows);
             py::array_t<uint64_t> steps(max_rows), versions(max_rows);
-            RowColumns out{keys.mutable_data(),    weights.mutable_data(), state.mutable_data(),
-                           counts.mutable_data(),  steps.mutable_data(),   times.mutable_data(),
-                           versions.mutable_data()};
+            py::array_t<float> shows(max_rows), clicks(max_rows);
+            RowColumns out{keys.mutable_data(),     weights.mutable_data(), state.mutable_data(),
+                           counts.mutable_data(),   steps.mutable_data(),   times.mutable_data(),
+                           versions.mutable_data(), shows.mutable_data(),   clicks.mutable_data()};
             size_t n;
             {
               py::gil_scoped_release release;
               n = e.Export(table, since, max_rows, &cursor, out);
             }
             const py::slice head(0, static_cast<py::ssize_t>(n), 1);
-            return py::dict("keys"_a = keys[head], "weights"_a = weights[head],
-                            "state"_a = state[head], "counts"_a = counts[head],
-                            "steps"_a = steps[head], "times"_a = times[head],
-                            "versions"_a = versions[head]);
+            return py::dict(
+                "keys"_a = keys[head], "weights"_a = weights[head], "state"_a = state[head],
+                "counts"_a = counts[head], "steps"_a = steps[head], "times"_a = times[head],
+                "versions"_a = versions[head], "shows"_a = shows[head], "clicks"_a = clicks[head]);
           },
           "table"_a, "since"_a, "max_rows"_a, "cursor"_a)
       .def(
@@ -533,17 +541,17 @@ void BindEngine(py::module_& m) {
           "load",
           [](Engine& e, int table, const py::array& keys, const py::object& weights,
              const py::object& state, const py::object& counts, const py::object& steps,
-             const py::object& times, const py::object& versions,
-             const std::optional<uint64_t>& step) {
+             const py::object& times, const py::object& versions, const py::object& shows,
+             const py::object& clicks, const std::optional<uint64_t>& step) {
             const KeyArray k = Keys(keys);
-            const RowColumns rows =
-                Columns(e.Spec(table), k, weights, state, counts, steps, times, versions);
+            const RowColumns rows = Columns(e.Spec(table), k, weights, state, counts, steps, times,
+                                            versions, shows, clicks);
             py::gil_scoped_release release;
             e.Load(table, k.size, rows, StepOr(step));
           },
           "table"_a, "keys"_a, "weights"_a, "state"_a = py::none(), "counts"_a = py::none(),
           "steps"_a = py::none(), "times"_a = py::none(), "versions"_a = py::none(),
-          "step"_a = py::none())
+          "shows"_a = py::none(), "clicks"_a = py::none(), "step"_a = py::none())
       .def(
           "lookup",
           [](Engine& e, int table, const py::array& keys, const py::object& out,
@@ -568,15 +576,17 @@ void BindEngine(py::module_& m) {
           "stage_rows",
           [](Engine& e, int staging, const py::array& keys, const py::object& weights,
              const py::object& state, const py::object& counts, const py::object& steps,
-             const py::object& times, const py::object& versions) {
+             const py::object& times, const py::object& versions, const py::object& shows,
+             const py::object& clicks) {
             const KeyArray k = Keys(keys);
-            const RowColumns rows =
-                Columns(e.StagedSpec(staging), k, weights, state, counts, steps, times, versions);
+            const RowColumns rows = Columns(e.StagedSpec(staging), k, weights, state, counts, steps,
+                                            times, versions, shows, clicks);
             py::gil_scoped_release release;
             e.StageRows(staging, k.size, rows);
           },
           "staging"_a, "keys"_a, "weights"_a, "state"_a = py::none(), "counts"_a = py::none(),
-          "steps"_a = py::none(), "times"_a = py::none(), "versions"_a = py::none())
+          "steps"_a = py::none(), "times"_a = py::none(), "versions"_a = py::none(),
+          "shows"_a = py::none(), "clicks"_a = py::none())
       .def(
           "stage_removed",
           [](Engine& e, int staging, const py::array& keys) {

@@ -190,6 +190,8 @@ void ValidateSpec(const TableSpec& spec) {
           spec,
           "precision must be fp32, fp16 or int8, got " +
               std::to_string(static_cast<int>(spec.precision)));
+  Require(std::isfinite(spec.stats_half_life) && spec.stats_half_life >= 0, spec,
+          "stats_half_life must be >= 0");
 }
 
 void ShardOfBatch(const uint64_t* keys, size_t n, uint32_t num_shards, uint32_t* shards) {
@@ -648,7 +650,7 @@ PushResult Engine::PushMany(const std::vector<TablePart>& parts, bool keys_uniqu
       const TablePart& p = parts[i];
       if (p.n == 0) continue;
       defs[i]->shards[s]->Push(plans[i].For(s), p.grads, keys_unique, clock, &results[s], p.updated,
-                               p.updated_rows, static_cast<int>(only));
+                               p.updated_rows, static_cast<int>(only), p.shows, p.clicks);
     }
   });
   PushResult total;

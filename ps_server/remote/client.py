@@ -46,6 +46,7 @@ number of servers that wrote them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import queue
@@ -70,6 +71,7 @@ from wuliang.ps_server.checks import (
     check_step,
     check_version,
 )
+from wuliang.ps_server.chunk import stats_decay
 from wuliang.ps_server.interface import (
     MISSING,
     ONLY,
@@ -84,6 +86,8 @@ from wuliang.ps_server.interface import (
     TableUpdate,
     UnknownTableError,
     as_keys,
+    check_top,
+    top_of,
 )
 from wuliang.ps_server.job import JobState
 from wuliang.ps_server.remote import proto
@@ -760,13 +764,20 @@ class RemoteServer(ParameterServer):
             rows = part.updated_rows
             if part.updated is not None and rows is None:
                 rows = np.arange(len(keys), dtype=np.int32)
+            if part.shows is not None or part.clicks is not None:
+                part = dataclasses.replace(
+                    part,
+                    shows=as_column(part.shows, np.float32, (len(keys),), "shows"),
+                    clicks=as_column(part.clicks, np.float32, (len(keys),), "clicks"),
+                )
             plans.append((part, dim, grads, rows, self._route(keys, part.shard_offsets)))
         futures = []
         for j, server in enumerate(self._servers):
             sizes = [len(route.keys[j]) for *_, route in plans]
             if not sum(sizes):
                 continue
-            widths = [9 + 8 * dim for _, dim, *_ in plans]  # key, mask, gradient, updated row
+            # key, mask, show, click, gradient, updated row
+            widths = [17 + 8 * dim for _, dim, *_ in plans]
             for pieces in self._batches(sizes, widths):
                 futures.append(self._push_request(server, j, plans, pieces, unique, only, step))
         return Handle(_combined(futures, lambda results: sum(results, PushResult(0, 0, 0, 0))))
@@ -804,6 +815,9 @@ class RemoteServer(ParameterServer):
             offsets = route.offsets[j]
             if offsets is not None and start == 0 and stop == len(route.keys[j]):
                 message.add_array("shard_offsets", offsets)
+            for name in ("shows", "clicks"):
+                if getattr(part, name) is not None:
+                    message.add_array(name, np.ascontiguousarray(getattr(part, name)[pick]))
             mask = None
             if rows is not None:
                 mask = np.asarray(rows)[pick] >= 0
@@ -919,6 +933,8 @@ class RemoteServer(ParameterServer):
         steps: np.ndarray | None = None,
         times: np.ndarray | None = None,
         versions: np.ndarray | None = None,
+        shows: np.ndarray | None = None,
+        clicks: np.ndarray | None = None,
         *,
         step: int | None = None,
     ) -> None:
@@ -943,9 +959,11 @@ class RemoteServer(ParameterServer):
             steps=column(steps, np.uint64, "steps"),
             times=column(times, np.uint32, "times"),
             versions=column(versions, np.uint64, "versions"),
+            shows=column(shows, np.float32, "shows"),
+            clicks=column(clicks, np.float32, "clicks"),
         )
         route = self._route(keys, None)
-        width = 4 * (spec.dim + chunk.state.shape[1]) + 32
+        width = 4 * (spec.dim + chunk.state.shape[1]) + 40
         for j, server in enumerate(self._servers):
             if len(route.keys[j]) == 0:
                 continue
@@ -1098,6 +1116,29 @@ class RemoteServer(ParameterServer):
             array(a.values, U32, "counts", len(k)) for a, k in zip(answers, keys, strict=True)
         ]
         return np.concatenate(keys), np.concatenate(counts)
+
+    def top_keys(
+        self, table: str, n: int, *, step: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Each server's top ``n`` (decayed to ``step``, or to its newest
+        row's step), brought to one step (the newest of theirs when ``step``
+        is None) and merged."""
+        n = check_top(n)
+        if step is not None and (isinstance(step, bool) or not 0 <= step < 2**63):
+            raise ValueError(f"step must be an int in [0, 2**63), got {step!r}")
+        half_life = self.spec(table).stats_half_life
+        request = M["TopKeysRequest"](
+            table=table, n=min(n, 2**32 - 1), has_step=step is not None, step=step or 0
+        )
+        answers = self._all("TopKeys", lambda s: request, "TopKeysResponse", table)
+        at = step if step is not None else max((a.step for a in answers), default=0)
+        parts = []
+        for a in answers:
+            keys = array(a.keys, KEY, "top keys")
+            shows = array(a.shows, FLOAT, "top shows", len(keys))
+            factor = stats_decay(np.array([a.step], np.uint64), half_life, at)[0]
+            parts.append((keys, (shows * factor).astype(np.float32) if factor != 1 else shows))
+        return top_of(parts, n)
 
     def load_pending(self, table: str, keys: KeyArray, counts: np.ndarray) -> None:
         keys = as_keys(keys).view(np.uint64)
@@ -1319,6 +1360,8 @@ def _rows_at(chunk: RowChunk, where: slice | np.ndarray) -> RowChunk:
         steps=pick(chunk.steps),
         times=pick(chunk.times),
         versions=pick(chunk.versions),
+        shows=pick(chunk.shows),
+        clicks=pick(chunk.clicks),
     )
 
 

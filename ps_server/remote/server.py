@@ -47,6 +47,7 @@ from wuliang.ps_server.interface import (
     PushResult,
     TableUpdate,
     load_columns,
+    scan_top_keys,
 )
 from wuliang.ps_server.remote import proto
 from wuliang.ps_server.remote.wire import (
@@ -291,7 +292,11 @@ class PsService:
                 mask = array(part.updated_mask, MASK, f"{what}: updated_mask", len(keys)) != 0
                 rows = np.where(mask, np.cumsum(mask, dtype=np.int32) - 1, -1).astype(np.int32)
                 out = np.empty((int(mask.sum()), spec.dim), np.float32)
-            parts.append(PushPart(part.table, keys, grads, offsets, out, rows))
+            shows, clicks = (
+                array(data, FLOAT, f"{what}: {name}", len(keys)) if data else None
+                for name, data in (("shows", part.shows), ("clicks", part.clicks))
+            )
+            parts.append(PushPart(part.table, keys, grads, offsets, out, rows, shows, clicks))
             updated.append(out)
         result: PushResult = self.engine.push_many(
             parts,
@@ -384,7 +389,7 @@ class PsService:
         spec = self.engine.spec(request.table)
         chunk = chunk_of(request.rows, f"load into table {request.table!r}", spec.dim)
         args = load_columns(chunk)  # state None where the message has none
-        for name in ("counts", "steps", "times", "versions"):
+        for name in ("counts", "steps", "times", "versions", "shows", "clicks"):
             if len(args[name]) != len(chunk.keys):  # left empty: the defaults
                 args[name] = None
         self.engine.load(request.table, **args, step=_step(request.has_step, request.step))
@@ -443,6 +448,11 @@ class PsService:
     def pending_counts(self, request: Any) -> Any:
         keys, counts = self.engine.pending_counts(request.table)
         return M["Records"](keys=to_bytes(keys, KEY), values=to_bytes(counts, U32))
+
+    def top_keys(self, request: Any) -> Any:
+        step = _step(request.has_step, request.step)
+        keys, shows, at = scan_top_keys(self.engine, request.table, request.n, step)
+        return M["TopKeysResponse"](keys=to_bytes(keys, KEY), shows=to_bytes(shows, FLOAT), step=at)
 
     def load_pending(self, request: Any) -> Any:
         keys = array(request.keys, KEY, "keys")
@@ -552,7 +562,7 @@ def _rows_of(stream: _Peekable, table: str, update: TableUpdate, dim: int) -> It
             chunk = chunk_of(message.rows.rows, f"rows of table {table!r}", dim)
             empty = {  # columns left empty take their defaults, as in a load
                 name: None
-                for name in ("counts", "steps", "times", "versions")
+                for name in ("counts", "steps", "times", "versions", "shows", "clicks")
                 if len(getattr(chunk, name)) != len(chunk.keys)
             }
             yield dataclasses.replace(chunk, **empty) if empty else chunk
@@ -654,6 +664,7 @@ UNARY = {
     "TrimRemoved": ("TrimRequest", "trim_removed"),
     "PendingCounts": ("TableRequest", "pending_counts"),
     "LoadPending": ("LoadPendingRequest", "load_pending"),
+    "TopKeys": ("TopKeysRequest", "top_keys"),
     "GetVersion": ("Empty", "get_version"),
     "AdvanceVersion": ("Empty", "advance_version"),
     "RestoreVersion": ("VersionMessage", "restore_version"),

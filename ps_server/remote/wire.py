@@ -69,6 +69,8 @@ def chunk_to_message(chunk: RowChunk, message: Any) -> Any:
     message.steps = to_bytes(chunk.steps, KEY)
     message.times = to_bytes(chunk.times, U32)
     message.versions = to_bytes(chunk.versions, KEY)
+    message.shows = to_bytes(chunk.shows, FLOAT)
+    message.clicks = to_bytes(chunk.clicks, FLOAT)
     message.dim = chunk.weights.shape[1] if chunk.weights.ndim == 2 else 0
     message.state_dim = chunk.state.shape[1] if chunk.state.ndim == 2 else 0
     return message
@@ -102,6 +104,8 @@ def chunk_of(message: Any, what: str, dim: int | None = None) -> RowChunk:
         steps=column(message.steps, KEY, "steps"),
         times=column(message.times, U32, "times"),
         versions=column(message.versions, KEY, "versions"),
+        shows=column(message.shows, FLOAT, "shows"),
+        clicks=column(message.clicks, FLOAT, "clicks"),
     )
 
 

@@ -4,8 +4,10 @@ A rows file (``tables/<table>/part-NNNNN.arrow``, an uncompressed Arrow IPC
 file) has the columns ``key`` (uint64), ``vector`` (fixed-size list of
 ``dim`` float32), ``state`` (fixed-size list of the optimizer's state
 floats; absent where the version stores no state, as exports do), ``count``
-(uint32), ``step`` (uint64), ``time`` (uint32) and ``version`` (uint64):
-everything ``ParameterServer.load`` takes, so a restore is exact. Arrow IPC
+(uint32), ``step`` (uint64), ``time`` (uint32), ``version`` (uint64),
+``shows`` and ``clicks`` (float32, as of ``step``; files written before them
+lack both, and read as zeros): everything ``ParameterServer.load`` takes, so
+a restore is exact. Arrow IPC
 (not Parquet) because rows are written and read at memory speed: no
 encoding, and the reader maps the file and hands the columns on as views.
 """
@@ -33,7 +35,8 @@ def rows_schema(dim: int, state_dim: int) -> pa.Schema:
     if state_dim:
         fields.append(("state", pa.list_(pa.float32(), state_dim)))
     fields += [("count", pa.uint32()), ("step", pa.uint64()), ("time", pa.uint32())]
-    return pa.schema([*fields, ("version", pa.uint64())])
+    fields += [("version", pa.uint64()), ("shows", pa.float32()), ("clicks", pa.float32())]
+    return pa.schema(fields)
 
 
 def rows_to_batch(rows: RowChunk, dim: int, state_dim: int) -> pa.RecordBatch:
@@ -46,6 +49,8 @@ def rows_to_batch(rows: RowChunk, dim: int, state_dim: int) -> pa.RecordBatch:
         pa.array(rows.steps, pa.uint64()),
         pa.array(rows.times, pa.uint32()),
         pa.array(rows.versions, pa.uint64()),
+        pa.array(rows.shows, pa.float32()),
+        pa.array(rows.clicks, pa.float32()),
     ]
     return pa.record_batch(columns, schema=rows_schema(dim, state_dim))
 
@@ -71,7 +76,16 @@ def batch_to_rows(batch: pa.RecordBatch) -> RowChunk:
         steps=batch.column("step").to_numpy(),
         times=batch.column("time").to_numpy(),
         versions=batch.column("version").to_numpy(),
+        shows=_optional(batch, "shows"),
+        clicks=_optional(batch, "clicks"),
     )
+
+
+def _optional(batch: pa.RecordBatch, name: str) -> np.ndarray:
+    """A float32 column that files written before it lack (zeros there)."""
+    if batch.schema.get_field_index(name) < 0:
+        return np.zeros(batch.num_rows, np.float32)
+    return batch.column(name).to_numpy()
 
 
 def select_rows(chunk: RowChunk, which: slice | np.ndarray) -> RowChunk:

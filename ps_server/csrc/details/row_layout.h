@@ -4,12 +4,13 @@
 //   hot:  weights, encoded per the table's precision  read by every pull
 //           fp32: float[dim]   fp16: uint16[dim]   int8: float scale | int8[dim]
 //           (details/precision.h)
-//   cold: RowMeta (24 B) | state float[state_dim]     touched by updates only
+//   cold: RowMeta (32 B) | state float[state_dim]     touched by updates only
 //
 // A row is named by its hot pointer (what the hash map stores); rows do not
 // store their key, iteration walks the hash map slots.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -26,12 +27,16 @@ struct RowMeta {
   uint64_t version;      // engine version of the last modification
   uint32_t update_time;  // unix seconds of the last update
   uint32_t count;        // updates + sightings before admission, saturating
+  // Shows and clicks fed with pushes, as of step(): decayed by the table's
+  // stats_half_life lazily, when the row is next updated (DecayStats) or read.
+  float shows;
+  float clicks;
 
   static constexpr uint64_t kAdmittedBit = uint64_t{1} << 63;
   uint64_t step() const { return update_step & ~kAdmittedBit; }
   bool admitted_unpushed() const { return (update_step & kAdmittedBit) != 0; }
 };
-static_assert(sizeof(RowMeta) == 24);
+static_assert(sizeof(RowMeta) == 32);
 
 struct RowLayout {
   int dim = 0;
@@ -80,6 +85,23 @@ struct RowLayout {
 
 inline void BumpCount(RowMeta* meta) {
   if (meta->count != UINT32_MAX) ++meta->count;
+}
+
+// The factor that takes statistics stamped at step `from` to step `to`:
+// 0.5 ** ((to - from) / half_life); 1 without decay (half_life 0) or when
+// `to` is not later.
+inline double StatsDecay(uint64_t from, uint64_t to, double half_life) {
+  if (half_life <= 0 || to <= from) return 1.0;
+  return std::exp2(-static_cast<double>(to - from) / half_life);
+}
+
+// Brings a row's shows and clicks to `step` (before it is stamped with it).
+inline void DecayStats(RowMeta* meta, uint64_t step, double half_life) {
+  if (meta->shows == 0 && meta->clicks == 0) return;
+  const double f = StatsDecay(meta->step(), step, half_life);
+  if (f == 1.0) return;
+  meta->shows = static_cast<float>(meta->shows * f);
+  meta->clicks = static_cast<float>(meta->clicks * f);
 }
 
 }  // namespace wuliang::ps::details

@@ -149,6 +149,8 @@ char* TableShard::CreateRow(uint64_t key, uint64_t hash, const Clock& clock, uin
   meta->version = blank ? 0 : clock.version;
   meta->update_time = clock.now;
   meta->count = count;
+  meta->shows = 0.0f;
+  meta->clicks = 0.0f;
   if (!blank) InitState(spec_.optimizer, layout_.dim, RowLayout::State(cold));
   try {
     *index_.InsertNew(key, hash) = row;
@@ -321,7 +323,8 @@ void TableShard::Pull(const ShardBatch& batch, float* out, bool train, const Clo
 }
 
 const std::vector<int32_t>& TableShard::GroupDuplicates(const Slice& s, const float* grads,
-                                                        uint64_t* duplicates) {
+                                                        uint64_t* duplicates, const float* shows,
+                                                        const float* clicks) {
   groups_.clear();
   const size_t n = s.size();
   if (n < 2) return groups_;
@@ -349,23 +352,35 @@ const std::vector<int32_t>& TableShard::GroupDuplicates(const Slice& s, const fl
   const int dim = layout_.dim;
   groups_.assign(n, -1);
   sums_.clear();
+  stat_sums_.clear();
+  const bool stats = shows != nullptr || clicks != nullptr;
+  const auto stat = [](const float* v, size_t pos) { return v != nullptr ? v[pos] : 0.0f; };
   for (const auto& [k, first] : repeats) {
     int32_t& group = groups_[first];
     if (group < 0) {
       group = static_cast<int32_t>(sums_.size() / dim);
       const float* g = grads + s.pos(first) * dim;
       sums_.insert(sums_.end(), g, g + dim);
+      if (stats) {
+        stat_sums_.push_back(stat(shows, s.pos(first)));
+        stat_sums_.push_back(stat(clicks, s.pos(first)));
+      }
     }
     groups_[k] = -2;
     const float* g = grads + s.pos(k) * dim;
     float* sum = sums_.data() + static_cast<size_t>(group) * dim;
     for (int j = 0; j < dim; ++j) sum[j] += g[j];
+    if (stats) {
+      stat_sums_[2 * group] += stat(shows, s.pos(k));
+      stat_sums_[2 * group + 1] += stat(clicks, s.pos(k));
+    }
   }
   return groups_;
 }
 
 void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, const Clock& clock,
-                      PushResult* result, float* updated, const int32_t* updated_rows, int only) {
+                      PushResult* result, float* updated, const int32_t* updated_rows, int only,
+                      const float* shows, const float* clicks) {
   RequireFp32("a push");
   Slice s = Select(batch);
   if (only != 0) {  // keep the keys asked for (hashes_ compacted alike)
@@ -384,11 +399,12 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
   }
   const std::vector<int32_t>* groups = nullptr;
   if (!unique) {
-    const auto& g = GroupDuplicates(s, grads, &result->duplicates);
+    const auto& g = GroupDuplicates(s, grads, &result->duplicates, shows, clicks);
     if (!g.empty()) groups = &g;
   }
   const RowOptimizer opt(spec_.optimizer);
   const int dim = layout_.dim;
+  const double half_life = spec_.stats_half_life;
   const Create create = spec_.admission.min_count <= 1 ? Create::kAdmit : Create::kNever;
   // A row that a pull of a later step admitted did not exist at this push's
   // step (rows merely updated at later steps, e.g. by another worker, did).
@@ -436,14 +452,23 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
         report();
         return;
       }
-      const float* g = grads + s.pos(k) * dim;
+      const size_t pos = s.pos(k);
+      const float* g = grads + pos * dim;
+      float add_shows = shows != nullptr ? shows[pos] : 0.0f;
+      float add_clicks = clicks != nullptr ? clicks[pos] : 0.0f;
       if (groups != nullptr) {
         const int32_t group = (*groups)[k];
         if (group == -2) {  // a repeat: its first occurrence was updated before
           report();
           return;
         }
-        if (group >= 0) g = sums_.data() + static_cast<size_t>(group) * dim;
+        if (group >= 0) {
+          g = sums_.data() + static_cast<size_t>(group) * dim;
+          if (!stat_sums_.empty()) {
+            add_shows = stat_sums_[2 * group];
+            add_clicks = stat_sums_[2 * group + 1];
+          }
+        }
       }
       if (!AllFinite(g, dim)) {
         ++dropped_nan;
@@ -454,6 +479,9 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
       UpdateRow<decltype(kind)::value>(opt, dim, RowLayout::Weights(row), RowLayout::State(cold), g,
                                        ClipScale(opt, g, dim));
       RowMeta* meta = RowLayout::Meta(cold);
+      DecayStats(meta, clock.step, half_life);
+      meta->shows += add_shows;
+      meta->clicks += add_clicks;
       meta->update_step = clock.step;
       meta->update_time = clock.now;
       if (meta->version != clock.version) {
@@ -610,6 +638,8 @@ void TableShard::Load(const ShardBatch& batch, const RowColumns& cols, const Clo
     meta->update_step =
         (cols.steps != nullptr ? cols.steps[p] : clock.step) & ~RowMeta::kAdmittedBit;
     meta->update_time = cols.times != nullptr ? cols.times[p] : clock.now;
+    meta->shows = cols.shows != nullptr ? cols.shows[p] : 0.0f;
+    meta->clicks = cols.clicks != nullptr ? cols.clicks[p] : 0.0f;
     if (cols.versions != nullptr) {
       meta->version = cols.versions[p];
       newest = std::max(newest, meta->version);
@@ -729,6 +759,8 @@ size_t TableShard::Export(uint64_t since, size_t max_rows, ExportCursor* cursor,
     if (out.steps != nullptr) out.steps[o] = meta->step();
     if (out.times != nullptr) out.times[o] = meta->update_time;
     if (out.versions != nullptr) out.versions[o] = meta->version;
+    if (out.shows != nullptr) out.shows[o] = meta->shows;
+    if (out.clicks != nullptr) out.clicks[o] = meta->clicks;
     ++written;
   };
   size_t i = cursor->slot;

@@ -105,9 +105,10 @@ class alignas(128) TableShard {
   // updated (optional): each key's weights after the push, at row pos, or
   // at row updated_rows[pos] when given (none where -1). only (Engine::Only):
   // 0 all keys, 1 those with updated_rows[pos] >= 0, 2 the others.
+  // shows, clicks (optional, at pos): increments of the rows' statistics.
   void Push(const ShardBatch& batch, const float* grads, bool unique, const Clock& clock,
             PushResult* result, float* updated = nullptr, const int32_t* updated_rows = nullptr,
-            int only = 0);
+            int only = 0, const float* shows = nullptr, const float* clicks = nullptr);
   uint64_t Erase(const ShardBatch& batch, const Clock& clock);
   // With an overlay, as Lookup's found.
   void Contains(const ShardBatch& batch, uint8_t* out, const Overlay* overlay = nullptr);
@@ -197,9 +198,12 @@ class alignas(128) TableShard {
   // Initializes the weights of the rows created since the last flush.
   void FlushInit();
   // Finds repeated keys; returns per-key group (-1 plain, -2 repeat, >= 0
-  // index of the summed gradient in sums_), empty when there are none.
+  // index of the summed gradient in sums_, and of the summed show and
+  // click increments in stat_sums_ (2 per group) when shows or clicks are
+  // given), empty when there are none.
   const std::vector<int32_t>& GroupDuplicates(const Slice& s, const float* grads,
-                                              uint64_t* duplicates);
+                                              uint64_t* duplicates, const float* shows = nullptr,
+                                              const float* clicks = nullptr);
 
   const TableSpec& spec_;
   const RowLayout& layout_;
@@ -218,6 +222,7 @@ class alignas(128) TableShard {
   std::vector<uint32_t> dedup_;
   std::vector<int32_t> groups_;
   std::vector<float> sums_;
+  std::vector<float> stat_sums_;  // (groups, 2) shows, clicks
   // New rows waiting for their initial weights (only inside Pipeline).
   static constexpr size_t kInitBatch = 8;
   bool defer_init_ = false;

@@ -96,6 +96,8 @@ struct RowColumns {
   uint64_t* steps = nullptr;     // (n,) last update step
   uint32_t* times = nullptr;     // (n,) last update time, unix seconds
   uint64_t* versions = nullptr;  // (n,) version of the last modification
+  float* shows = nullptr;        // (n,) shows as of steps (not decayed further)
+  float* clicks = nullptr;       // (n,) clicks as of steps
 };
 
 struct PushResult {
@@ -212,6 +214,11 @@ class Engine {
     const float* grads = nullptr;
     float* updated = nullptr;
     const int32_t* updated_rows = nullptr;
+    // A push's show and click increments per key (null: none), added to the
+    // rows' statistics after their decay to the push's step (TableSpec::
+    // stats_half_life); repeated keys have theirs summed.
+    const float* shows = nullptr;   // (n,)
+    const float* clicks = nullptr;  // (n,)
   };
   // Pull / Push for several tables in one round: each shard's worker does
   // its part of every table, one hand-off per shard instead of one per table

@@ -93,6 +93,9 @@ struct TableSpec {
   // evictions are refused, and lookups run on the caller's thread.
   bool serving = false;
   Precision precision = Precision::kFp32;
+  // Half-life in steps of the rows' show and click statistics (pushes feed
+  // them); 0: no decay.
+  double stats_half_life = 0.0;
 };
 
 // Throws std::invalid_argument naming the bad field.
