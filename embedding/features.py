@@ -33,6 +33,12 @@ class EmbeddingTable:
     Defaults train well untuned: lazy ``Adam(1e-3)`` and small initial
     vectors, ``TruncatedNormal(stddev=0.01)`` (why: ``wuliang.ps_server.spec``'s
     ``default_initializer`` and ``default_optimizer``).
+
+    Show and click statistics of the rows (``TableSpec.stats_half_life``,
+    their decay in steps, and ``top_keys``): ``stats_label`` names the label
+    column a trainer's push takes each key's clicks from (the label summed
+    over the key's occurrences in the batch; its shows: those occurrences);
+    None: shows only.
     """
 
     name: str
@@ -44,9 +50,18 @@ class EmbeddingTable:
     eviction: Eviction = field(default_factory=Eviction)
     seed: int = 0
     reserve_rows: int = 0
+    stats_label: str | None = None
+    stats_half_life: float = 0.0
 
     def __post_init__(self) -> None:
         self.spec()  # checks every field, naming it
+        if self.stats_label is not None and (
+            not isinstance(self.stats_label, str) or not self.stats_label
+        ):
+            raise ValueError(
+                f"table {self.name!r}: stats_label must be a column name or None, "
+                f"got {self.stats_label!r}"
+            )
 
     def spec(self) -> TableSpec:
         return TableSpec(
@@ -58,6 +73,7 @@ class EmbeddingTable:
             admission=self.admission,
             eviction=self.eviction,
             reserve_rows=self.reserve_rows,
+            stats_half_life=self.stats_half_life,
         )
 
 

@@ -358,3 +358,15 @@ def test_feature_the_tower_does_not_use(unused: str) -> None:
     assert np.isfinite(out["loss"])
     after = session.context.engine.pull(table.name, keys, train=False)
     np.testing.assert_array_equal(after, before)
+
+
+def test_embedding_table_statistics_options() -> None:
+    """``stats_half_life`` goes into the table's spec; ``stats_label`` is a
+    column name or None."""
+    table = wl.EmbeddingTable("items", 4, stats_label="click", stats_half_life=100)
+    assert table.spec().stats_half_life == 100 and table.stats_label == "click"
+    assert wl.EmbeddingTable("items", 4).spec().stats_half_life == 0
+    with pytest.raises(ValueError, match="stats_label"):
+        wl.EmbeddingTable("items", 4, stats_label="")
+    with pytest.raises(ValueError, match="stats_half_life"):
+        wl.EmbeddingTable("items", 4, stats_half_life=-1)
