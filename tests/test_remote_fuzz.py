@@ -319,6 +319,8 @@ class Pools:
                 folder=str(self.folder), table="t", files=self.parts,
                 server=0, servers=r.choice([1, 1, 2]), since=r.randint(0, 2), **self.step(),
             )  # fmt: skip
+        if method == "TopKeys":
+            return M["TopKeysRequest"](table=table, n=r.choice([0, 1, 5, 10**6]), **self.step())
         if method == "Job":
             return M["JobRequest"](
                 add_steps=r.randint(0, 3), floor=r.randint(0, 50),
