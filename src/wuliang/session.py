@@ -576,6 +576,7 @@ class Session:
                 linked_done()
             return None
         row_grads = self.functions.row_gradients(inputs, gather_grads)
+        stats = self._row_stats(prepared, inputs)
         parts = []
         for g, ((_, tables), packed) in enumerate(zip(self.layout.groups, row_grads, strict=True)):
             for table in tables:
@@ -585,8 +586,18 @@ class Session:
                 self.guard.check_rows(table, keys.uniques, grads, step)  # before any push
                 updated = None if link is None else link[0][g]
                 rows = None if link is None else link[1][table]
+                shows, clicks = stats.get(table, (None, None))
                 parts.append(
-                    PushPart(table, keys.uniques, grads, keys.shard_offsets, updated, rows)
+                    PushPart(
+                        table,
+                        keys.uniques,
+                        grads,
+                        keys.shard_offsets,
+                        updated,
+                        rows,
+                        shows=shows,
+                        clicks=clicks,
+                    )
                 )
         ps = self.context.ps
         if link is None:
@@ -595,6 +606,35 @@ class Session:
         if linked_done is not None:
             linked_done()
         return first + ps.push_many(parts, unique=True, only="rest", step=step)
+
+    def _row_stats(
+        self, prepared: PreparedKeys, inputs: StepInputs
+    ) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
+        """Per table, each unique key's shows (its occurrences in the batch)
+        and, for a table with a ``stats_label``, clicks (that label summed
+        over the examples it occurs in; with one label, that label), for the
+        rows' decayed statistics (``EmbeddingTable(stats_label=)``)."""
+        shows: dict[str, np.ndarray] = {}
+        clicks: dict[str, np.ndarray] = {}
+        labels = inputs.labels
+        for index in prepared.features.values():
+            table = self.context.tables.get(index.table)
+            if table is None:
+                continue
+            n = len(prepared.tables[index.table].uniques)
+            counts = np.bincount(index.inverse, minlength=n).astype(np.float32)
+            shows[index.table] = shows[index.table] + counts if index.table in shows else counts
+            label = table.stats_label
+            if label is None or labels is None:
+                continue
+            values = labels.get(label) if isinstance(labels, dict) else labels
+            if values is None or index.offsets[-1] != len(index.inverse):
+                continue  # a label this batch lacks; a trimmed sequence: shows only
+            example = np.repeat(np.arange(len(index.offsets) - 1), np.diff(index.offsets))
+            summed = np.bincount(index.inverse, weights=np.asarray(values)[example], minlength=n)
+            got = clicks.get(index.table)
+            clicks[index.table] = summed.astype(np.float32) + (0 if got is None else got)
+        return {t: (v, clicks.get(t)) for t, v in shows.items()}
 
     def _step(
         self,
