@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from wuliang.ps_server import ParameterServer
@@ -101,14 +102,11 @@ class Job:
     def wait_ready(self) -> dict[str, Any]:
         """A worker: waits until the chief marked the job ready; JobError
         after ``wait_seconds``."""
-        start = time.monotonic()
-        pause = _POLL[0]
         logged = False
-        while True:
+        for waited in _polls():
             mark = self.ready()
             if mark is not None:
                 return mark
-            waited = time.monotonic() - start
             if waited > self.wait_seconds:
                 chief = (self.cluster.chief or self.cluster.worker)[0]
                 raise JobError(
@@ -119,8 +117,7 @@ class Job:
             if not logged and waited > 5:
                 log.info("trainer %d waits for the chief to make the job ready", self.trainer)
                 logged = True
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL[1])
+        raise AssertionError("unreachable")  # _polls never ends
 
     def positions(self) -> dict[str, dict[str, Any]]:
         """Every trainer's reader position on the board, by trainer index."""
@@ -155,18 +152,15 @@ class Job:
         """The chief, before its last checkpoint: waits until every trainer
         has finished (``finish``); JobError naming those that have not
         after ``timeout`` s."""
-        start, pause = time.monotonic(), _POLL[0]
-        while True:
+        for waited in _polls():
             done = self.call(prefix=FINISHED).values
             missing = [t for t in range(self.trainers) if f"{FINISHED}{t}" not in done]
             if not missing:
                 return
-            if time.monotonic() - start > timeout:
+            if waited > timeout:
                 raise JobError(
                     f"trainer(s) {', '.join(map(str, missing))} did not finish in {timeout:g} s"
                 )
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL[1])
 
     # -- counting steps in the background ------------------------------------------
 
@@ -226,3 +220,13 @@ class Job:
 
     def ps_timeout(self) -> float:
         return float(getattr(self.ps, "timeout", 60.0)) + 5.0
+
+
+def _polls() -> Iterator[float]:
+    """Seconds waited so far, before each poll; pauses between polls double
+    from the first to the longest of ``_POLL``."""
+    start, pause = time.monotonic(), _POLL[0]
+    while True:
+        yield time.monotonic() - start
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL[1])
