@@ -4,11 +4,12 @@ below both the interface and the version format)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
 
 import numpy as np
 
-__all__ = ["RowChunk", "stats_decay"]
+__all__ = ["RowChunk", "concat_rows", "empty_rows", "stats_decay", "take_rows"]
 
 
 @dataclass(frozen=True)
@@ -54,3 +55,33 @@ def stats_decay(steps: np.ndarray, half_life: float, step: int) -> np.ndarray:
     at = np.uint64(step)
     age = at - np.minimum(steps, at)
     return np.exp2(-age.astype(np.float64) / half_life)
+
+
+def take_rows(rows: RowChunk, which: np.ndarray | slice) -> RowChunk:
+    """The rows ``which`` picks (indices, repeats allowed, a mask or a
+    slice), every column."""
+    return RowChunk(**{f.name: getattr(rows, f.name)[which] for f in fields(RowChunk)})
+
+
+def empty_rows(dim: int, state_dim: int) -> RowChunk:
+    """No rows, with the column shapes of a table of ``dim`` and ``state_dim``."""
+    return RowChunk(
+        keys=np.zeros(0, np.uint64),
+        weights=np.zeros((0, dim), np.float32),
+        state=np.zeros((0, state_dim), np.float32),
+        counts=np.zeros(0, np.uint32),
+        steps=np.zeros(0, np.uint64),
+        times=np.zeros(0, np.uint32),
+        versions=np.zeros(0, np.uint64),
+    )
+
+
+def concat_rows(parts: Sequence[RowChunk], dim: int, state_dim: int) -> RowChunk:
+    """The rows of ``parts`` one after the other (``empty_rows`` for none)."""
+    if not parts:
+        return empty_rows(dim, state_dim)
+    if len(parts) == 1:
+        return parts[0]
+    return RowChunk(
+        **{f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(RowChunk)}
+    )

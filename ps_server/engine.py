@@ -398,6 +398,15 @@ class Engine(ParameterServer):
         """Bool array: which keys have a row."""
         return self.native.contains(self._id(table), as_keys(keys))
 
+    def read_rows(self, table: str, keys: KeyArray) -> tuple[RowChunk, np.ndarray]:
+        """Whole rows of keys, every column as ``export`` writes it, and
+        which keys have one (``ParameterServer.read_rows``): each shard reads
+        its keys' rows on its own thread, in place (no scan, nothing
+        changed). Raises RuntimeError while ``apply_update`` switches the
+        table to a new version, as ``export`` does."""
+        rows, found = self.native.read_rows(self._id(table), as_keys(keys))
+        return RowChunk(**rows), found
+
     def evict(self, table: str | None = None, *, step: int | None = None) -> dict[str, int]:
         """Applies the eviction policy of one table (or all) now; TTLs in
         steps count back from ``step`` (default: ``self.step``)."""

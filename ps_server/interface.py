@@ -22,7 +22,8 @@ Data half (any number of threads at once):
 
 Admin half: tables (``create_table``, ``drop_table``, ``tables``, ``spec``),
 ``stats``, chunked ``export`` (rows modified after a version) and ``load``,
-``top_keys`` (the keys with the most shows),
+``top_keys`` (the keys with the most shows), ``read_rows`` (whole rows,
+every column, of some keys),
 the removal log (``removed_log``, ``load_removed``, ``trim_removed``), the
 admission counts of keys not admitted yet (``pending_counts``,
 ``load_pending``), ``erase``, ``contains``, ``evict``, versions
@@ -58,7 +59,7 @@ import numpy as np
 
 from wuliang.ps_server import _engine
 from wuliang.ps_server.checks import as_keys
-from wuliang.ps_server.chunk import RowChunk
+from wuliang.ps_server.chunk import RowChunk, concat_rows, take_rows
 from wuliang.ps_server.job import JobBoard, JobState
 from wuliang.ps_server.spec import TableSpec
 from wuliang.ps_server.threads import check_background, set_background
@@ -401,6 +402,17 @@ class ParameterServer(abc.ABC):
         keys, shows, _ = scan_top_keys(self, table, n, step)
         return keys, shows
 
+    def read_rows(self, table: str, keys: KeyArray) -> tuple[RowChunk, np.ndarray]:
+        """Whole rows of some keys, every column as ``export`` gives it (the
+        stored counts, steps, times, versions, shows and clicks, not
+        decayed): ``(rows, found)``, where ``found`` (bool ``[len(keys)]``)
+        says which keys have a row and ``rows`` holds the rows of those, in
+        the order of ``keys`` (a repeated key's as often as it is given).
+        Changes nothing (no sighting, count, row or version). This one scans
+        ``export`` (time in proportion to the table); the engine and remote
+        servers read each key's row directly."""
+        return scan_rows(self, table, keys)
+
     @abc.abstractmethod
     def erase(self, table: str, keys: KeyArray) -> int:
         """Removes rows (logged for deltas); returns how many existed."""
@@ -561,6 +573,45 @@ def scan_top_keys(
     chunks = server.export(table)
     keys, shows = top_of(((c.keys, c.decayed(half_life, step)[0]) for c in chunks), n)
     return keys, shows, int(step)
+
+
+def scan_rows(server: ParameterServer, table: str, keys: KeyArray) -> tuple[RowChunk, np.ndarray]:
+    """``read_rows`` over ``server.export``: every row of the table is
+    visited, those of ``keys`` kept."""
+    keys = as_keys(keys).view(np.uint64)
+    spec = server.spec(table)  # an unknown table raises before any export
+    wanted = np.unique(keys)
+    parts = []
+    if len(wanted):
+        for chunk in server.export(table):
+            keep = np.isin(chunk.keys, wanted)
+            if keep.any():
+                parts.append(take_rows(chunk, keep))
+    rows = concat_rows(parts, spec.dim, spec.state_dim)
+    order = np.argsort(rows.keys, kind="stable")
+    known = rows.keys[order]
+    if not len(known):
+        return rows, np.zeros(len(keys), bool)
+    at = np.minimum(np.searchsorted(known, keys), len(known) - 1)
+    found = known[at] == keys
+    return take_rows(rows, order[at[found]]), found
+
+
+def merge_rows(
+    parts: Sequence[tuple[np.ndarray, RowChunk, np.ndarray]], n: int, dim: int, state_dim: int
+) -> tuple[RowChunk, np.ndarray]:
+    """One ``read_rows`` answer of ``n`` keys from the answers for parts of
+    them: each part is (positions of its keys among the ``n``, its rows,
+    its found), and the rows come out in the order of the ``n`` keys."""
+    found = np.zeros(n, bool)
+    at = []
+    for positions, _, part_found in parts:
+        found[positions] = part_found
+        at.append(positions[part_found])
+    rows = concat_rows([rows for _, rows, _ in parts], dim, state_dim)
+    if len(parts) > 1:
+        rows = take_rows(rows, np.argsort(np.concatenate(at), kind="stable"))
+    return rows, found
 
 
 def check_top(n: Any) -> int:

@@ -386,6 +386,37 @@ void BindEngine(py::module_& m) {
           },
           "table"_a, "keys"_a)
       .def(
+          "read_rows",
+          [](Engine& e, int table, const py::array& keys) {
+            const KeyArray k = Keys(keys);
+            const TableSpec spec = e.Spec(table);
+            const size_t n = k.size;
+            const size_t state_dim = StateDim(spec.optimizer.kind, spec.dim);
+            py::array_t<uint64_t> out_keys(n);
+            py::array_t<float> weights({n, static_cast<size_t>(spec.dim)});
+            py::array_t<float> state({n, state_dim});
+            py::array_t<uint32_t> counts(n), times(n);
+            py::array_t<uint64_t> steps(n), versions(n);
+            py::array_t<float> shows(n), clicks(n);
+            py::array_t<bool> found(n);
+            RowColumns out{out_keys.mutable_data(), weights.mutable_data(), state.mutable_data(),
+                           counts.mutable_data(),   steps.mutable_data(),   times.mutable_data(),
+                           versions.mutable_data(), shows.mutable_data(),   clicks.mutable_data()};
+            auto* found_out = reinterpret_cast<uint8_t*>(found.mutable_data());
+            size_t m;
+            {
+              py::gil_scoped_release release;
+              m = e.ReadRows(table, k.data, n, out, found_out);
+            }
+            const py::slice head(0, static_cast<py::ssize_t>(m), 1);
+            const py::dict rows(
+                "keys"_a = out_keys[head], "weights"_a = weights[head], "state"_a = state[head],
+                "counts"_a = counts[head], "steps"_a = steps[head], "times"_a = times[head],
+                "versions"_a = versions[head], "shows"_a = shows[head], "clicks"_a = clicks[head]);
+            return py::make_tuple(rows, found);
+          },
+          "table"_a, "keys"_a)
+      .def(
           "evict",
           [](Engine& e, int table, const std::optional<uint64_t>& step) {
             EvictResult r;

@@ -688,6 +688,44 @@ void Engine::Contains(int table, const uint64_t* keys, size_t n, uint8_t* out) {
       &plan);
 }
 
+namespace {
+
+// Moves row `from` of every column of out to row `to` (to < from).
+void MoveRow(const RowColumns& out, size_t dim, size_t state_dim, size_t from, size_t to) {
+  if (out.keys != nullptr) out.keys[to] = out.keys[from];
+  if (out.weights != nullptr) std::copy_n(out.weights + from * dim, dim, out.weights + to * dim);
+  if (out.state != nullptr)
+    std::copy_n(out.state + from * state_dim, state_dim, out.state + to * state_dim);
+  if (out.counts != nullptr) out.counts[to] = out.counts[from];
+  if (out.steps != nullptr) out.steps[to] = out.steps[from];
+  if (out.times != nullptr) out.times[to] = out.times[from];
+  if (out.versions != nullptr) out.versions[to] = out.versions[from];
+  if (out.shows != nullptr) out.shows[to] = out.shows[from];
+  if (out.clicks != nullptr) out.clicks[to] = out.clicks[from];
+}
+
+}  // namespace
+
+size_t Engine::ReadRows(int table, const uint64_t* keys, size_t n, const RowColumns& out,
+                        uint8_t* found) {
+  const GracePeriod::ReadScope scope(*grace_);
+  TableDef* def = WritableDef(table);
+  Plan plan;
+  PlanBatch(keys, n, &plan);
+  // Each shard writes its keys' rows at their positions; the rows of the
+  // keys found are then moved up over the gaps, in order.
+  RunOnShards([&](int s) { def->shards[s]->ReadRows(plan.For(s), out, found); }, &plan);
+  const auto dim = static_cast<size_t>(def->layout.dim);
+  const auto state_dim = static_cast<size_t>(def->layout.state_dim);
+  size_t m = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (found[i] == 0) continue;
+    if (m != i) MoveRow(out, dim, state_dim, i, m);
+    ++m;
+  }
+  return m;
+}
+
 void Engine::Load(int table, size_t n, const RowColumns& rows, uint64_t step) {
   const GracePeriod::ReadScope scope(*grace_);
   TableDef* def = MutableDef(table);

@@ -724,6 +724,39 @@ void TableShard::Compact() {
   index_.MaybeShrink();
 }
 
+void TableShard::WriteRow(uint64_t key, char* row, const RowColumns& out, size_t o) const {
+  const int dim = layout_.dim;
+  const int state_dim = layout_.state_dim;
+  char* cold = pool_.Cold(row);
+  const RowMeta* meta = RowLayout::Meta(cold);
+  if (out.keys != nullptr) out.keys[o] = key;
+  if (out.weights != nullptr) {
+    if (layout_.precision == Precision::kFp32) {
+      CopyFloats(out.weights + o * dim, RowLayout::Weights(row), dim);
+    } else {
+      DecodeRow(layout_.precision, row, dim, out.weights + o * dim);
+    }
+  }
+  if (out.state != nullptr)
+    CopyFloats(out.state + o * state_dim, RowLayout::State(cold), state_dim);
+  if (out.counts != nullptr) out.counts[o] = meta->count;
+  if (out.steps != nullptr) out.steps[o] = meta->step();
+  if (out.times != nullptr) out.times[o] = meta->update_time;
+  if (out.versions != nullptr) out.versions[o] = meta->version;
+  if (out.shows != nullptr) out.shows[o] = meta->shows;
+  if (out.clicks != nullptr) out.clicks[o] = meta->clicks;
+}
+
+void TableShard::ReadRows(const ShardBatch& batch, const RowColumns& out, uint8_t* found) {
+  const Slice s = Select(batch);
+  // kCold: the cold part (state, metadata) is read too, so it is prefetched.
+  Pipeline</*kCold=*/true>(s, Create::kNever, Clock{}, [&](size_t k, char* row) {
+    const size_t pos = s.pos(k);
+    found[pos] = row != nullptr ? 1 : 0;
+    if (row != nullptr) WriteRow(s.key(k), row, out, pos);
+  });
+}
+
 void TableShard::BeginExport(uint64_t since, ExportCursor* cursor) const {
   cursor->slot = 0;
   cursor->keys.clear();
@@ -737,30 +770,10 @@ void TableShard::BeginExport(uint64_t since, ExportCursor* cursor) const {
 
 size_t TableShard::Export(uint64_t since, size_t max_rows, ExportCursor* cursor,
                           const RowColumns& out, size_t offset, bool* done) const {
-  const int dim = layout_.dim;
-  const int state_dim = layout_.state_dim;
   size_t written = 0;
   const auto emit = [&](uint64_t key, char* row) {
-    char* cold = pool_.Cold(row);
-    const RowMeta* meta = RowLayout::Meta(cold);
-    if (meta->version <= since) return;
-    const size_t o = offset + written;
-    if (out.keys != nullptr) out.keys[o] = key;
-    if (out.weights != nullptr) {
-      if (layout_.precision == Precision::kFp32) {
-        CopyFloats(out.weights + o * dim, RowLayout::Weights(row), dim);
-      } else {
-        DecodeRow(layout_.precision, row, dim, out.weights + o * dim);
-      }
-    }
-    if (out.state != nullptr)
-      CopyFloats(out.state + o * state_dim, RowLayout::State(cold), state_dim);
-    if (out.counts != nullptr) out.counts[o] = meta->count;
-    if (out.steps != nullptr) out.steps[o] = meta->step();
-    if (out.times != nullptr) out.times[o] = meta->update_time;
-    if (out.versions != nullptr) out.versions[o] = meta->version;
-    if (out.shows != nullptr) out.shows[o] = meta->shows;
-    if (out.clicks != nullptr) out.clicks[o] = meta->clicks;
+    if (RowLayout::Meta(pool_.Cold(row))->version <= since) return;
+    WriteRow(key, row, out, offset + written);
     ++written;
   };
   size_t i = cursor->slot;

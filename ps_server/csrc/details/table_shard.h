@@ -112,6 +112,11 @@ class alignas(128) TableShard {
   uint64_t Erase(const ShardBatch& batch, const Clock& clock);
   // With an overlay, as Lookup's found.
   void Contains(const ShardBatch& batch, uint8_t* out, const Overlay* overlay = nullptr);
+  // Every column of the rows of the batch's keys, as Export writes them
+  // (raw stored values, weights decoded to float32), at each key's position
+  // in out, and found[pos] = 1; a key without a row gets found[pos] = 0 and
+  // nothing written. Changes nothing: no count, sighting, row or counter.
+  void ReadRows(const ShardBatch& batch, const RowColumns& out, uint8_t* found);
   // A pure lookup, no counter touched: a key's weights and found = 1, or for
   // a key without a row its initial vector (init_missing) or zeros and
   // found = 0. With an overlay, its rows come first and its removed keys
@@ -174,6 +179,9 @@ class alignas(128) TableShard {
   size_t rows() const { return index_.size(); }
 
  private:
+  // Writes every column of one row (key, its hot part `row`) at index o of
+  // out (null columns skipped): what Export and ReadRows give of a row.
+  void WriteRow(uint64_t key, char* row, const RowColumns& out, size_t o) const;
   // Throws std::invalid_argument unless the table stores float32 weights.
   void RequireFp32(const char* what) const;
   char* CreateRow(uint64_t key, uint64_t hash, const Clock& clock, uint32_t count,

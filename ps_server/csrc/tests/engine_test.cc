@@ -894,6 +894,97 @@ void TestCompressedTables() {
   }
 }
 
+// ReadRows gives, for the keys that have a row, every column as Export
+// writes it, in the order of the keys (repeats included), and changes
+// nothing; on a compressed table too.
+void TestReadRowsMatchesExport() {
+  Engine engine(EngineOptions{3});
+  constexpr int kDim = 4;
+  for (Precision precision : {Precision::kFp32, Precision::kFp16}) {
+    TableSpec spec = SgdSpec(std::string("r_") + PrecisionName(precision), kDim);
+    spec.optimizer.kind = OptimizerKind::kAdam;
+    spec.stats_half_life = 5.0;
+    spec.precision = precision;
+    const int table = engine.CreateTable(spec);
+    const int state_dim = StateDim(spec.optimizer.kind, kDim);
+    constexpr size_t kRows = 300;
+    std::vector<uint64_t> keys(kRows);
+    std::vector<float> weights(kRows * kDim), state(kRows * state_dim);
+    std::vector<uint32_t> counts(kRows), times(kRows);
+    std::vector<uint64_t> steps(kRows), versions(kRows);
+    std::vector<float> shows(kRows), clicks(kRows);
+    for (size_t i = 0; i < kRows; ++i) {
+      keys[i] = i * 7919 + 11;
+      for (int d = 0; d < kDim; ++d) weights[i * kDim + d] = 0.25f * static_cast<float>(d + i);
+      for (int d = 0; d < state_dim; ++d) state[i * state_dim + d] = static_cast<float>(d) + 0.5f;
+      counts[i] = static_cast<uint32_t>(i % 17);
+      times[i] = static_cast<uint32_t>(1000 + i);
+      steps[i] = 40 + i;
+      versions[i] = 1;
+      shows[i] = static_cast<float>(i) * 1.5f;
+      clicks[i] = static_cast<float>(i % 3);
+    }
+    RowColumns in{keys.data(),  weights.data(),  state.data(), counts.data(), steps.data(),
+                  times.data(), versions.data(), shows.data(), clicks.data()};
+    engine.Load(table, kRows, in);
+    // What export writes of every row, by key.
+    std::vector<uint64_t> ek(kRows), es(kRows), ev(kRows);
+    std::vector<float> ew(kRows * kDim), est(kRows * state_dim), esh(kRows), ecl(kRows);
+    std::vector<uint32_t> ec(kRows), et(kRows);
+    RowColumns exported{ek.data(), ew.data(), est.data(), ec.data(), es.data(),
+                        et.data(), ev.data(), esh.data(), ecl.data()};
+    ExportCursor cursor;
+    CHECK(engine.Export(table, 0, kRows + 1, &cursor, exported) == kRows && cursor.done);
+    std::unordered_map<uint64_t, size_t> row_of;
+    for (size_t i = 0; i < kRows; ++i) row_of[ek[i]] = i;
+    // Present keys in a scrambled order, absent keys, repeats.
+    std::vector<uint64_t> asked;
+    for (size_t i = 0; i < kRows; i += 3) asked.push_back(keys[(i * 37) % kRows]);
+    asked.insert(asked.begin() + 5, 999999937);  // absent
+    asked.push_back(keys[4]);
+    asked.push_back(keys[4]);
+    asked.push_back(3);  // absent
+    asked.push_back(keys[0]);
+    const size_t n = asked.size();
+    std::vector<uint64_t> rk(n), rs(n), rv(n);
+    std::vector<float> rw(n * kDim), rst(n * state_dim), rsh(n), rcl(n);
+    std::vector<uint32_t> rc(n), rt(n);
+    std::vector<uint8_t> found(n, 7);
+    RowColumns out{rk.data(), rw.data(), rst.data(), rc.data(), rs.data(),
+                   rt.data(), rv.data(), rsh.data(), rcl.data()};
+    const TableStats before = engine.Stats(table);
+    const size_t m = engine.ReadRows(table, asked.data(), n, out, found.data());
+    CHECK(m == n - 2);
+    size_t j = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const auto it = row_of.find(asked[i]);
+      CHECK(found[i] == (it != row_of.end() ? 1 : 0));
+      if (it == row_of.end()) continue;
+      const size_t e = it->second;
+      CHECK(rk[j] == asked[i] && rc[j] == ec[e] && rs[j] == es[e] && rt[j] == et[e]);
+      CHECK(rv[j] == ev[e] && rsh[j] == esh[e] && rcl[j] == ecl[e]);
+      CHECK(std::equal(rw.begin() + j * kDim, rw.begin() + (j + 1) * kDim, ew.begin() + e * kDim));
+      CHECK(std::equal(rst.begin() + j * state_dim, rst.begin() + (j + 1) * state_dim,
+                       est.begin() + e * state_dim));
+      ++j;
+    }
+    CHECK(j == m);
+    const TableStats after = engine.Stats(table);
+    CHECK(after.rows == before.rows && after.pulled_keys == before.pulled_keys &&
+          after.pending_keys == before.pending_keys && after.inserted == before.inserted);
+    CHECK(engine.ReadRows(table, asked.data(), 0, out, found.data()) == 0);
+  }
+  bool unknown = false;
+  try {
+    const uint64_t key = 1;
+    uint8_t found = 0;
+    engine.ReadRows(12345, &key, 1, RowColumns{}, &found);
+  } catch (const UnknownTableError&) {
+    unknown = true;
+  }
+  CHECK(unknown);
+}
+
 }  // namespace
 
 int main() {
@@ -919,6 +1010,7 @@ int main() {
   TestInt8Conversions();
   TestRowStrides();
   TestCompressedTables();
+  TestReadRowsMatchesExport();
   std::puts("engine_test: all passed");
   return 0;
 }

@@ -243,6 +243,16 @@ class Engine {
   // Writes 1 for keys that have a row, else 0.
   void Contains(int table, const uint64_t* keys, size_t n,
                 uint8_t* out);  // (n,)
+  // Whole rows of keys, every column as Export writes it (weights decoded
+  // to float32 whatever the precision; the stored counts, steps, times,
+  // versions, shows and clicks, not decayed): the rows of the keys that have
+  // one go to out's rows [0, m) in the order of keys (a repeated key's row
+  // as often as it is given), found[i] says whether keys[i] has one, and m
+  // is returned. out holds n rows (null columns are skipped). Changes
+  // nothing: no count, sighting, row, version or counter. Like Export, it
+  // throws std::runtime_error while a version is being switched in.
+  size_t ReadRows(int table, const uint64_t* keys, size_t n, const RowColumns& out,
+                  uint8_t* found);  // (n,)
   // Applies the table's EvictionSpec now (all tables if table < 0); TTLs in
   // steps count back from `step`.
   EvictResult Evict(int table, uint64_t step = kCurrentStep);
