@@ -56,7 +56,7 @@ OPTIMIZERS: dict[str, Optimizer] = {
     "ftrl": FTRL(learning_rate=0.05, l1=0.2, l2=0.1, beta=1.0, initial_accumulator=0.1),
     "ftrl-clip": FTRL(learning_rate=0.1, l1=0.05, l2=0.3, beta=0.5, clip_norm=0.8),
 }
-COLUMNS = ("keys", "weights", "state", "counts", "steps", "times", "versions")
+COLUMNS = ("keys", "weights", "state", "counts", "steps", "times", "versions", "shows", "clicks")
 SAME_STATS = (
     "rows",
     "pulled_keys",
@@ -117,8 +117,9 @@ def run_both(
     start: int = 1,
 ) -> None:
     """Training steps on both servers (Zipf-like keys with repeats, gradient
-    rows of every size, a non-finite row now and then, pushes in halves),
-    checking that every pull and push result is the same."""
+    rows of every size, a non-finite row now and then, pushes in halves,
+    show and click increments), checking that every pull and push result
+    is the same."""
     dim = alone.spec(table).dim
     weights = 1.0 / np.arange(1, len(pool) + 1) ** 1.1
     for step in range(start, start + steps):
@@ -131,15 +132,18 @@ def run_both(
         grads *= rng.uniform(0.05, 2.0, (len(keys), 1)).astype(F32)
         if step % 5 == 0:
             grads[3, 0] = np.nan
+        shows = rng.uniform(0.5, 3.0, len(keys)).astype(F32)
+        clicks = (rng.random(len(keys)) < 0.3).astype(F32)
         if step % 3 == 0:  # unique keys in two halves, with the rows they report
             unique, first = np.unique(keys, return_index=True)
             g = grads[first]
+            stats = {"shows": shows[first], "clicks": clicks[first]} if step % 2 else {}
             shared = np.where(np.arange(len(unique)) % 2 == 0, np.arange(len(unique)), -1)
             shared = shared.astype(np.int32)
             results, reports = [], []
             for ps in (alone, cached):
                 updated = np.full((len(unique), dim), -7, F32)
-                part = PushPart(table, unique, g, updated=updated, updated_rows=shared)
+                part = PushPart(table, unique, g, updated=updated, updated_rows=shared, **stats)
                 first_half = ps.push_many([part], unique=True, only="updated", step=step)
                 second = ps.push_many([part], unique=True, only="rest", step=step)
                 results.append((first_half, second))
@@ -147,7 +151,10 @@ def run_both(
             assert results[0] == results[1], f"push of step {step}"
             np.testing.assert_array_equal(reports[0], reports[1])
         else:
-            results = [ps.push(table, keys, grads, step=step) for ps in (alone, cached)]
+            results = [
+                ps.push(table, keys, grads, step=step, shows=shows, clicks=clicks)
+                for ps in (alone, cached)
+            ]
             assert results[0] == results[1], f"push of step {step}"
 
 
@@ -160,7 +167,12 @@ def test_same_rows_as_the_engine_alone(xp: str, opt_name: str, policy: str) -> N
     and reported row, then every exported column (times to the second),
     the deltas since a version, and the engine's counters."""
     spec = TableSpec(
-        "t", 7, optimizer=OPTIMIZERS[opt_name], initializer=TruncatedNormal(0.1), seed=3
+        "t",
+        7,
+        optimizer=OPTIMIZERS[opt_name],
+        initializer=TruncatedNormal(0.1),
+        seed=3,
+        stats_half_life=7.5,
     )
     alone, cached = twins(spec, xp, rows=24, policy=policy)
     rng = np.random.default_rng(5)

@@ -288,3 +288,22 @@ def test_a_trainer_of_a_job_with_servers_has_a_job(
     with wl.Context() as context:
         assert context.job is not None and not context.is_chief and context.shares_tower
         assert context.ps.num_servers == 2
+
+
+def test_a_gpu_cache_is_refused_for_several_trainers(
+    monkeypatch: pytest.MonkeyPatch, remote: RemoteServer
+) -> None:
+    """A trainer's cache would write its rows back over the others' updates."""
+    import wuliang as wl
+
+    config = {
+        "cluster": {"chief": ["c:1"], "worker": ["w:1"], "ps": remote.addresses},
+        "task": {"type": "chief", "index": 0},
+    }
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+    with pytest.raises(ValueError, match="gpu_cache_rows: this job has 2 trainers"):
+        wl.Context(gpu_cache_rows=64)
+    config["cluster"] = {"chief": ["c:1"], "ps": remote.addresses}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+    with wl.Context(gpu_cache_rows=64) as context:  # one trainer: its cache is the only one
+        assert context.job is not None and context.ps.cache_stats() == {}

@@ -142,6 +142,32 @@ def test_layers_in_a_list_are_in_the_checkpoint(clicks: Path, tmp_path: Path) ->
     np.testing.assert_array_equal(np.concatenate(list(fresh.predict(reader(clicks)))), scores)
 
 
+INPUTS = {"ids": ("user", "item")}  # a module-level dict of settings, as users keep them
+
+
+def test_a_function_tower_reading_a_dict_of_settings_exports(clicks: Path, tmp_path: Path) -> None:
+    """A dict of plain settings in a function tower's globals is trackable
+    to TensorFlow but holds no variables: checkpoints and exports pass it
+    over instead of failing on it."""
+    mlp = logit_tower()
+
+    def tower(embeddings: dict[str, Any], dense: dict[str, Any]) -> Any:
+        x = keras.ops.concatenate([embeddings[name] for name in INPUTS["ids"]], -1)
+        return mlp(keras.ops.concatenate([x, dense["price"]], -1))
+
+    trained = wl.Estimator(tower, features(), label="click", model_dir=tmp_path / "m")
+    trained.train(reader(clicks))
+    assert sum(trained.export(tmp_path / "exports").rows.values()) > 0
+    want = trained.evaluate(reader(clicks))
+    mlp = logit_tower()  # a fresh tower, restored from the checkpoint
+    assert (
+        wl.Estimator(tower, features(), label="click", model_dir=tmp_path / "m").evaluate(
+            reader(clicks)
+        )
+        == want
+    )
+
+
 def test_a_checkpoint_hook_of_another_folder_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="one model, one folder"):
         wl.Estimator(

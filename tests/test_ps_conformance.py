@@ -1460,18 +1460,10 @@ def test_statistics_round_trip_through_load_and_part_files(
 
 
 def test_statistics_accumulate_over_training_steps(
-    ps: ParameterServer, request: pytest.FixtureRequest
+    ps: ParameterServer,
 ) -> None:
     """A trainer's pattern (a training pull, then a push with increments,
     step after step) adds up as one push at a time does, decay included."""
-    if request.node.callspec.params["make_ps"] == "cached":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="the GPU cache keeps a cached row's shows and clicks as they were "
-                "when it was cached: the pushes it applies do not add to them",
-            )
-        )
     t = stats_table(ps, half_life=20)
     keys = np.array([1, 2, 3, 4], np.int64)
     expected = np.zeros(4)

@@ -226,7 +226,7 @@ def _libm_function(name: str) -> Any:
     return fn
 
 
-_exp2 = _libm_function("exp2")
+libm_exp2 = _libm_function("exp2")
 _log2 = _libm_function("log2")
 
 
@@ -280,8 +280,8 @@ class OptimizerMath:
             if rate is None:
                 rate = F32(
                     lr
-                    * math.sqrt(1.0 - _exp2(value * self.log2_b2))
-                    / (1.0 - _exp2(value * self.log2_b1))
+                    * math.sqrt(1.0 - libm_exp2(value * self.log2_b2))
+                    / (1.0 - libm_exp2(value * self.log2_b1))
                 )
                 if len(self._lr_t) < 1 << 20:
                     self._lr_t[value] = rate

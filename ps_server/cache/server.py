@@ -43,9 +43,10 @@ from wuliang.ps_server.cache.kernels import (
     array_module,
     engine_float_model,
     kernels_for,
+    libm_exp2,
 )
 from wuliang.ps_server.cache.policy import HotSet
-from wuliang.ps_server.checks import as_float32, check_float32, check_step
+from wuliang.ps_server.checks import as_column, as_float32, check_float32, check_step
 from wuliang.ps_server.interface import (
     MISSING,
     ONLY,
@@ -597,6 +598,8 @@ class CachedServer(ParameterServer):
             if not updated.flags.c_contiguous or not updated.flags.writeable:
                 raise ValueError("updated must be a writeable C-contiguous array")
         self._check_offsets(keys, part.shard_offsets)
+        shows = as_column(part.shows, np.float32, (len(keys),), f"shows for table {table!r}")
+        clicks = as_column(part.clicks, np.float32, (len(keys),), f"clicks for table {table!r}")
         if spec.nan_policy == "raise" and len(keys):
             bad = ~np.isfinite(grads).all(axis=1)
             if bad.any():
@@ -612,6 +615,8 @@ class CachedServer(ParameterServer):
             shard_offsets=None,
             updated=updated,
             updated_rows=updated_rows,
+            shows=shows,
+            clicks=clicks,
         )
         return checked, spec
 
@@ -626,21 +631,28 @@ class CachedServer(ParameterServer):
     ) -> PushResult:
         """The cached keys of a part (positions ``where``) updated on the
         device, as the engine would: duplicates summed in order, non-finite
-        sums dropped, rows admitted by a later step's pull left alone."""
+        sums dropped, rows admitted by a later step's pull left alone, show
+        and click increments added after their rows' decay."""
         dim = cache.spec.dim
-        grads = np.asarray(part.grads)
         key_slots = slots[where]
+        per_key = [np.asarray(part.grads)] + [
+            np.zeros(len(part.keys), F32) if v is None else np.asarray(v)
+            for v in (part.shows, part.clicks)
+        ]
+        feeds_stats = part.shows is not None or part.clicks is not None
         if unique:
-            targets, sums = key_slots, grads[where]
+            targets = key_slots
+            sums, shows, clicks = (v[where] for v in per_key)
             duplicates = 0
         else:  # the engine's order: the first occurrence, then the others by position
             targets, first, group = np.unique(key_slots, return_index=True, return_inverse=True)
             group = group.reshape(-1)
-            sums = grads[where[first]].copy()
             repeat = np.ones(len(where), bool)
             repeat[first] = False
+            sums, shows, clicks = (v[where[first]].copy() for v in per_key)
             if repeat.any():
-                np.add.at(sums, group[repeat], grads[where[repeat]])
+                for total, v in zip((sums, shows, clicks), per_key, strict=True):
+                    np.add.at(total, group[repeat], v[where[repeat]])
             duplicates = len(where) - len(targets)
         finite = np.isfinite(sums).all(axis=1)
         later = np.zeros(len(targets), bool)
@@ -657,8 +669,10 @@ class CachedServer(ParameterServer):
         k = self.kernels
         k.update(cache.math, self.float_model, cache.weights, cache.state, go,
                  np.ascontiguousarray(sums[apply]).reshape(-1, dim), lr_t)  # fmt: skip
+        stamp = self._step_of(step)
+        self._add_stats(cache, go, stamp, shows[apply], clicks[apply], feeds_stats)
         now = int(time.time())
-        k.touch(cache.counts, cache.steps, cache.times, go, self._step_of(step), now)
+        k.touch(cache.counts, cache.steps, cache.times, go, stamp, now)
         cache.dirty[go] = True
         cache.admitted_at[go] = 0
         if part.updated is not None:
@@ -670,6 +684,38 @@ class CachedServer(ParameterServer):
         cache.dropped_nan += dropped_nan
         cache.dropped_pending += dropped_pending
         return PushResult(len(go), dropped_nan, dropped_pending, duplicates)
+
+    def _add_stats(
+        self,
+        cache: _Table,
+        slots: np.ndarray,
+        step: int,
+        shows: np.ndarray,
+        clicks: np.ndarray,
+        feeds: bool,
+    ) -> None:
+        """The engine's ``DecayStats`` then ``+=`` for rows about to be
+        stamped with ``step``: a row's shows and clicks decay from its last
+        update's step (half-life ``stats_half_life``), in double, rounded
+        to float32 once, then the push's increments are added in float32."""
+        row_shows, row_clicks = cache.extra["shows"], cache.extra["clicks"]
+        half_life = float(cache.spec.stats_half_life)
+        if half_life > 0 and len(slots):
+            held = (row_shows[slots] != 0) | (row_clicks[slots] != 0)
+            if held.any():
+                at = slots[held]
+                k = self.kernels
+                since = k.to_host(k.gather(cache.steps, at)).astype(np.uint64)
+                later = since < np.uint64(step)
+                at, since = at[later], since[later]
+                gaps, which = np.unique(np.uint64(step) - since, return_inverse=True)
+                factors = np.array([libm_exp2(-float(g) / half_life) for g in gaps], np.float64)
+                f = factors[which.reshape(-1)]
+                row_shows[at] = (row_shows[at].astype(np.float64) * f).astype(F32)
+                row_clicks[at] = (row_clicks[at].astype(np.float64) * f).astype(F32)
+        if feeds:
+            row_shows[slots] += shows
+            row_clicks[slots] += clicks
 
     def _report(self, cache: _Table, part: PushPart, where: np.ndarray, slots: np.ndarray) -> None:
         """``updated``: each cached key's weights after the push."""

@@ -183,7 +183,22 @@ class Context:
                         self.cluster.num_trainers,
                     )
             else:
+                self._refuse_shared_cache(self.cluster.num_trainers)
                 self.job = Job(self.ps, self.cluster)
+
+    def _refuse_shared_cache(self, trainers: int) -> None:
+        """A GPU hot cache holds its rows until it writes them back, over
+        whatever other trainers pushed to them meanwhile: it fits one
+        trainer per set of servers only."""
+        from wuliang.ps_server.cache import CachedServer
+
+        if isinstance(self.ps, CachedServer) and trainers > 1:
+            self.ps.close()
+            raise ValueError(
+                f"gpu_cache_rows: this job has {trainers} trainers on one set of parameter "
+                "servers; a GPU hot cache would write its rows back over the other trainers' "
+                "updates (it fits a job with one trainer: see docs/gpu_cache.md)"
+            )
 
     @property
     def is_chief(self) -> bool:

@@ -36,7 +36,7 @@ import contextlib
 import logging
 import re
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -110,12 +110,24 @@ def serving_module(tower: Servable) -> Any:
     # does not accept.
     variables: dict[int, Any] = {}
     for value in tower.trackables().values():
-        if isinstance(value, tf.Variable):
-            value = [value]
-        for variable in value if isinstance(value, list | tuple) else value.variables:
+        for variable in variables_of(value):
             variables.setdefault(id(variable), variable)
     module.tower_variables = list(variables.values())
     return module
+
+
+def variables_of(value: Any) -> list[Any]:
+    """The TensorFlow variables an object holds: a variable, a Keras model
+    or layer (``.variables``), or a list, tuple or dict of those."""
+    import tensorflow as tf
+
+    if isinstance(value, tf.Variable):
+        return [value]
+    if isinstance(value, Mapping):
+        return [v for item in value.values() for v in variables_of(item)]
+    if isinstance(value, list | tuple):
+        return [v for item in value for v in variables_of(item)]
+    return list(getattr(value, "variables", ()))
 
 
 @dataclass

@@ -41,7 +41,7 @@ import numpy as np
 
 from wuliang.embedding.features import DenseFeature, SparseFeature
 from wuliang.ps_server.storage import DenseInput, ModelDescription, SparseInput, Version
-from wuliang.saved_model import write_saved_model
+from wuliang.saved_model import variables_of, write_saved_model
 
 DENSE_PREFIX = "dense/model"  # the tower's checkpoint inside a checkpoint folder
 
@@ -180,7 +180,7 @@ def _with_untracked(objects: dict[str, Any]) -> dict[str, Any]:
     for value in objects.values():
         if isinstance(value, tf.Variable):
             continue
-        for variable in getattr(value, "variables", ()):
+        for variable in variables_of(value):
             owned.setdefault(id(variable), variable)
     untracked = [v for i, v in owned.items() if i not in reached]
     return {**objects, "untracked_variables": untracked} if untracked else objects
@@ -202,5 +202,6 @@ def _trackables_of(fn: Any) -> dict[str, Any]:
             tf.train.Checkpoint(probe=value)
         except (ValueError, TypeError):
             continue
-        objects[name] = value
+        if variables_of(value):  # not plain data (a dict of settings is trackable too)
+            objects[name] = value
     return objects
