@@ -314,6 +314,29 @@ def test_load_erase_and_seed() -> None:
 # --- the policy and its index ---------------------------------------------------
 
 
+def test_a_restored_table_brings_its_hottest_rows_in(tmp_path: Path) -> None:
+    """After ``load_rows`` (a checkpoint's restore) the rows with the most
+    decayed shows are cached, as they were: the first pull of them hits."""
+    spec = TableSpec("t", 3, optimizer=Adagrad(0.1), stats_half_life=10.0)
+    keys = np.arange(1, 41, dtype=np.int64)
+    with Engine(2) as source, CachedServer(Engine(2), rows=8, xp="numpy") as ps:
+        source.create_table(spec)
+        source.pull("t", keys, step=1)
+        shows = np.arange(40, 0, -1).astype(F32)  # key 1 the hottest
+        shows[30:] = 0  # ten rows never shown
+        source.push("t", keys, np.ones((40, 3), F32), step=1, shows=shows)
+        files, n = source.write_rows(tmp_path, spec, state=True)
+        ps.create_table(spec)
+        assert ps.load_rows(tmp_path, "t", [name for name, _ in files], step=1) == n
+        c = ps.cache_stats("t")
+        assert (c["rows"], c["swapped_in"], c["dirty"]) == (8, 8, 0)
+        out = np.empty((8, 3), F32)
+        ps.pull_many([PullPart("t", keys[:8], out)], step=2)
+        assert ps.cache_stats("t")["hits"] == 8  # the 8 most shown
+        np.testing.assert_array_equal(out, source.lookup("t", keys[:8]).rows)
+        assert_same_rows(all_rows(ps, "t"), all_rows(source, "t"))
+
+
 def test_key_index_matches_a_dict() -> None:
     """Inserts, deletes and lookups in batches agree with a dict, through
     growth and rebuilds."""

@@ -853,10 +853,23 @@ class CachedServer(ParameterServer):
         since: int = 0,
         owned: tuple[int, int] | None = None,
     ) -> int:
+        """The inner server's ``load_rows``; then the table's hottest rows by
+        their decayed shows (``top_keys``) come into the cache, so that the
+        first steps after a restore find them there."""
         with self._lock:
             self._flush_table(table)
             self._drop(table)
-            return self.inner.load_rows(folder, table, files, step=step, since=since, owned=owned)
+            loaded = self.inner.load_rows(folder, table, files, step=step, since=since, owned=owned)
+            self._seed_hottest(table)
+            return loaded
+
+    def _seed_hottest(self, table: str) -> int:
+        cache = self._cache(table, self.inner.spec(table))
+        if cache is None:
+            return 0
+        keys, shows = self.inner.top_keys(table, cache.hot.rows)
+        shown = shows > 0
+        return self.seed(table, keys[shown], shows[shown]) if shown.any() else 0
 
     def load(
         self,
