@@ -11,7 +11,14 @@ one process, as in tests, keep their own counts):
 * ``wuliang_table_rows{model, table}``, ``wuliang_table_bytes{model, table}``
   (read at scrape time);
 * ``wuliang_version_applies_total{model}``, ``wuliang_version_refusals_total
-  {model}``, ``wuliang_version_apply_seconds{model}``.
+  {model}``, ``wuliang_version_apply_seconds{model}``;
+* with a device cache (``--gpu-cache-rows``, ``serving/device_cache.py``),
+  per model and table: ``wuliang_device_cache_hits_total`` and
+  ``wuliang_device_cache_misses_total`` (keys looked up),
+  ``wuliang_device_cache_copied_bytes_total`` (miss rows copied in),
+  ``wuliang_device_cache_rows``, ``wuliang_device_cache_bytes`` (device
+  memory of the rows) and ``wuliang_device_cache_version`` (the version
+  its rows are of), read at scrape time.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -114,6 +121,7 @@ class _StoreCollector:
         size = GaugeMetricFamily(
             "wuliang_table_bytes", "Memory of a served table.", labels=["model", "table"]
         )
+        cache = _device_cache_families()
         for store in self.stores():
             version.add_metric([store.name], store.version)
             try:
@@ -123,4 +131,40 @@ class _StoreCollector:
             for table, stats in store.table_stats().items():
                 rows.add_metric([store.name, table], stats["rows"])
                 size.add_metric([store.name, table], stats["bytes"])
+            device_cache = getattr(store, "device_cache", None)
+            if device_cache is not None:
+                for table, stats in device_cache.stats().items():
+                    for field, family in cache.items():
+                        family.add_metric([store.name, table], stats[field])
         yield from (version, step, rows, size)
+        if any(family.samples for family in cache.values()):
+            yield from cache.values()
+
+
+def _device_cache_families() -> dict[str, Any]:
+    """The device cache's series, by its ``stats()`` field."""
+    labels = ["model", "table"]
+    return {
+        "hits": CounterMetricFamily(
+            "wuliang_device_cache_hits", "Keys looked up found in the device cache.", labels=labels
+        ),
+        "misses": CounterMetricFamily(
+            "wuliang_device_cache_misses",
+            "Keys looked up not in the device cache (read from host memory).",
+            labels=labels,
+        ),
+        "copied_bytes": CounterMetricFamily(
+            "wuliang_device_cache_copied_bytes",
+            "Bytes of miss rows copied in to assemble lookups.",
+            labels=labels,
+        ),
+        "rows": GaugeMetricFamily(
+            "wuliang_device_cache_rows", "Rows held in the device cache.", labels=labels
+        ),
+        "bytes": GaugeMetricFamily(
+            "wuliang_device_cache_bytes", "Device memory of the cached rows.", labels=labels
+        ),
+        "version": GaugeMetricFamily(
+            "wuliang_device_cache_version", "The version the cached rows are of.", labels=labels
+        ),
+    }

@@ -8,7 +8,9 @@ default 8500, TF Serving's) and the HTTP server (``--http-port``, default
 a busy port or a bad certificate fails at once, before a long load. Until
 the first version is served (an empty export directory, a model not yet
 published) both servers answer UNAVAILABLE and the health checks
-NOT_SERVING, and the store keeps looking for one. ``serve(options)`` also
+NOT_SERVING, and the store keeps looking for one. ``--gpu-cache-rows N``
+keeps the N hottest rows of each table on the device
+(``wuliang.serving.device_cache``; export directories only). ``serve(options)`` also
 logs (INFO, to stderr) each version applied and each refusal, prints one
 line naming the model, its version (or that it waits for the first) and
 both addresses (``grpc+tls`` and ``https`` when they speak TLS), and runs
@@ -26,6 +28,7 @@ from pathlib import Path
 
 from wuliang.ps_server.rpc.auth import read_token
 from wuliang.ps_server.rpc.tls import ServerTls
+from wuliang.serving.device_cache import check_cache_rows
 from wuliang.serving.grpc_server import GrpcServer
 from wuliang.serving.model import ServedModel
 from wuliang.serving.service import MAX_REQUEST_BYTES, Service
@@ -57,6 +60,7 @@ class ServeOptions:
     max_request_bytes: int = MAX_REQUEST_BYTES
     shards: int = 2
     redis: str | None = None
+    gpu_cache_rows: int = 0  # rows of each table on the device (0: off)
 
 
 @dataclass
@@ -91,6 +95,7 @@ def check_options(options: ServeOptions) -> None:
         raise ValueError("--exports is required (or --redis)")
     if (options.tls_cert is None) != (options.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
+    check_cache_rows(options.gpu_cache_rows, "--gpu-cache-rows")
     if options.redis is not None:
         if options.missing != "zeros" or options.precision != "fp32":
             raise ValueError(
@@ -99,6 +104,12 @@ def check_options(options: ServeOptions) -> None:
             )
         if options.model is None and options.exports is None:
             raise ValueError("--redis needs --model (or --exports, whose name it is)")
+        if options.gpu_cache_rows:
+            raise ValueError(
+                f"--gpu-cache-rows {options.gpu_cache_rows} needs an export directory served "
+                "by the embedded engine; with --redis rows come through its own host cache "
+                "(leave --gpu-cache-rows out or 0)"
+            )
 
 
 def make_store(options: ServeOptions) -> ServedModel:
@@ -119,6 +130,7 @@ def make_store(options: ServeOptions) -> ServedModel:
             precision=options.precision,
             poll_secs=options.poll_secs,
             num_shards=options.shards,
+            gpu_cache_rows=options.gpu_cache_rows,
         )
     from wuliang.serving.redis_model import RedisModelStore
 

@@ -22,6 +22,10 @@ missing directory is served as soon as its first version appears.
 * Keys without a row read as zeros (``missing="zeros"``, found False) or as
   the training table's initial vector (``missing="initial"``: the manifest
   keeps each table's initializer and seed).
+* Device cache (``gpu_cache_rows=N``): the N hottest rows of each table
+  by the exported shows live on the device (cupy where a GPU is present,
+  numpy otherwise), switched with each version before it is served
+  (``wuliang.serving.device_cache``); lookups answer the same rows.
 * Object storage: ``export_dir`` may be a URI (``s3://bucket/prefix``); a
   version there exists once its manifest does (uploaded last), its files
   are checked as they are read and its SavedModel is downloaded to a
@@ -37,6 +41,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from wuliang.ps_server import LookupResult, ParameterServer, UnknownTableError, parameter_server
 from wuliang.ps_server.interface import MISSING
 from wuliang.ps_server.storage import (
@@ -48,6 +54,7 @@ from wuliang.ps_server.storage import (
     location,
     versions,
 )
+from wuliang.serving.device_cache import DeviceCache, check_cache_rows
 from wuliang.serving.errors import NotFound, Unavailable, VersionMoved
 from wuliang.serving.model import ServedVersion, StoreCounters, Tower, load_tower
 from wuliang.serving.versions import apply
@@ -71,6 +78,10 @@ class ModelStore:
             call ``refresh()``).
         num_shards: shard threads of the engine.
         load_towers: load each version's SavedModel (for predictions).
+        gpu_cache_rows: rows of each table kept on the device (0: none; see
+            ``wuliang.serving.device_cache``).
+        gpu_cache_xp: its array module (``"auto"``: cupy when a GPU is
+            present, else numpy; ``"numpy"``; ``"cupy"``).
     """
 
     def __init__(
@@ -83,6 +94,8 @@ class ModelStore:
         poll_secs: float = 10.0,
         num_shards: int = 2,
         load_towers: bool = True,
+        gpu_cache_rows: int = 0,
+        gpu_cache_xp: str = "auto",
     ) -> None:
         if missing not in MISSING:
             raise ValueError(f"missing must be one of {', '.join(MISSING)}, got {missing!r}")
@@ -90,6 +103,7 @@ class ModelStore:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if poll_secs < 0:
             raise ValueError(f"poll_secs must be >= 0, got {poll_secs!r}")
+        gpu_cache_rows = check_cache_rows(gpu_cache_rows)
         self.export_dir = location(export_dir)
         self.name = name or self.export_dir.resolve().name
         self.source = str(self.export_dir)
@@ -98,6 +112,13 @@ class ModelStore:
         self.poll_secs = poll_secs
         self.load_towers = load_towers
         self.ps: ParameterServer = parameter_server("embedded", num_shards)
+        self.device_cache: DeviceCache | None = None
+        if gpu_cache_rows:
+            try:
+                self.device_cache = DeviceCache(self.ps, gpu_cache_rows, xp=gpu_cache_xp)
+            except BaseException:
+                self.ps.close()
+                raise
         self.counters = StoreCounters()
         self._current: ServedVersion | None = None  # the snapshot requests start from
         self._chain: list[int] = []  # the versions applied, base first
@@ -125,6 +146,8 @@ class ModelStore:
         if self._watcher is not None:
             self._watcher.join()
             self._watcher = None
+        if self.device_cache is not None:
+            self.device_cache.close()
         self.ps.close()
 
     def __enter__(self) -> ModelStore:
@@ -168,8 +191,12 @@ class ModelStore:
         at; with ``at``, that version's rows or ``VersionMoved``."""
         if self._current is None:
             raise Unavailable(f"model {self.name!r} has no version loaded yet")
+        cache = self.device_cache
         try:
-            result = self.ps.lookup(table, keys, missing=self.missing)  # it checks the keys
+            if cache is None:
+                result = self.ps.lookup(table, keys, missing=self.missing)  # it checks the keys
+            else:
+                result = cache.lookup(table, keys, self.missing)
         except UnknownTableError:
             if at is not None and at is not self._current:  # a new base dropped it
                 raise VersionMoved(
@@ -250,10 +277,14 @@ class ModelStore:
                 )
                 # The tower is loaded before any table switches; the snapshot
                 # moves once every table has.
-                apply(self.ps, version, precision=self.precision)
+                touched = _Touched()  # a delta's keys, for the device cache
+                tell = touched if self.device_cache is not None and version.kind != "full" else None
+                apply(self.ps, version, self.precision, tell)
             except (CorruptVersionError, OSError, ValueError) as error:
                 self._refuse(number, error)
                 return False
+            if self.device_cache is not None:  # switched before the version is served
+                self.device_cache.switch(version.kind, version.tables, touched)
             if version.kind == "full":
                 self._chain = [number]
             else:
@@ -282,3 +313,11 @@ class ModelStore:
         log.error("model %s: version %d refused: %s", self.name, number, error)
         for callback in self.on_refuse:
             callback(number, str(error))
+
+
+class _Touched(dict[str, list[np.ndarray]]):
+    """Keys a version writes or removes, per table (``versions.apply``'s
+    ``touched``)."""
+
+    def __call__(self, table: str, keys: np.ndarray) -> None:
+        self.setdefault(table, []).append(keys)

@@ -24,15 +24,31 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable, Iterable, Iterator
 
-from wuliang.ps_server import SGD, Admission, Eviction, ParameterServer, TableSpec, TableUpdate
+import numpy as np
+
+from wuliang.ps_server import (
+    SGD,
+    Admission,
+    Eviction,
+    ParameterServer,
+    RowChunk,
+    TableSpec,
+    TableUpdate,
+)
 from wuliang.ps_server.spec import Precision
 from wuliang.ps_server.storage import TableEntry, Version, chain
 
 __all__ = ["apply", "apply_chain", "serving_spec"]
 
 
-def apply(ps: ParameterServer, version: Version, precision: Precision = "fp32") -> None:
+def apply(
+    ps: ParameterServer,
+    version: Version,
+    precision: Precision = "fp32",
+    touched: Callable[[str, np.ndarray], None] | None = None,
+) -> None:
     """Applies one version to a parameter server, atomically per table for
     concurrent readers (``ParameterServer.apply_update``; lookups then report
     the version's number): a full version
@@ -40,7 +56,10 @@ def apply(ps: ParameterServer, version: Version, precision: Precision = "fp32") 
     removes its keys. Tables the server lacks are created (SGD, zero
     initializer: serving does not train) with ``precision`` (``"fp32"``,
     ``"fp16"`` or ``"int8"``, see ``TableSpec``); existing tables keep
-    theirs. Every file is checked before anything changes.
+    theirs. Every file is checked before anything changes. ``touched``, when
+    given, is called with (table, keys) for the keys each table's rows write
+    and for the keys it removes, as they are staged (the serving device cache
+    rereads those it holds).
 
     Raises:
         CorruptVersionError: a file of the version is missing or damaged.
@@ -55,16 +74,30 @@ def apply(ps: ParameterServer, version: Version, precision: Precision = "fp32") 
                 f"the engine's has {ps.spec(table).dim}"
             )
     full = version.kind == "full"
-    updates = {
-        table: TableUpdate(
+    updates = {}
+    for table, entry in version.tables.items():
+        rows: Iterable[RowChunk] = version.read_rows(table)
+        removed = None if full else version.removed_keys(table)
+        if touched is not None:
+            rows = _telling(table, rows, touched)
+            if removed is not None and len(removed):
+                touched(table, np.asarray(removed, np.uint64))
+        updates[table] = TableUpdate(
             ps.spec(table) if table in tables else serving_spec(entry, precision),
             full=full,
-            rows=version.read_rows(table),
-            removed=None if full else version.removed_keys(table),
+            rows=rows,
+            removed=removed,
         )
-        for table, entry in version.tables.items()
-    }
     ps.apply_update(updates, label=version.number)
+
+
+def _telling(
+    table: str, rows: Iterable[RowChunk], touched: Callable[[str, np.ndarray], None]
+) -> Iterator[RowChunk]:
+    """``rows``, each chunk's keys told to ``touched`` as it is staged."""
+    for chunk in rows:
+        touched(table, np.asarray(chunk.keys, np.uint64))
+        yield chunk
 
 
 def serving_spec(entry: TableEntry, precision: Precision = "fp32") -> TableSpec:

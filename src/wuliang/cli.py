@@ -214,6 +214,7 @@ def _serve_options(args: argparse.Namespace) -> Any:
         max_request_bytes=args.max_request_bytes,
         shards=args.shards,
         redis=args.redis,
+        gpu_cache_rows=args.gpu_cache_rows,
     )
 
 
@@ -464,6 +465,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes of one request (HTTP body or gRPC message)",
     )
     srv.add_argument("--shards", type=bounded_int(1, 1024), default=2, help="engine shard threads")
+    srv.add_argument(
+        "--gpu-cache-rows",
+        type=bounded_int(0),
+        default=0,
+        metavar="N",
+        help="keep the N hottest rows of each table (by the exported shows) on the GPU, "
+        "or in host memory where there is none (0: off; not with --redis)",
+    )
     srv.add_argument(
         "--redis",
         metavar="URL",
