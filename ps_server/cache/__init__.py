@@ -13,7 +13,7 @@ See docs/gpu_cache.md.
 
 from wuliang.ps_server.cache.kernels import array_module, gpu_available
 from wuliang.ps_server.cache.policy import POLICIES, HotSet, KeyIndex, Plan
-from wuliang.ps_server.cache.server import CachedServer, read_rows
+from wuliang.ps_server.cache.server import CachedServer
 
 __all__ = [
     "POLICIES",
@@ -23,5 +23,4 @@ __all__ = [
     "Plan",
     "array_module",
     "gpu_available",
-    "read_rows",
 ]

@@ -488,7 +488,7 @@ class CachedServer(ParameterServer):
             cache.counters["swapped_in_new"] += int(known.sum())
         read = np.nonzero(~known)[0]
         if len(read):
-            rows, got = read_rows(self.inner, name, keys[read])
+            rows, got = self.inner.read_rows(name, keys[read])
             found[read] = got
             at = read[got]
             weights[at] = rows.weights
@@ -792,6 +792,16 @@ class CachedServer(ParameterServer):
 
     # -- admin half ----------------------------------------------------------------
 
+    def read_rows(self, table: str, keys: KeyArray) -> tuple[RowChunk, np.ndarray]:
+        """The inner server's rows, after the updated cached rows among
+        ``keys`` were written back."""
+        with self._lock:
+            cache = self._tables.get(table)
+            if cache is not None:
+                slots = cache.hot.slots_of(as_keys(keys).view(np.uint64))
+                self._write_back(table, cache, np.unique(slots[slots >= 0]))
+            return self.inner.read_rows(table, keys)
+
     def create_table(self, spec: TableSpec) -> None:
         with self._lock:
             self.inner.create_table(spec)
@@ -953,52 +963,10 @@ class CachedServer(ParameterServer):
         return self.inner.job(**kwargs)
 
 
-def read_rows(server: ParameterServer, table: str, keys: np.ndarray) -> tuple[RowChunk, np.ndarray]:
-    """The whole rows (every column) of the keys that have one, in the order
-    of ``keys``, and which keys had one. A server with ``read_rows(table,
-    keys)`` answers it; otherwise the table is exported and filtered (a scan
-    of every row: the interface has no per-key read of optimizer state)."""
-    own = getattr(server, "read_rows", None)
-    if own is not None:
-        return own(table, keys)
-    keys = np.asarray(keys, np.uint64)
-    wanted = np.unique(keys)
-    parts = [_select(chunk, np.isin(chunk.keys, wanted)) for chunk in server.export(table)]
-    rows = _concat([p for p in parts if len(p)], server.spec(table))
-    order = np.argsort(rows.keys)
-    known = rows.keys[order]
-    at = np.minimum(np.searchsorted(known, keys), max(len(known) - 1, 0))
-    found = known[at] == keys if len(known) else np.zeros(len(keys), bool)
-    return _select(rows, order[at[found]]), found
-
-
 _COLUMNS = ("keys", "weights", "state", "counts", "steps", "times", "versions")
 # Columns a RowChunk may carry beyond these (per-row statistics): the cache
 # keeps them per slot as the rows came and writes them back unchanged.
 _EXTRA = tuple(f.name for f in fields(RowChunk) if f.name not in _COLUMNS)
-
-
-def _select(rows: RowChunk, which: np.ndarray) -> RowChunk:
-    return RowChunk(**{f.name: getattr(rows, f.name)[which] for f in fields(RowChunk)})
-
-
-def _concat(parts: list[RowChunk], spec: TableSpec) -> RowChunk:
-    if parts:
-        return RowChunk(
-            **{
-                f.name: np.concatenate([getattr(p, f.name) for p in parts])
-                for f in fields(RowChunk)
-            }
-        )
-    return RowChunk(
-        keys=np.zeros(0, np.uint64),
-        weights=np.zeros((0, spec.dim), F32),
-        state=np.zeros((0, spec.state_dim), F32),
-        counts=np.zeros(0, np.uint32),
-        steps=np.zeros(0, np.uint64),
-        times=np.zeros(0, np.uint32),
-        versions=np.zeros(0, np.uint64),
-    )
 
 
 def _check_rows(n: Any, what: str) -> None:
