@@ -397,6 +397,10 @@ class NumpyKernels:
         """Rows ``src[slots]`` (a new array)."""
         return src[slots]
 
+    def gather_into(self, src: Any, slots: np.ndarray, out: np.ndarray) -> None:
+        """``out[:] = src[slots]`` into a host array (a pull's answer)."""
+        np.take(src, slots, axis=0, out=out)
+
     def scatter(self, dst: Any, slots: np.ndarray, rows: Any) -> None:
         """``dst[slots] = rows`` (slots distinct)."""
         dst[slots] = rows
@@ -562,6 +566,9 @@ class CupyKernels(NumpyKernels):
         if len(slots) and width:
             self._gather(src, xp.asarray(slots, dtype=np.int64), width, dst)
         return dst
+
+    def gather_into(self, src: Any, slots: np.ndarray, out: np.ndarray) -> None:
+        self.gather(src, slots).get(out=out)
 
     def scatter(self, dst: Any, slots: np.ndarray, rows: Any) -> None:
         xp = self.xp

@@ -520,18 +520,18 @@ class CachedServer(ParameterServer):
         cache.counters["swapped_in"] += len(slots)
 
     def _answer_pull(self, p: _Pull) -> None:
-        """The part's ``out``: hits gathered on the device, misses as pulled."""
+        """The part's ``out``: hits gathered on the device (one row per key
+        occurrence, in key order), misses as pulled."""
         out = p.part.out
         assert out is not None
+        k = self.kernels
+        if not len(p.misses) and len(p.keys):  # every key cached
+            k.gather_into(p.table.weights, p.slots[p.inverse], out)
+            return
         out[p.miss_at] = p.miss_rows
-        hit = np.nonzero(p.hits)[0]
-        if len(hit):
-            k = self.kernels
-            rows = k.to_host(k.gather(p.table.weights, p.slots[hit]))
-            row_of = np.full(len(p.unique), -1, np.int64)
-            row_of[hit] = np.arange(len(hit))
-            at = np.nonzero(p.hits[p.inverse])[0]
-            out[at] = rows[row_of[p.inverse[at]]]
+        at = np.nonzero(p.hits[p.inverse])[0]
+        if len(at):
+            out[at] = k.to_host(k.gather(p.table.weights, p.slots[p.inverse[at]]))
 
     # -- data half: pushes ------------------------------------------------------
 
