@@ -183,6 +183,11 @@ def test_every_read_decodes_the_same_rows(make_engine, precision: str) -> None:
     engine.pull_many([PullPart("t", asked, out)], train=False)
     np.testing.assert_array_equal(out, rows)
     np.testing.assert_array_equal(engine.contains("t", asked), present)
+    whole, whole_found = engine.read_rows("t", asked)  # every column, weights decoded
+    np.testing.assert_array_equal(whole_found, present)
+    np.testing.assert_array_equal(whole.keys, asked[present])
+    assert whole.weights.dtype == np.float32
+    np.testing.assert_array_equal(whole.weights, rows[present])
     got_keys, got_weights = exported(engine, "t")
     np.testing.assert_array_equal(got_keys, keys)
     assert got_weights.dtype == np.float32

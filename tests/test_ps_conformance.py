@@ -51,6 +51,9 @@ What passing guarantees, for every implementation and shard count:
    summed) after decaying a row's by ``stats_half_life`` from its last
    update; ``count`` is unchanged by them; ``top_keys`` orders keys by
    shows decayed to a step; export / load and part files carry them exactly.
+11. ``read_rows``: for any keys (repeated, absent, none), exactly the rows
+   ``export`` gives of them, every column, in the order of the keys, and
+   which keys have one; it changes nothing.
 """
 
 from __future__ import annotations
@@ -1019,6 +1022,7 @@ def test_unknown_table_names_it_and_lists_the_tables(ps: ParameterServer) -> Non
         "push_many": lambda: ps.push_many([PushPart("nope", [1], full(1))]),
         "erase": lambda: ps.erase("nope", [1]),
         "contains": lambda: ps.contains("nope", [1]),
+        "read_rows": lambda: ps.read_rows("nope", [1]),
         "evict": lambda: ps.evict("nope"),
         "stats": lambda: ps.stats("nope"),
         "export": lambda: ps.export("nope"),
@@ -1479,3 +1483,116 @@ def test_statistics_accumulate_over_training_steps(
     top, top_shows = ps.top_keys(t, 2)
     assert top.tolist() == [4, 3]
     np.testing.assert_allclose(top_shows, expected[[3, 2]], rtol=1e-5)
+
+
+# --- 11. read_rows -------------------------------------------------------------------
+
+ALL_COLUMNS = (*COLUMNS, "shows", "clicks")
+
+
+def export_every_column(ps: ParameterServer, table: str) -> RowChunk:
+    """``export_all`` with the shows and clicks too."""
+    rows = export_all(ps, table)
+    chunks = list(ps.export(table))
+    if not chunks:
+        return rows
+    keys = np.concatenate([c.keys for c in chunks])
+    order = np.argsort(keys, kind="stable")
+    stats = {
+        name: np.concatenate([getattr(c, name) for c in chunks])[order] for name in ALL_COLUMNS[-2:]
+    }
+    np.testing.assert_array_equal(keys[order], rows.keys)
+    return RowChunk(**{name: getattr(rows, name) for name in COLUMNS}, **stats)
+
+
+def expected_rows(exported: RowChunk, keys: np.ndarray) -> tuple[RowChunk, np.ndarray]:
+    """What ``read_rows`` must give of ``keys``: the exported rows (sorted
+    by key) of the keys that have one, in the order of ``keys``, and which do."""
+    keys = np.asarray(keys).astype(np.uint64)
+    at = np.minimum(np.searchsorted(exported.keys, keys), max(len(exported) - 1, 0))
+    found = exported.keys[at] == keys if len(exported) else np.zeros(len(keys), bool)
+    picked = at[found]
+    return RowChunk(**{name: getattr(exported, name)[picked] for name in ALL_COLUMNS}), found
+
+
+def check_read(ps: ParameterServer, table: str, keys: Any, exported: RowChunk) -> np.ndarray:
+    """``read_rows(table, keys)`` equals ``expected_rows``, column by column
+    (dtypes and shapes too); returns ``found``."""
+    spec = ps.spec(table)
+    rows, found = ps.read_rows(table, keys)
+    want, want_found = expected_rows(exported, np.asarray(keys, np.int64 if len(keys) else None))
+    assert found.dtype == bool and found.shape == (len(keys),)
+    np.testing.assert_array_equal(found, want_found)
+    n = int(want_found.sum())
+    assert len(rows) == n
+    assert rows.weights.shape == (n, spec.dim) and rows.state.shape == (n, spec.state_dim)
+    for name in ALL_COLUMNS:
+        got = getattr(rows, name)
+        assert got.dtype == getattr(want, name).dtype, name
+        np.testing.assert_array_equal(got, getattr(want, name), err_msg=name)
+    return found
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adagrad", "adam", "ftrl"])
+def test_read_rows_gives_what_export_gives(
+    opt_name: str, ps: ParameterServer, rng: np.random.Generator
+) -> None:
+    """After loads, training pulls and pushes with show and click increments
+    over steps and versions, ``read_rows`` of present keys (shuffled), absent
+    keys and repeats gives each key's exported row, every column (weights,
+    optimizer state, count, step, time, version, shows, clicks), and changes
+    nothing: the rows, the stats and the version are the same afterwards."""
+    spec = TableSpec(
+        "t",
+        dim=3,
+        optimizer=OPTIMIZERS[opt_name],
+        initializer=TruncatedNormal(stddev=0.1),
+        seed=5,
+        stats_half_life=4.0,
+    )
+    ps.create_table(spec)
+    keys = train_rows(ps, "t", rng)
+    for step in (110, 113):
+        idx = rng.integers(0, len(keys), size=len(keys) // 3)
+        shows = rng.integers(1, 4, len(idx)).astype(F32)
+        part = PushPart(
+            "t",
+            keys[idx],
+            rng.standard_normal((len(idx), 3)).astype(F32),
+            shows=shows,
+            clicks=shows * (rng.random(len(idx)) < 0.3),
+        )
+        ps.push_many([part], step=step)
+    exported = export_every_column(ps, "t")
+    assert (exported.shows > 0).any() and (exported.clicks > 0).any()
+    stats, version = ps.stats("t"), ps.version
+    absent = np.array([7, -3, 2**62], np.int64)
+    absent = absent[~np.isin(absent.astype(np.uint64), exported.keys)]
+    asked = np.concatenate([rng.permutation(keys)[:90], absent, keys[:5], keys[3:4], absent[:1]])
+    found = check_read(ps, "t", asked, exported)
+    assert found[:90].sum() > 45 and not found[90 : 90 + len(absent)].any()
+    check_read(ps, "t", keys.view(np.uint64), exported)  # every row, as uint64
+    check_read(ps, "t", asked.tolist(), exported)  # a list of ints
+    assert ps.stats("t") == stats and ps.version == version
+    assert_same_rows(export_every_column(ps, "t"), exported, ALL_COLUMNS)
+
+
+def test_read_rows_of_no_keys_absent_keys_and_an_empty_table(ps: ParameterServer) -> None:
+    """No keys, only absent keys, or an empty table: no rows (of the
+    table's shapes) and every key not found; bad keys raise as elsewhere."""
+    ps.create_table(TableSpec("a", dim=2, optimizer=Adam(), stats_half_life=2.0))
+    exported = export_every_column(ps, "a")
+    for keys in ([], np.zeros(0, np.int64), np.zeros(0, np.uint64), [1, 2, 2]):
+        assert not check_read(ps, "a", keys, exported).any()
+    ps.push_many(
+        [PushPart("a", np.array([5, 6], np.int64), full(2, 2), shows=np.ones(2, F32))], step=1
+    )
+    exported = export_every_column(ps, "a")
+    assert check_read(ps, "a", [6, 1, 5, 6, 6], exported).tolist() == [1, 0, 1, 1, 1]
+    assert not check_read(ps, "a", [1, 2, 2**62], exported).any()
+    with pytest.raises(TypeError, match="keys"):
+        ps.read_rows("a", np.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match="keys"):
+        ps.read_rows("a", np.zeros((2, 2), np.int64))
+    with pytest.raises(UnknownTableError, match="'nope'"):
+        ps.read_rows("nope", [])

@@ -96,7 +96,7 @@ RSS_GROWTH_MB = 200
 SHARDS = 2
 GOOD = frozenset({"OK", "INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "FAILED_PRECONDITION"})
 STREAM_IN = {"Load": "LoadRequest", "ApplyUpdate": "UpdateRequest"}
-METHODS = sorted([*UNARY, "Data", "Export", *STREAM_IN])
+METHODS = sorted([*UNARY, "Data", "Export", "ReadRows", *STREAM_IN])
 UNIVERSE = 1000  # keys of the valid requests: 0..999 and a few extremes
 
 TABLES = {
@@ -281,7 +281,7 @@ class Pools:
         if method == "Lookup":
             return M["LookupRequest"](table=table, keys=self.keys().tobytes(),
                                       missing=r.choice(["zeros", "initial", ""]))  # fmt: skip
-        if method in ("Erase", "Contains"):
+        if method in ("Erase", "Contains", "ReadRows"):
             return M["KeysRequest"](table=table, keys=self.keys().tobytes())
         if method in ("Evict", "EvictByAge"):
             return M["EvictRequest"](table=r.choice([table, ""]), **self.step())
@@ -617,7 +617,7 @@ def call(channel: grpc.Channel, case: Case) -> list[str]:
             if len(answers) != len(payload):
                 codes.append(f"ANSWERS_{len(answers)}_OF_{len(payload)}")
             return ["OK", *codes]
-        if method == "Export":
+        if method in ("Export", "ReadRows"):
             for _ in channel.unary_stream(path)(payload, timeout=TIMEOUT):
                 pass
         elif method in STREAM_IN:

@@ -71,7 +71,7 @@ from wuliang.ps_server.checks import (
     check_step,
     check_version,
 )
-from wuliang.ps_server.chunk import stats_decay
+from wuliang.ps_server.chunk import concat_rows, stats_decay
 from wuliang.ps_server.interface import (
     MISSING,
     ONLY,
@@ -87,6 +87,7 @@ from wuliang.ps_server.interface import (
     UnknownTableError,
     as_keys,
     check_top,
+    merge_rows,
     top_of,
 )
 from wuliang.ps_server.job import JobState
@@ -412,6 +413,21 @@ class _Server:
                 error.code().name, error.details() or "", self.address, method, table
             ) from None
 
+    def stream_all(self, method: str, request: Any, response: str, table: str = "") -> list[Any]:
+        """A server-streamed call's messages, all of them, with its deadline;
+        retried (from the start) while the server is unavailable: for calls
+        that change nothing."""
+        stub = self.channel.unary_stream(
+            proto.method_path(method),
+            request_serializer=type(request).SerializeToString,
+            response_deserializer=M[response].FromString,
+        )
+        return self._retrying(
+            method,
+            table,
+            lambda: list(stub(request, timeout=self.timeout, metadata=self.metadata)),
+        )
+
     def _retrying(self, method: str, table: str, attempt: Callable[[], Any]) -> Any:
         pause, start = _BACKOFF[0], time.monotonic()
         while True:
@@ -430,6 +446,20 @@ class _Server:
     def close(self) -> None:
         self.data.close()
         self.channel.close()
+
+
+def _in_thread(call: Callable[[], Any], name: str) -> Future:
+    """``call()`` run on a thread of its own; its result or error in the future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call())
+        except BaseException as error:
+            future.set_exception(error)
+
+    threading.Thread(target=run, name=f"wuliang-ps-{name}", daemon=True).start()
+    return future
 
 
 def _wait_all(futures: Sequence[Future], timeout: float) -> list[Any]:
@@ -1002,6 +1032,57 @@ class RemoteServer(ParameterServer):
         for j, answer in enumerate(_wait_all(futures, None)):
             found[route.where[j]] = array(answer.mask, MASK, "mask", len(route.keys[j])) != 0
         return found
+
+    def read_rows(self, table: str, keys: KeyArray) -> tuple[RowChunk, np.ndarray]:
+        """Each server reads the rows of its keys (``ReadRows``, the servers
+        at once, in requests and answers under the message limit; retried
+        while a server is unavailable); the rows come back merged in the
+        order of ``keys``."""
+        keys = as_keys(keys).view(np.uint64)
+        spec = self.spec(table)
+        route = self._route(keys, None)
+        futures = [
+            _in_thread(lambda j=j: self._read_rows(j, table, route.keys[j], spec), f"read-{j}")
+            for j in range(self.num_servers)
+        ]
+        parts = []
+        for j, (rows, found) in enumerate(_wait_all(futures, None)):
+            where = route.where[j]
+            positions = np.arange(where.start, where.stop) if isinstance(where, slice) else where
+            parts.append((positions, rows, found))
+        return merge_rows(parts, len(keys), spec.dim, spec.state_dim)
+
+    def _read_rows(
+        self, j: int, table: str, keys: np.ndarray, spec: TableSpec
+    ) -> tuple[RowChunk, np.ndarray]:
+        """Server j's answer for its keys: (rows, found), checked against them."""
+        server = self._servers[j]
+        parts: list[RowChunk] = []
+        found = np.zeros(len(keys), bool)
+        at = 0  # keys answered so far
+        for piece in self._batches([len(keys)], [8]):
+            (_, start, stop) = piece[0]
+            request = M["KeysRequest"](table=table, keys=keys[start:stop].tobytes())
+            for answer in server.stream_all("ReadRows", request, "ReadRowsResponse", table):
+                mask = array(answer.found, MASK, "found") != 0
+                rows = chunk_of(answer.rows, f"rows of table {table!r}", spec.dim)
+                run = keys[at : at + len(mask)]
+                if at + len(mask) > stop or not np.array_equal(rows.keys, run[mask]):
+                    raise RemoteError(
+                        "INTERNAL",
+                        f"parameter server {server.address}, ReadRows of table {table!r}: "
+                        "the rows answered are not those of the keys asked",
+                    )
+                found[at : at + len(mask)] = mask
+                parts.append(rows)
+                at += len(mask)
+            if at != stop:
+                raise RemoteError(
+                    "INTERNAL",
+                    f"parameter server {server.address}, ReadRows of table {table!r}: "
+                    f"{stop - start} keys asked, {at - start} answered",
+                )
+        return concat_rows(parts, spec.dim, spec.state_dim), found
 
     def evict(self, table: str | None = None, *, step: int | None = None) -> dict[str, int]:
         """Each table's policy over all its servers: TTL and min-count on

@@ -454,6 +454,19 @@ class PsService:
         keys, shows, at = scan_top_keys(self.engine, request.table, request.n, step)
         return M["TopKeysResponse"](keys=to_bytes(keys, KEY), shows=to_bytes(shows, FLOAT), step=at)
 
+    def read_rows(self, request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """``ReadRowsResponse`` messages for consecutive runs of the keys,
+        each run as many keys as one message holds (their rows at most)."""
+        spec = self.engine.spec(request.table)  # an unknown table: NOT_FOUND
+        keys = array(request.keys, KEY, "keys")
+        row_bytes = 33 + 4 * (spec.dim + spec.state_dim)  # mask, key, columns, weights, state
+        fit = max(1, (self.max_message_bytes - (1 << 16)) // row_bytes)
+        for start in range(0, len(keys), fit):
+            rows, found = self.engine.read_rows(request.table, keys[start : start + fit])
+            answer = M["ReadRowsResponse"](found=np.asarray(found, np.uint8).tobytes())
+            chunk_to_message(rows, answer.rows)
+            yield answer.SerializeToString()
+
     def load_pending(self, request: Any) -> Any:
         keys = array(request.keys, KEY, "keys")
         counts = array(request.counts, U32, "counts", len(keys))
@@ -709,6 +722,13 @@ def ps_handler(service: PsService) -> grpc.GenericRpcHandler:
 
     handlers["Export"] = grpc.unary_stream_rpc_method_handler(
         _stream_guard(service, "Export", export)
+    )
+
+    def read_rows(raw: bytes, context: Any) -> Iterator[bytes]:
+        yield from service.read_rows(_parse(M["KeysRequest"], raw), context)
+
+    handlers["ReadRows"] = grpc.unary_stream_rpc_method_handler(
+        _stream_guard(service, "ReadRows", read_rows)
     )
     handlers["Load"] = grpc.stream_unary_rpc_method_handler(_guard(service, "Load", service.load))
     handlers["ApplyUpdate"] = grpc.stream_unary_rpc_method_handler(
