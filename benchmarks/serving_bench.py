@@ -4,8 +4,9 @@ Setup (not timed): a model shaped like the MovieLens example (``user_id``,
 ``item_id``, ``genres`` (a list, mean) and ``age``; a Keras MLP 64-32-1)
 whose ``item`` table has ``--rows`` rows (default 2M) of dim 16, exported as
 a full version into a temporary folder and served by ``wuliang serve``
-(gRPC and HTTP, a subprocess polling every 0.2 s). Every row's first weight
-is the export version that last wrote it (1 in the base version).
+(gRPC and HTTP, a subprocess polling every 0.2 s; ``--gpu-cache-rows N``:
+with its device cache, ``serving/device_cache.py``). Every row's first
+weight is the export version that last wrote it (1 in the base version).
 
 Phases, each ``--seconds`` long, ``--clients`` client processes (default 4)
 on loopback, each sending one request at a time:
@@ -139,10 +140,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(export_dir: Path) -> tuple[subprocess.Popen, int, int]:
+def start_server(export_dir: Path, gpu_cache_rows: int = 0) -> tuple[subprocess.Popen, int, int]:
     script = Path(sys.executable).parent / "wuliang"
     args = [str(script), "serve", "--exports", str(export_dir), "--model", "bench"]
     args += ["--port", "0", "--http-port", "0", "--poll-secs", "0.2"]
+    args += ["--gpu-cache-rows", str(gpu_cache_rows)]
     child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
     line = child.stdout.readline()
@@ -383,6 +385,13 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4, help="client processes")
     parser.add_argument("--quick", action="store_true", help="200K rows, 3 s phases")
     parser.add_argument("--skip-redis", action="store_true", help="no Redis baseline")
+    parser.add_argument(
+        "--gpu-cache-rows",
+        type=int,
+        default=0,
+        help="the server's --gpu-cache-rows (the rows have no shows: the smallest keys, "
+        "which are the hottest of the Zipf draws, are cached)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.rows, args.seconds, args.rounds = 200_000, 3.0, 1
@@ -394,8 +403,9 @@ def main() -> None:
         t0 = time.perf_counter()
         session = build_model(args.rows, exports)
         setup_s = time.perf_counter() - t0
-        server, grpc_port, http_port = start_server(exports)
+        server, grpc_port, http_port = start_server(exports, args.gpu_cache_rows)
         result: dict[str, Any] = {"rows": args.rows, "dim": DIM, "clients": args.clients}
+        result["gpu_cache_rows"] = args.gpu_cache_rows
         result["cores"] = os.cpu_count()
         result["setup_s"] = round(setup_s, 1)
         redis_port = None

@@ -2,11 +2,17 @@
 --gpu-cache-rows N``, ``ModelStore(gpu_cache_rows=N)``).
 
 Per served table, a **snapshot** (``TableSnapshot``, immutable once built):
-the keys of up to N rows, their float32 rows in one array ``[N, dim]`` on
-the device (cupy where a GPU is present, numpy otherwise:
-``wuliang.ps_server.cache.kernels.array_module``, the training cache's
-kernels gather and scatter them), a host key → slot index (the training
-cache's ``KeyIndex``) and the engine's version label the rows are of.
+the keys of up to N rows, sorted, on the host; their float32 rows in the
+same order in one array ``[N, dim]`` on the device (cupy where a GPU is
+present, numpy otherwise: ``wuliang.ps_server.cache.kernels.array_module``;
+the training cache's kernels gather and scatter them); and the engine's
+version label the rows are of. A key's slot is its position among the
+sorted keys (one ``searchsorted`` per lookup): a snapshot never changes, so
+it needs no hash index that inserts and deletes. (1000 Zipf keys against
+20K cached ones: the training cache's ``KeyIndex.lookup`` took 70 us,
+``searchsorted`` about 20 us, a bounded linear probe vectorized in numpy
+50-80 us; the engine's whole lookup of those keys, rows included, about
+17 us on a serving table.)
 
 Which rows: the table's top N keys by the shows the export carries (the
 engine keeps each row's decayed show count through ``apply_update``;
@@ -24,11 +30,11 @@ last ranking, ranks afresh (``top_keys`` scans the table). Other deltas are
 cheap: the previous snapshot's keys stay, the rows of the cached keys the
 delta wrote or removed (``apply``'s ``touched`` tells them) are read back
 from the engine and scattered into a device copy of the rows, and keys the
-engine no longer has leave the index; keys new to the table come in at the
-next ranking. A table a full version drops loses its snapshot first.
+engine no longer has leave (with their rows); keys new to the table come in
+at the next ranking. A table a full version drops loses its snapshot first.
 
-A lookup takes the table's snapshot once, splits the keys into hits (in its
-index) and misses, gathers the hits on the device and looks the misses up
+A lookup takes the table's snapshot once, splits the keys into hits (among
+its keys) and misses, gathers the hits on the device and looks the misses up
 in the engine. The engine's answer names its version: if it is not the
 snapshot's (the table switched between the two reads), the hits are not
 mixed in; the whole lookup is read from the engine instead, wholly at one
@@ -46,6 +52,13 @@ looked up, a fallback lookup counting all its keys as misses),
 its rows) and ``version``; ``/metrics`` publishes them
 (``wuliang_device_cache_*``).
 
+Cost without a GPU: with numpy the "device" is host memory, as the
+engine's rows are, so the cache only adds work (finding the hits, a second
+engine call for the misses, assembling): in process 2-3 times the engine's
+lookup of 1000 keys, through gRPC 15% (20K cached rows) to 50% (200K) more
+server CPU per lookup (``docs/performance.md``). It is there so that the same code runs
+(and is tested) everywhere; on a machine without a GPU leave it off.
+
 Not served this way: the Redis-backed store (``--redis``) reads rows from
 Redis through its own host cache and has no engine or show statistics to
 rank by; ``wuliang serve`` refuses ``--gpu-cache-rows`` with ``--redis``.
@@ -53,7 +66,6 @@ rank by; ``wuliang serve`` refuses ``--gpu-cache-rows`` with ``--redis``.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import threading
@@ -65,7 +77,6 @@ import numpy as np
 
 from wuliang.ps_server import LookupResult, ParameterServer
 from wuliang.ps_server.cache.kernels import array_module, kernels_for
-from wuliang.ps_server.cache.policy import KeyIndex
 from wuliang.ps_server.checks import as_keys
 
 __all__ = ["RERANK_EVERY", "DeviceCache", "TableSnapshot", "check_cache_rows"]
@@ -87,15 +98,21 @@ class TableSnapshot:
     """One table's cached rows at one version (never changed once built)."""
 
     version: int  # the engine's label of the rows
-    keys: np.ndarray  # uint64 [slots]: the key each slot was filled with
-    index: KeyIndex  # key -> slot, of the keys held
-    rows: Any  # float32 [slots, dim] on the device
+    keys: np.ndarray  # uint64 [m], sorted: the keys held
+    rows: Any  # float32 [m, dim] on the device: row i is keys[i]'s
     deltas: int = 0  # deltas applied since the keys were ranked
 
     @property
     def size(self) -> int:
         """Keys held."""
-        return self.index.size
+        return len(self.keys)
+
+    def slots(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(slot of each of ``keys`` (uint64), bool hit); a miss's slot is
+        some valid slot."""
+        slots = np.searchsorted(self.keys, keys)
+        np.minimum(slots, len(self.keys) - 1, out=slots)
+        return slots, self.keys[slots] == keys
 
     @property
     def nbytes(self) -> int:
@@ -145,8 +162,14 @@ class DeviceCache:
         self._snapshots: dict[str, TableSnapshot] = {}  # replaced whole, never changed
         self._counters: dict[str, _Counters] = {}
         self._lock = threading.Lock()  # one switch at a time
-        where = self.device if self.on_device else "host memory (numpy: no GPU here)"
-        log.info("device cache: the %d hottest rows of each table on %s", rows, where)
+        if self.on_device:
+            log.info("device cache: the %d hottest rows of each table on %s", rows, self.device)
+        else:
+            log.warning(
+                "device cache: the %d hottest rows of each table on host memory (numpy: no "
+                "GPU here); without a GPU it only adds work to each lookup",
+                rows,
+            )
 
     # -- reading -------------------------------------------------------------------
 
@@ -156,12 +179,11 @@ class DeviceCache:
     def lookup(self, table: str, keys: Any, missing: str = "zeros") -> LookupResult:
         """``ps.lookup(table, keys, missing=missing)``, hits from the device."""
         snap = self._snapshots.get(table)
-        if snap is None:  # not cached (yet): the engine alone
+        if snap is None or not snap.size:  # not cached (yet): the engine alone
             return self.ps.lookup(table, keys, missing=missing)
         keys = as_keys(keys)
         n = len(keys)
-        slots = snap.index.lookup(keys.view(np.uint64))
-        hit = slots >= 0
+        slots, hit = snap.slots(keys.view(np.uint64))
         n_hit = int(np.count_nonzero(hit))
         counters = self._counters[table]
         if n_hit == 0:
@@ -173,21 +195,20 @@ class DeviceCache:
             rows = k.to_host(k.gather(snap.rows, slots))
             counters.add(n, 0, 0)
             return LookupResult(rows, np.ones(n, np.bool_), snap.version)
-        miss = ~hit
+        miss = np.flatnonzero(~hit)
         answer = self.ps.lookup(table, keys[miss], missing=missing)
         if answer.version != snap.version:  # switched meanwhile: never mix versions
             whole = self.ps.lookup(table, keys, missing=missing)
             counters.add(0, n, 0)
             return whole
-        if self.on_device:  # misses copied in, the answer assembled there, copied back once
-            xp = self.xp
-            out = xp.empty((n, snap.rows.shape[1]), F32)
-            out[xp.asarray(np.flatnonzero(hit))] = k.gather(snap.rows, slots[hit])
-            out[xp.asarray(np.flatnonzero(miss))] = xp.asarray(answer.rows)
+        # Every key's slot gathered (a miss's is some row), then the misses'
+        # rows copied in over theirs: on the device, copied back once.
+        if self.on_device:
+            out = k.gather(snap.rows, slots)
+            out[self.xp.asarray(miss)] = self.xp.asarray(answer.rows)
             rows = k.to_host(out)
         else:
-            rows = np.empty((n, snap.rows.shape[1]), F32)
-            rows[hit] = snap.rows[slots[hit]]
+            rows = snap.rows.take(slots, axis=0)
             rows[miss] = answer.rows
         found = np.ones(n, np.bool_)
         found[miss] = answer.found
@@ -229,8 +250,8 @@ class DeviceCache:
         tables = list(tables)
         with self._lock:
             if kind == "full":
-                for gone in set(self._snapshots) - set(tables):
-                    self.drop(gone)
+                for gone in set(self._snapshots) - set(tables):  # before the engine drops it
+                    self._set(gone, None)
             for table in tables:
                 old = self._snapshots.get(table)
                 self._set(table, None)  # lookups read the engine alone meanwhile
@@ -245,15 +266,12 @@ class DeviceCache:
                     continue
                 self._set(table, snap)
 
-    def drop(self, table: str) -> None:
-        """Forgets a table's snapshot (before the engine drops the table)."""
-        self._set(table, None)
-
     def close(self) -> None:
         with self._lock:
             self._snapshots = {}
 
     def _set(self, table: str, snap: TableSnapshot | None) -> None:
+        """Installs (or removes) a table's snapshot; under ``_lock``."""
         snapshots = dict(self._snapshots)
         if snap is None:
             snapshots.pop(table, None)
@@ -261,29 +279,35 @@ class DeviceCache:
             snapshots[table] = snap
         self._snapshots = snapshots  # one reference assignment
 
-    def _ranked(self, table: str) -> TableSnapshot | None:
+    def _ranked(self, table: str) -> TableSnapshot:
         """The table's top ``rows`` keys by shows, their rows from the engine."""
         keys, _ = self.ps.top_keys(table, self.rows)
+        keys = np.sort(keys)
         answer = self.ps.lookup(table, keys)
-        keys = keys[answer.found]  # all of them: the keys come from the table
-        index = KeyIndex(len(keys))
-        index.insert(keys, np.arange(len(keys), dtype=np.int64))
-        rows = self.kernels.to_device(np.ascontiguousarray(answer.rows[answer.found]))
-        return TableSnapshot(answer.version, keys, index, rows)
+        found = answer.found  # all of them: the keys come from the table
+        rows = self.kernels.to_device(np.ascontiguousarray(answer.rows[found]))
+        return TableSnapshot(answer.version, keys[found], rows)
 
     def _patched(self, table: str, old: TableSnapshot, touched: list[np.ndarray]) -> TableSnapshot:
         """``old`` with the rows a delta wrote or removed read back."""
         keys = np.unique(np.concatenate(touched)) if touched else np.zeros(0, np.uint64)
-        slots = old.index.lookup(keys)
-        held = slots >= 0
-        keys, slots = keys[held], slots[held]
+        if old.size:
+            slots, held = old.slots(keys)
+            keys, slots = keys[held], slots[held]
+        else:
+            keys, slots = keys[:0], np.zeros(0, np.int64)
         answer = self.ps.lookup(table, keys)  # also the engine's label when no key is held
         if not len(keys):
             return dataclasses.replace(old, version=answer.version, deltas=old.deltas + 1)
-        index = copy.deepcopy(old.index)
-        index.delete(keys[~answer.found])  # removed by the delta
-        rows = self.xp.array(old.rows, copy=True)  # readers keep reading the old rows
+        xp = self.xp
+        rows = xp.array(old.rows, copy=True)  # readers keep reading the old rows
         kept = answer.found
         self.kernels.scatter(rows, slots[kept], np.ascontiguousarray(answer.rows[kept]))
+        held_keys = old.keys
+        if not kept.all():  # keys the delta removed leave, with their rows
+            stay = np.ones(old.size, np.bool_)
+            stay[slots[~kept]] = False
+            held_keys = old.keys[stay]
+            rows = rows[xp.asarray(stay)]
         self.kernels.synchronize()
-        return TableSnapshot(answer.version, old.keys, index, rows, old.deltas + 1)
+        return TableSnapshot(answer.version, held_keys, rows, old.deltas + 1)

@@ -1,0 +1,145 @@
+"""Serving lookups in process, with and without the device cache
+(``ModelStore(gpu_cache_rows=N)``, ``serving/device_cache.py``).
+
+Setup (not timed): one full version of a table ``item`` of ``--rows`` rows
+(default 2M) of dim 16, each row's shows drawn so that the key's rank by
+shows is its Zipf rank (key 0 the hottest), written directly
+(``VersionWriter``, no TensorFlow); two stores over it, one without the
+cache and one with ``--cache-rows`` rows (default 10% of the table).
+
+Timed: ``ModelStore.lookup`` of ``--keys`` keys (default 1000) drawn from
+Zipf(1.1) over the table, one at a time on this thread, ``--lookups`` per
+round, the two stores alternating for ``--rounds`` rounds (AB, BA, ...) so
+that the machine's drift weighs on both alike. Reported: microseconds per
+lookup (median of the rounds' means, and p50/p99 over all lookups) for
+each, their ratio, and the cache's hit rate. With cupy (a GPU) the cached
+store's rows come from the device; without, from numpy arrays in host
+memory (what ``--gpu-cache-rows`` costs on a machine without a GPU). The
+last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from wuliang.ps_server import SGD, RowChunk, TableSpec
+from wuliang.ps_server.storage import VersionWriter
+from wuliang.serving.store import ModelStore
+
+DIM = 16
+
+
+def write_export(root: Path, rows: int) -> None:
+    with VersionWriter(root, "1", "full") as writer:
+        spec = TableSpec("item", DIM, optimizer=SGD())
+        chunks = []
+        for start in range(0, rows, 500_000):
+            keys = np.arange(start, min(rows, start + 500_000), dtype=np.uint64)
+            n = len(keys)
+            weights = np.empty((n, DIM), np.float32)
+            weights[:] = (keys[:, None] % 97).astype(np.float32) / 97.0
+            shows = (1e9 / (keys.astype(np.float64) + 1.0) ** 1.1).astype(np.float32)
+            ones = np.ones(n, np.uint64)
+            state = np.zeros((n, 0), np.float32)
+            counts, times = np.ones(n, np.uint32), np.zeros(n, np.uint32)
+            chunks.append(RowChunk(keys, weights, state, counts, ones, times, ones, shows))
+        writer.write_table(spec, chunks, state=False)
+        writer.commit(number=1, parent=None, engine_version=1, step=1)
+    (root / "LATEST").write_text("1\n")
+
+
+def zipf_keys(rng: np.random.Generator, rows: int, n: int) -> np.ndarray:
+    draws = rng.zipf(1.1, size=n * 2)
+    draws = draws[draws <= rows][:n]
+    while len(draws) < n:
+        more = rng.zipf(1.1, size=n)
+        draws = np.concatenate([draws, more[more <= rows]])[:n]
+    return (draws - 1).astype(np.uint64)
+
+
+def timed(store: ModelStore, batches: list[np.ndarray], lookups: int) -> np.ndarray:
+    out = np.empty(lookups)
+    for i in range(lookups):
+        keys = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        store.lookup("item", keys)
+        out[i] = time.perf_counter() - t0
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=2_000_000, help="rows of the table")
+    parser.add_argument("--cache-rows", type=int, default=0, help="default: 10%% of --rows")
+    parser.add_argument("--keys", type=int, default=1000, help="keys per lookup")
+    parser.add_argument("--lookups", type=int, default=2000, help="lookups per round")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds, alternating the stores")
+    parser.add_argument("--xp", default="auto", help="the cache's array module")
+    parser.add_argument("--quick", action="store_true", help="200K rows, 4 rounds of 1000")
+    args = parser.parse_args()
+    if args.quick:
+        args.rows, args.lookups, args.rounds = 200_000, 1000, 4
+    cache_rows = args.cache_rows or args.rows // 10
+    work = Path(tempfile.mkdtemp(prefix="serving_cache_bench_"))
+    try:
+        write_export(work / "m", args.rows)
+        stores = {
+            "off": ModelStore(work / "m", "m", poll_secs=0, load_towers=False).start(),
+            "on": ModelStore(
+                work / "m",
+                "m",
+                poll_secs=0,
+                load_towers=False,
+                gpu_cache_rows=cache_rows,
+                gpu_cache_xp=args.xp,
+            ).start(),
+        }
+        rng = np.random.default_rng(0)
+        batches = [zipf_keys(rng, args.rows, args.keys) for _ in range(64)]
+        for b in batches[:4]:  # the same answers
+            off, on = stores["off"].lookup("item", b), stores["on"].lookup("item", b)
+            if not (np.array_equal(off.rows, on.rows) and np.array_equal(off.found, on.found)):
+                raise RuntimeError("the cached store answers other rows")
+        for store in stores.values():  # warm up
+            timed(store, batches, 200)
+        times: dict[str, list[np.ndarray]] = {"off": [], "on": []}
+        for r in range(args.rounds):
+            for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                times[name].append(timed(stores[name], batches, args.lookups))
+        cache = stores["on"].device_cache
+        assert cache is not None
+        stats = cache.stats()["item"]
+        result: dict[str, Any] = {
+            "rows": args.rows,
+            "dim": DIM,
+            "keys_per_lookup": args.keys,
+            "cache_rows": cache_rows,
+            "cache_device": cache.device,
+            "hit_rate": round(stats["hits"] / max(1, stats["hits"] + stats["misses"]), 3),
+        }
+        for name, parts in times.items():
+            every = np.concatenate(parts)
+            result[f"{name}_us_per_lookup"] = round(
+                float(np.median([p.mean() for p in parts])) * 1e6, 1
+            )
+            result[f"{name}_p50_us"] = round(float(np.percentile(every, 50)) * 1e6, 1)
+            result[f"{name}_p99_us"] = round(float(np.percentile(every, 99)) * 1e6, 1)
+            result[f"{name}_round_us"] = [round(float(p.mean()) * 1e6, 1) for p in parts]
+        result["on_vs_off"] = round(result["on_us_per_lookup"] / result["off_us_per_lookup"], 3)
+        for store in stores.values():
+            store.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
