@@ -24,9 +24,13 @@ Rows/s, in the same run, on one table (dim 16, Adagrad) and batches of
   between host and device); and the kernels alone (gather to the host,
   Adagrad update on the device);
 * swap-in: pulls of keys not in the cache: rows the pull creates (known
-  without a read) and rows that exist (read whole from the inner server: the
-  interface has no per-key read of optimizer state, so this exports the
-  table and filters it; ``swap_in_read_table_rows`` says how big);
+  without a read) and rows that exist (read whole, every column, from the
+  inner server by ``read_rows``; ``swap_in_read_table_rows`` says how big
+  the table is);
+* whole-row reads alone, on that table and those keys: the engine's
+  ``read_rows`` (each shard reads its keys' rows) next to the interface's
+  default, an export scan filtered to the keys (``scan_rows``: what a
+  server without its own ``read_rows`` costs, in proportion to the table);
 * write-back: the cache's updated rows loaded back into the engine.
 
 The array module is cupy where a GPU is present (``--xp`` to choose), numpy
@@ -49,6 +53,7 @@ import numpy as np
 from wuliang.ps_server import Adagrad, Engine, TableSpec
 from wuliang.ps_server.cache import CachedServer, HotSet, array_module
 from wuliang.ps_server.cache.kernels import OptimizerMath, engine_float_model, kernels_for
+from wuliang.ps_server.interface import scan_rows
 
 UNIVERSE = 10_000_000
 BATCH = 4096 * 26
@@ -213,12 +218,22 @@ def throughput(args: argparse.Namespace, xp) -> dict:
         result["cache_gather_kernel_rows_per_s"] = best_rate(gather, slots, args.repeats)
         result["cache_adagrad_kernel_rows_per_s"] = best_rate(adagrad, slots, args.repeats)
 
-    # Rows that exist but are not cached: read whole (an export scan).
+    # Rows that exist but are not cached: read whole (read_rows), and the
+    # reads alone: the engine's per-key read next to an export scan.
     read_rows = args.read_table_rows
     with CachedServer(Engine(args.shards), rows=args.rows_batch, xp=xp, policy="lru") as cached:
         cached.create_table(spec)
-        fill(cached.inner, "bench", keys_of(np.arange(read_rows)))
+        inner = cached.inner
+        fill(inner, "bench", keys_of(np.arange(read_rows)))
         waves = [keys_of(np.arange(i, read_rows, 4)[: args.rows_batch]) for i in range(2)]
+        rows, found = inner.read_rows("bench", waves[0])
+        assert found.all() and np.array_equal(rows.keys, waves[0])
+        result["engine_read_rows_per_s"] = best_rate(
+            lambda k: inner.read_rows("bench", k), waves, args.repeats
+        )
+        result["export_scan_read_rows_per_s"] = best_rate(
+            lambda k: scan_rows(inner, "bench", k), waves, 1
+        )
         start = time.perf_counter()
         for i, keys in enumerate(waves):
             cached.pull("bench", keys, out=out[: len(keys)], step=4 + i)
@@ -277,6 +292,8 @@ def main() -> None:
         "kernels gather {cache_gather_kernel_rows_per_s:,} adagrad "
         "{cache_adagrad_kernel_rows_per_s:,} | swap-in new {swap_in_new_rows_per_s:,} "
         "read {swap_in_read_rows_per_s:,} (table of {swap_in_read_table_rows:,}) | "
+        "whole-row reads: engine read_rows {engine_read_rows_per_s:,} export scan "
+        "{export_scan_read_rows_per_s:,} | "
         "write-back {write_back_rows_per_s:,}".format(**speed),
         flush=True,
     )
