@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU hot cache on a machine with a GPU, offline: builds and installs
 # wuliang (no network, no build isolation, no dependencies fetched), runs the
-# tests marked needs_gpu (cupy against the engine built here, bit for bit),
-# then benchmarks/gpu_cache_bench.py; the benchmark's JSON is the last line.
+# tests marked needs_gpu (the training cache's cupy kernels against the
+# engine built here, bit for bit; serving's device cache against the store
+# without it), serving's device cache benchmark, then
+# benchmarks/gpu_cache_bench.py; that benchmark's JSON is the last line.
 #
 #   bash benchmarks/gpu_check.sh                 # from anywhere in the checkout
 #   GPU_CHECK_BENCH_ARGS="--batches 500 --warmup 500" bash benchmarks/gpu_check.sh
@@ -42,7 +44,10 @@ say "tests marked needs_gpu"
 # --noconftest: tests/conftest.py imports redis for other suites; these tests
 # need none of its fixtures (needs_gpu is registered in pyproject.toml).
 "$PYTHON" -m pytest -q -p no:cacheprovider --noconftest -m needs_gpu \
-  tests/test_gpu_cache.py >&2
+  tests/test_gpu_cache.py tests/test_serving_device_cache.py >&2
+
+say "benchmark: benchmarks/serving_cache_bench.py --quick --xp cupy"
+"$PYTHON" benchmarks/serving_cache_bench.py --quick --xp cupy >&2
 
 say "benchmark: benchmarks/gpu_cache_bench.py --xp cupy $BENCH_ARGS"
 # shellcheck disable=SC2086

@@ -33,11 +33,8 @@ import pytest
 
 from wuliang.ps_server import SGD, RowChunk, TableSpec
 from wuliang.ps_server.storage import VersionWriter
-from wuliang.serving.client import Client
 from wuliang.serving.device_cache import DeviceCache
 from wuliang.serving.errors import VersionMoved
-from wuliang.serving.run import ServeOptions, check_options
-from wuliang.serving.service import Service
 from wuliang.serving.store import ModelStore
 
 SCRIPT = Path(sys.executable).parent / "wuliang"
@@ -231,6 +228,8 @@ def test_the_cache_holds_the_top_keys_by_shows(tmp_path: Path, xp: str) -> None:
 
 
 def test_hits_misses_and_bytes_are_counted_exactly(tmp_path: Path) -> None:
+    from wuliang.serving.service import Service  # grpc and prometheus: not on a GPU check's machine
+
     versions = Versions(tmp_path / "m", seed=2)
     versions.write(True, keys_of((1, 201)), u_keys=keys_of((1, 21)))
     with store(versions.root, N) as cached:
@@ -273,6 +272,8 @@ def test_hits_misses_and_bytes_are_counted_exactly(tmp_path: Path) -> None:
 
 
 def test_without_the_cache_nothing_changes(tmp_path: Path) -> None:
+    from wuliang.serving.service import Service
+
     versions = Versions(tmp_path / "m")
     versions.write(True, keys_of((1, 51)), u_keys=keys_of((1, 5)))
     with store(versions.root) as plain:
@@ -364,6 +365,8 @@ def test_lookups_while_versions_switch_never_mix_versions(tmp_path: Path, xp: st
 
 
 def test_the_cache_size_is_checked() -> None:
+    from wuliang.serving.run import ServeOptions, check_options
+
     for bad in (-1, 1.5, True, "10"):
         with pytest.raises(ValueError, match=re.escape(f"got {bad!r}")):
             check_options(ServeOptions(Path("."), gpu_cache_rows=bad))  # type: ignore[arg-type]
@@ -432,6 +435,8 @@ def saved_model(folder: Path) -> Path:
 
 
 def test_wuliang_serve_with_a_device_cache(tmp_path: Path) -> None:
+    from wuliang.serving.client import Client
+
     versions = Versions(tmp_path / "m", seed=4, tower=saved_model(tmp_path / "tower"))
     versions.write(True, keys_of((1, 201)), u_keys=keys_of((1, 21)))
     hot = np.array(sorted(versions.top("t", 30)), np.uint64)
