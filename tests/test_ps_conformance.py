@@ -125,14 +125,15 @@ def remote_processes(shards: int, servers: int = 2) -> ParameterServer:
     import select
     import subprocess
     import sys
+    import tempfile
     import time
 
     from wuliang.ps_server.remote.client import RemoteServer
 
     command = [sys.executable, "-m", "wuliang", "ps", "--port", "0", "--threads", str(shards)]
+    logs = [tempfile.TemporaryFile() for _ in range(servers)]  # noqa: SIM115 (closed in stop)
     procs = [
-        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        for _ in range(servers)
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True) for log in logs
     ]
 
     def stop() -> None:
@@ -147,7 +148,14 @@ def remote_processes(shards: int, servers: int = 2) -> ParameterServer:
             finally:
                 proc.stdout.close()
         codes = [proc.returncode for proc in procs]
-        assert codes == [0] * len(procs), f"wuliang ps exit codes {codes} after SIGTERM"
+        said = []
+        for log in logs:
+            log.seek(0)
+            said.append(log.read().decode(errors="replace")[-6000:])
+            log.close()
+        assert codes == [0] * len(procs), (
+            f"wuliang ps exit codes {codes} after SIGTERM; their stderr:\n" + "\n---\n".join(said)
+        )
 
     addresses = []
     try:

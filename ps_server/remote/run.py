@@ -13,6 +13,7 @@ of DIR (``wuliang.ps_server.remote.recover``): a server that comes back.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import signal
 import sys
@@ -144,6 +145,9 @@ def run(options: PsOptions) -> int:
         flush=True,
     )
     done.wait()
+    # A stop that hangs says where: every thread's stack on stderr after 15 s.
+    faulthandler.dump_traceback_later(15.0, exit=False)
     server.stop(grace=5.0)
+    faulthandler.cancel_dump_traceback_later()
     print("parameter server stopped", file=sys.stderr, flush=True)
     return 0
