@@ -2,8 +2,8 @@
 which keys come in and go out with each batch.
 
 ``HotSet`` keeps a key → slot index over a fixed number of slots (a
-``KeyIndex``: open addressing in numpy arrays, every operation vectorized
-over a batch's keys) and one of two policies:
+``KeyIndex``: the engine's C++ open addressing hash map, one call per
+batch's keys) and one of two policies:
 
 * ``"stats"``: decayed show counts. Every key the set tracks has a score,
   its sightings in training batches with exponential decay (half-life
@@ -33,102 +33,37 @@ import numpy as np
 from wuliang.ps_server import _engine
 
 POLICIES = ("stats", "lru")
-_EMPTY, _DELETED = -1, -2
 _RESCALE = 256.0  # rescale scores when the decay exponent passes this many halvings
 
 
 class KeyIndex:
-    """uint64 key → int64 id, for batches of keys: linear probing over a
-    power-of-two table of (key, id) in numpy arrays (ids -1: empty, -2:
-    deleted), a quarter full at most after a rebuild and half full counting
-    deleted entries; a batch's keys advance together one probe at a time."""
+    """uint64 key → int64 id, for batches of keys: the engine's open
+    addressing hash map (``_engine.KeyIndex``, C++: linear probing, at most
+    3/4 full, deletion without tombstones), one call per batch."""
 
     def __init__(self, expected: int) -> None:
-        self._reset(self._capacity_for(expected))
+        self._native = _engine.KeyIndex(max(int(expected), 0))
 
-    @staticmethod
-    def _capacity_for(n: int) -> int:
-        capacity = 1024
-        while capacity < 4 * max(n, 1):
-            capacity *= 2
-        return capacity
-
-    def _reset(self, capacity: int) -> None:
-        self._keys = np.zeros(capacity, np.uint64)
-        self._ids = np.full(capacity, _EMPTY, np.int64)
-        self._mask = capacity - 1
-        self._used = 0  # live + deleted
-        self.size = 0
-
-    def _home(self, keys: np.ndarray) -> np.ndarray:
-        return _engine.shard_of(keys, len(self._ids)).astype(np.int64)
-
-    def _find(self, keys: np.ndarray) -> np.ndarray:
-        """Table position of each key, -1 where absent."""
-        found = np.full(len(keys), -1, np.int64)
-        if not len(keys) or not self.size:
-            return found
-        pos = self._home(keys)
-        active = np.arange(len(keys))
-        while len(active):
-            p = pos[active]
-            ids = self._ids[p]
-            match = (ids >= 0) & (self._keys[p] == keys[active])
-            found[active[match]] = p[match]
-            more = (ids != _EMPTY) & ~match
-            active = active[more]
-            pos[active] = (p[more] + 1) & self._mask
-        return found
+    @property
+    def size(self) -> int:
+        return int(self._native.size)
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """The id of each key (uint64 ``[n]``), -1 where absent."""
-        pos = self._find(keys)
-        return np.where(pos >= 0, self._ids[np.maximum(pos, 0)], -1)
+        return self._native.lookup(np.ascontiguousarray(keys, np.uint64))
 
     def insert(self, keys: np.ndarray, ids: np.ndarray) -> None:
-        """Adds keys (distinct, absent) with their ids."""
-        if not len(keys):
-            return
-        if 2 * (self._used + len(keys)) > len(self._ids):
-            self._rebuild(self.size + len(keys))
-        pos = self._home(keys)
-        pending = np.arange(len(keys))
-        placed = np.zeros(len(keys), bool)
-        while len(pending):
-            p = pos[pending]
-            free = self._ids[p] < 0
-            if free.any():
-                candidates, where = pending[free], p[free]
-                was_empty = self._ids[where] == _EMPTY
-                # Keys racing for one free place: one write lands, the key
-                # read back says which (keys are distinct).
-                self._keys[where] = keys[candidates]
-                won = self._keys[where] == keys[candidates]
-                self._ids[where[won]] = ids[candidates[won]]
-                self._used += int(was_empty[won].sum())
-                placed[candidates[won]] = True
-                pending = pending[~placed[pending]]
-            pos[pending] = (pos[pending] + 1) & self._mask
-        self.size += len(keys)
+        """Adds keys (distinct, absent) with their ids (>= 0)."""
+        self._native.insert(
+            np.ascontiguousarray(keys, np.uint64), np.ascontiguousarray(ids, np.int64)
+        )
 
     def delete(self, keys: np.ndarray) -> np.ndarray:
         """Removes keys; returns the ids they had (-1 where absent)."""
-        pos = self._find(keys)
-        hit = pos >= 0
-        ids = np.full(len(keys), -1, np.int64)
-        ids[hit] = self._ids[pos[hit]]
-        self._ids[pos[hit]] = _DELETED
-        self.size -= int(hit.sum())
-        return ids
+        return self._native.delete(np.ascontiguousarray(keys, np.uint64))
 
     def clear(self) -> None:
-        self._reset(len(self._ids))
-
-    def _rebuild(self, expected: int) -> None:
-        live = self._ids >= 0
-        keys, ids = self._keys[live], self._ids[live]
-        self._reset(max(len(self._ids), self._capacity_for(expected)))
-        self.insert(keys, ids)
+        self._native.clear()
 
 
 @dataclass

@@ -7,12 +7,14 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include "details/hash_map.h"
 #include "wuliang/ps/engine.h"
 #include "wuliang/ps/hash.h"
 
@@ -654,10 +656,92 @@ py::array_t<uint32_t> Route(const py::array& keys, uint32_t count, const char* w
   return out;
 }
 
+// uint64 key -> int64 id for batches of keys: the GPU hot cache's key ->
+// slot index (ps_server/cache/policy.py), on the engine's OpenHashMap
+// (ids stored + 1: a zero value marks an empty slot). Not thread-safe: the
+// caller serializes (the cache holds its lock).
+class KeyIndex {
+ public:
+  using Keys = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
+  using Ids = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+  using Map = details::OpenHashMap<int64_t>;
+
+  explicit KeyIndex(size_t expected) : map_(std::make_unique<Map>()) { map_->Reserve(expected); }
+
+  py::array_t<int64_t> Lookup(const Keys& keys) const {
+    const size_t n = Length(keys);
+    py::array_t<int64_t> ids(n);
+    const uint64_t* k = keys.data();
+    int64_t* out = ids.mutable_data();
+    {
+      py::gil_scoped_release release;
+      constexpr size_t kAhead = 8;
+      for (size_t i = 0; i < n; ++i) {
+        if (i + kAhead < n) map_->Prefetch(Mix64(k[i + kAhead]));
+        const int64_t* v = map_->Find(k[i], Mix64(k[i]));
+        out[i] = v != nullptr ? *v - 1 : -1;
+      }
+    }
+    return ids;
+  }
+
+  void Insert(const Keys& keys, const Ids& ids) {
+    const size_t n = Length(keys);
+    if (ids.ndim() != 1 || static_cast<size_t>(ids.shape(0)) != n) {
+      throw py::value_error("ids must be 1-D with one id per key (" + std::to_string(n) + ")");
+    }
+    const uint64_t* k = keys.data();
+    const int64_t* v = ids.data();
+    for (size_t i = 0; i < n; ++i) {
+      if (v[i] < 0) throw py::value_error("ids must be >= 0, got " + std::to_string(v[i]));
+    }
+    py::gil_scoped_release release;
+    map_->Reserve(map_->size() + n);
+    for (size_t i = 0; i < n; ++i) {
+      const uint64_t h = Mix64(k[i]);
+      int64_t* slot = map_->Find(k[i], h);
+      if (slot == nullptr) slot = map_->InsertNew(k[i], h);
+      *slot = v[i] + 1;
+    }
+  }
+
+  py::array_t<int64_t> Delete(const Keys& keys) {
+    const size_t n = Length(keys);
+    py::array_t<int64_t> ids(n);
+    const uint64_t* k = keys.data();
+    int64_t* out = ids.mutable_data();
+    {
+      py::gil_scoped_release release;
+      for (size_t i = 0; i < n; ++i) out[i] = map_->Erase(k[i], Mix64(k[i])) - 1;
+    }
+    return ids;
+  }
+
+  size_t Size() const { return map_->size(); }
+  void Clear() { map_ = std::make_unique<Map>(); }
+
+ private:
+  static size_t Length(const Keys& keys) {
+    if (keys.ndim() != 1) throw py::value_error("keys must be 1-D");
+    return static_cast<size_t>(keys.shape(0));
+  }
+
+  std::unique_ptr<Map> map_;
+};
+
 PYBIND11_MODULE(_engine, m) {
   m.doc() = "wuliang parameter-server engine (C++)";
   BindSpecs(m);
   BindEngine(m);
+  py::class_<KeyIndex>(m, "KeyIndex")
+      .def(py::init<size_t>(), "expected"_a = 0)
+      .def("lookup", &KeyIndex::Lookup, "keys"_a, "Each key's id (int64), -1 where absent.")
+      .def("insert", &KeyIndex::Insert, "keys"_a, "ids"_a,
+           "Sets each key's id (ids >= 0); a key already there takes the new id.")
+      .def("delete", &KeyIndex::Delete, "keys"_a,
+           "Removes keys; returns the ids they had (-1 where absent).")
+      .def("clear", &KeyIndex::Clear)
+      .def_property_readonly("size", &KeyIndex::Size);
   m.def(
       "shard_of",
       [](const py::array& keys, uint32_t num_shards) {
