@@ -249,7 +249,7 @@ def test_write_back_keeps_versions_and_the_change_log() -> None:
     strict=True,
     reason="the cache stamps written-back rows with the inner server's version at the "
     "write-back: a version advanced on the inner server directly (not through the "
-    "cache, e.g. by another trainer) lands rows updated before it in the newer version",
+    "cache: a direct call on its inner server) lands rows updated before it in the newer version",
 )
 def test_version_advanced_behind_the_cache_is_not_the_update_version() -> None:
     spec = TableSpec("t", 2, optimizer=SGD(0.1))
