@@ -183,17 +183,21 @@ class Context:
                         self.cluster.num_trainers,
                     )
             else:
-                self._refuse_shared_cache(self.cluster.num_trainers)
+                self._refuse_shared_cache(
+                    self.cluster.num_trainers, made=not isinstance(ps, ParameterServer)
+                )
                 self.job = Job(self.ps, self.cluster)
 
-    def _refuse_shared_cache(self, trainers: int) -> None:
+    def _refuse_shared_cache(self, trainers: int, made: bool) -> None:
         """A GPU hot cache holds its rows until it writes them back, over
         whatever other trainers pushed to them meanwhile: it fits one
-        trainer per set of servers only."""
+        trainer per set of servers only. ``made``: the context made the
+        server (from an address), so it closes it; a caller's stays open."""
         from wuliang.ps_server.cache import CachedServer
 
         if isinstance(self.ps, CachedServer) and trainers > 1:
-            self.ps.close()
+            if made:
+                self.ps.close()
             raise ValueError(
                 f"gpu_cache_rows: this job has {trainers} trainers on one set of parameter "
                 "servers; a GPU hot cache would write its rows back over the other trainers' "
