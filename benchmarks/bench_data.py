@@ -1,4 +1,5 @@
-"""What the benchmarks share: the core count and the datagen Parquet files."""
+"""What the benchmarks share: the core count, the datagen Parquet files and
+Zipf-distributed keys."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from wuliang.reader.datagen import DatagenConfig, generate
@@ -35,3 +37,13 @@ def parquet_files(folder: Path, rows: int) -> tuple[list[Path], bool]:
         flush=True,
     )
     return files, True
+
+
+def zipf_keys(rng: np.random.Generator, rows: int, n: int) -> np.ndarray:
+    """``n`` keys in ``[0, rows)`` drawn from Zipf(1.1) (key 0 the most frequent)."""
+    draws = rng.zipf(1.1, size=n * 2)
+    draws = draws[draws <= rows][:n]
+    while len(draws) < n:
+        more = rng.zipf(1.1, size=n)
+        draws = np.concatenate([draws, more[more <= rows]])[:n]
+    return (draws - 1).astype(np.uint64)

@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_data import zipf_keys  # benchmarks/, the script's folder
 
 DIM = 16
 KEYS_PER_LOOKUP = 1000
@@ -153,15 +154,6 @@ def start_server(export_dir: Path, gpu_cache_rows: int = 0) -> tuple[subprocess.
         child.kill()
         raise RuntimeError(f"wuliang serve did not start: {line!r}")
     return child, int(match[1]), int(match[2])
-
-
-def zipf_keys(rng: np.random.Generator, rows: int, n: int) -> np.ndarray:
-    draws = rng.zipf(1.1, size=n * 2)
-    draws = draws[draws <= rows][:n]
-    while len(draws) < n:
-        more = rng.zipf(1.1, size=n)
-        draws = np.concatenate([draws, more[more <= rows]])[:n]
-    return (draws - 1).astype(np.uint64)
 
 
 def torn(rows: np.ndarray, found: np.ndarray, keys: np.ndarray, version: int) -> bool:

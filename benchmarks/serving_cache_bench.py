@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_data import zipf_keys  # benchmarks/, the script's folder
 
 from wuliang.ps_server import SGD, RowChunk, TableSpec
 from wuliang.ps_server.storage import VersionWriter
@@ -54,15 +55,6 @@ def write_export(root: Path, rows: int) -> None:
         writer.write_table(spec, chunks, state=False)
         writer.commit(number=1, parent=None, engine_version=1, step=1)
     (root / "LATEST").write_text("1\n")
-
-
-def zipf_keys(rng: np.random.Generator, rows: int, n: int) -> np.ndarray:
-    draws = rng.zipf(1.1, size=n * 2)
-    draws = draws[draws <= rows][:n]
-    while len(draws) < n:
-        more = rng.zipf(1.1, size=n)
-        draws = np.concatenate([draws, more[more <= rows]])[:n]
-    return (draws - 1).astype(np.uint64)
 
 
 def timed(store: ModelStore, batches: list[np.ndarray], lookups: int) -> np.ndarray:

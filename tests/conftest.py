@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from wuliang.ps_server import Engine, RowChunk
+from wuliang.ps_server.chunk import concat_rows, take_rows
 
 SEED = 20240611
 
@@ -63,22 +64,8 @@ def make_engine() -> Iterator[MakeEngine]:
 
 def concat_chunks(chunks: list[RowChunk], dim: int, state_dim: int) -> RowChunk:
     """One RowChunk of all chunks, sorted by key."""
-    if not chunks:
-        return RowChunk(
-            keys=np.zeros(0, np.uint64),
-            weights=np.zeros((0, dim), np.float32),
-            state=np.zeros((0, state_dim), np.float32),
-            counts=np.zeros(0, np.uint32),
-            steps=np.zeros(0, np.uint64),
-            times=np.zeros(0, np.uint32),
-            versions=np.zeros(0, np.uint64),
-        )
-    columns = {
-        name: np.concatenate([getattr(c, name) for c in chunks])
-        for name in ("keys", "weights", "state", "counts", "steps", "times", "versions")
-    }
-    order = np.argsort(columns["keys"], kind="stable")
-    return RowChunk(**{name: values[order] for name, values in columns.items()})
+    rows = concat_rows(chunks, dim, state_dim)
+    return take_rows(rows, np.argsort(rows.keys, kind="stable"))
 
 
 @pytest.fixture

@@ -44,6 +44,7 @@ from wuliang.ps_server.cache.kernels import (
     engine_float_model,
     kernels_for,
 )
+from wuliang.ps_server.chunk import concat_rows, take_rows
 
 XPS = ["numpy", pytest.param("cupy", marks=pytest.mark.needs_gpu)]
 OPTIMIZERS: dict[str, Optimizer] = {
@@ -72,21 +73,9 @@ SAME_STATS = (
 
 
 def all_rows(ps: ParameterServer, table: str, since: int = 0) -> RowChunk:
-    chunks = list(ps.export(table, since=since))
     spec = ps.spec(table)
-    if not chunks:
-        return RowChunk(
-            np.zeros(0, np.uint64),
-            np.zeros((0, spec.dim), F32),
-            np.zeros((0, spec.state_dim), F32),
-            np.zeros(0, np.uint32),
-            np.zeros(0, np.uint64),
-            np.zeros(0, np.uint32),
-            np.zeros(0, np.uint64),
-        )
-    columns = {name: np.concatenate([getattr(c, name) for c in chunks]) for name in COLUMNS}
-    order = np.argsort(columns["keys"])
-    return RowChunk(**{name: values[order] for name, values in columns.items()})
+    rows = concat_rows(list(ps.export(table, since=since)), spec.dim, spec.state_dim)
+    return take_rows(rows, np.argsort(rows.keys))
 
 
 def assert_same_rows(a: RowChunk, b: RowChunk) -> None:

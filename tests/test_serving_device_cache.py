@@ -15,21 +15,15 @@ The cupy variants run where there is a GPU (``needs_gpu``)."""
 from __future__ import annotations
 
 import http.client
-import os
 import re
-import select
 import shutil
-import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
+from serve_cli import running, serve_fails
 
 from wuliang.ps_server import SGD, RowChunk, TableSpec
 from wuliang.ps_server.storage import VersionWriter
@@ -37,8 +31,6 @@ from wuliang.serving.device_cache import DeviceCache
 from wuliang.serving.errors import VersionMoved
 from wuliang.serving.store import ModelStore
 
-SCRIPT = Path(sys.executable).parent / "wuliang"
-ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the installed package
 XPS = ["numpy", pytest.param("cupy", marks=pytest.mark.needs_gpu)]
 N = 40  # cached rows per table
 
@@ -385,31 +377,6 @@ def test_the_cache_size_is_checked() -> None:
 # -- wuliang serve --gpu-cache-rows ---------------------------------------------------
 
 
-@contextmanager
-def serving(tmp_path: Path, *args: str) -> Iterator[tuple[int, int, Path]]:
-    """A running ``wuliang serve``: (grpc port, http port, its log)."""
-    log = tmp_path / "serve.log"
-    command = [str(SCRIPT), "serve", "--port", "0", "--http-port", "0", *args]
-    with open(log, "w") as stderr:
-        process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=ENV
-        )
-    assert process.stdout is not None
-    try:
-        ready, _, _ = select.select([process.stdout], [], [], 120)
-        banner = process.stdout.readline().strip() if ready else ""
-        match = re.search(r"grpc [\d.]+:(\d+), http [\d.]+:(\d+)", banner)
-        assert match, f"{banner!r}: {log.read_text()[-3000:]}"
-        yield int(match[1]), int(match[2]), log
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0, log.read_text()[-3000:]
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=30)
-        process.stdout.close()
-
-
 def metrics(http_port: int) -> str:
     connection = http.client.HTTPConnection("127.0.0.1", http_port, timeout=30)
     try:
@@ -442,7 +409,8 @@ def test_wuliang_serve_with_a_device_cache(tmp_path: Path) -> None:
     hot = np.array(sorted(versions.top("t", 30)), np.uint64)
     cold = np.setdiff1d(keys_of((1, 201)), hot)[:10]
     args = ["--exports", str(versions.root), "--model", "m", "--gpu-cache-rows", "30"]
-    with serving(tmp_path, *args, "--poll-secs", "0.1") as (grpc_port, http_port, log):
+    with running(tmp_path, *args, "--poll-secs", "0.1") as server:
+        grpc_port, http_port, log = server.grpc, server.http, server.log
         client = Client(f"127.0.0.1:{grpc_port}")
         try:
             keys = np.concatenate([hot[:12], cold])
@@ -481,9 +449,7 @@ def test_wuliang_serve_refuses_a_bad_cache_size(tmp_path: Path) -> None:
         (["--redis", "redis://127.0.0.1:1/0", "--model", "m", "--gpu-cache-rows", "5"],
          "--gpu-cache-rows 5 needs an export directory"),
     ):  # fmt: skip
-        done = subprocess.run(
-            [str(SCRIPT), "serve", *args], capture_output=True, text=True, timeout=120, env=ENV
-        )
+        done = serve_fails(*args)
         assert done.returncode == 2, done.stderr
         assert "Traceback" not in done.stderr
         assert named in done.stderr.strip().splitlines()[-1], done.stderr

@@ -265,6 +265,41 @@ void BindSpecs(py::module_& m) {
   m.def("state_dim", &StateDim, "kind"_a, "dim"_a);
 }
 
+// Column arrays for up to `n` whole rows of a table (what export and
+// read_rows fill): RowColumns over them, then the first rows as a dict.
+struct RowArrays {
+  py::array_t<uint64_t> keys;
+  py::array_t<float> weights, state;
+  py::array_t<uint32_t> counts, times;
+  py::array_t<uint64_t> steps, versions;
+  py::array_t<float> shows, clicks;
+
+  RowArrays(const TableSpec& spec, size_t n)
+      : keys(n),
+        weights({n, static_cast<size_t>(spec.dim)}),
+        state({n, static_cast<size_t>(StateDim(spec.optimizer.kind, spec.dim))}),
+        counts(n),
+        times(n),
+        steps(n),
+        versions(n),
+        shows(n),
+        clicks(n) {}
+
+  RowColumns columns() {
+    return RowColumns{keys.mutable_data(),     weights.mutable_data(), state.mutable_data(),
+                      counts.mutable_data(),   steps.mutable_data(),   times.mutable_data(),
+                      versions.mutable_data(), shows.mutable_data(),   clicks.mutable_data()};
+  }
+
+  py::dict Head(size_t n) const {
+    const py::slice head(0, static_cast<py::ssize_t>(n), 1);
+    return py::dict("keys"_a = keys[head], "weights"_a = weights[head], "state"_a = state[head],
+                    "counts"_a = counts[head], "steps"_a = steps[head], "times"_a = times[head],
+                    "versions"_a = versions[head], "shows"_a = shows[head],
+                    "clicks"_a = clicks[head]);
+  }
+};
+
 void BindEngine(py::module_& m) {
   // A KeyError whose str() is its message (KeyError's would quote it).
   auto& unknown = py::register_exception<UnknownTableError>(m, "UnknownTableError", PyExc_KeyError);
@@ -391,31 +426,17 @@ void BindEngine(py::module_& m) {
           "read_rows",
           [](Engine& e, int table, const py::array& keys) {
             const KeyArray k = Keys(keys);
-            const TableSpec spec = e.Spec(table);
             const size_t n = k.size;
-            const size_t state_dim = StateDim(spec.optimizer.kind, spec.dim);
-            py::array_t<uint64_t> out_keys(n);
-            py::array_t<float> weights({n, static_cast<size_t>(spec.dim)});
-            py::array_t<float> state({n, state_dim});
-            py::array_t<uint32_t> counts(n), times(n);
-            py::array_t<uint64_t> steps(n), versions(n);
-            py::array_t<float> shows(n), clicks(n);
+            RowArrays rows(e.Spec(table), n);
             py::array_t<bool> found(n);
-            RowColumns out{out_keys.mutable_data(), weights.mutable_data(), state.mutable_data(),
-                           counts.mutable_data(),   steps.mutable_data(),   times.mutable_data(),
-                           versions.mutable_data(), shows.mutable_data(),   clicks.mutable_data()};
             auto* found_out = reinterpret_cast<uint8_t*>(found.mutable_data());
+            const RowColumns out = rows.columns();
             size_t m;
             {
               py::gil_scoped_release release;
               m = e.ReadRows(table, k.data, n, out, found_out);
             }
-            const py::slice head(0, static_cast<py::ssize_t>(m), 1);
-            const py::dict rows(
-                "keys"_a = out_keys[head], "weights"_a = weights[head], "state"_a = state[head],
-                "counts"_a = counts[head], "steps"_a = steps[head], "times"_a = times[head],
-                "versions"_a = versions[head], "shows"_a = shows[head], "clicks"_a = clicks[head]);
-            return py::make_tuple(rows, found);
+            return py::make_tuple(rows.Head(m), found);
           },
           "table"_a, "keys"_a)
       .def(
@@ -495,27 +516,14 @@ void BindEngine(py::module_& m) {
       .def(
           "export_chunk",
           [](Engine& e, int table, uint64_t since, size_t max_rows, ExportCursor& cursor) {
-            const TableSpec spec = e.Spec(table);
-            const size_t state_dim = StateDim(spec.optimizer.kind, spec.dim);
-            py::array_t<uint64_t> keys(max_rows);
-            py::array_t<float> weights({max_rows, static_cast<size_t>(spec.dim)});
-            py::array_t<float> state({max_rows, state_dim});
-            py::array_t<uint32_t> counts(max_rows), times(max_rows);
-            py::array_t<uint64_t> steps(max_rows), versions(max_rows);
-            py::array_t<float> shows(max_rows), clicks(max_rows);
-            RowColumns out{keys.mutable_data(),     weights.mutable_data(), state.mutable_data(),
-                           counts.mutable_data(),   steps.mutable_data(),   times.mutable_data(),
-                           versions.mutable_data(), shows.mutable_data(),   clicks.mutable_data()};
+            RowArrays rows(e.Spec(table), max_rows);
+            const RowColumns out = rows.columns();
             size_t n;
             {
               py::gil_scoped_release release;
               n = e.Export(table, since, max_rows, &cursor, out);
             }
-            const py::slice head(0, static_cast<py::ssize_t>(n), 1);
-            return py::dict(
-                "keys"_a = keys[head], "weights"_a = weights[head], "state"_a = state[head],
-                "counts"_a = counts[head], "steps"_a = steps[head], "times"_a = times[head],
-                "versions"_a = versions[head], "shows"_a = shows[head], "clicks"_a = clicks[head]);
+            return rows.Head(n);
           },
           "table"_a, "since"_a, "max_rows"_a, "cursor"_a)
       .def(
