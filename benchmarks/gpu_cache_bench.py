@@ -50,9 +50,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from wuliang.ps_server import Adagrad, Engine, TableSpec
-from wuliang.ps_server.cache import CachedServer, HotSet, array_module
-from wuliang.ps_server.cache.kernels import OptimizerMath, engine_float_model, kernels_for
+from wuliang.ps_server import Adagrad, Engine, PullPart, PushPart, TableSpec
+from wuliang.ps_server.cache import CachedServer, SlotIndex, array_module
+from wuliang.ps_server.cache.kernels import (
+    NumpyKernels,
+    engine_float_model,
+    kernels_for,
+)
 from wuliang.ps_server.interface import scan_rows
 
 UNIVERSE = 10_000_000
@@ -81,13 +85,12 @@ def hit_rates(args: argparse.Namespace) -> dict:
     for stream, alpha in STREAMS.items():
         cdf = zipf_cdf(alpha, args.universe)
         rng = np.random.default_rng([args.seed, int(alpha * 1000)])
-        caches = {
-            (size, policy): HotSet(
-                int(share * args.universe), policy=policy, half_life=args.half_life
-            )
-            for size, share in SIZES.items()
-            for policy in POLICIES
-        }
+        caches = {}
+        for size, share in SIZES.items():
+            for policy in POLICIES:
+                index = SlotIndex(NumpyKernels(), policy=policy, half_life=args.half_life)
+                index.add("t", int(share * args.universe))
+                caches[(size, policy)] = index
         hits = dict.fromkeys(caches, 0)
         unique_hits = dict.fromkeys(caches, 0)
         seconds = dict.fromkeys(caches, 0.0)
@@ -96,14 +99,16 @@ def hit_rates(args: argparse.Namespace) -> dict:
         for batch in range(args.warmup + args.batches):
             ranks = np.searchsorted(cdf, rng.random(args.batch), side="right")
             keys, counts = np.unique(keys_of(ranks), return_counts=True)
+            counts = counts.astype(np.float32)
+            region = np.zeros(len(keys), np.int32)
             measured = batch >= args.warmup
             for config, cache in caches.items():
                 start = time.perf_counter()
-                plan = cache.observe(keys, counts)
+                plan = cache.observe(keys, region, counts)
                 seconds[config] += time.perf_counter() - start
                 if measured:
-                    hits[config] += int(counts[plan.hits].sum())
-                    unique_hits[config] += int(plan.hits.sum())
+                    hits[config] += int(counts.sum() - counts[plan.miss].sum())
+                    unique_hits[config] += len(keys) - len(plan.miss)
             if measured:
                 occurrences += int(counts.sum())
                 uniques += len(keys)
@@ -137,7 +142,7 @@ def hit_rates(args: argparse.Namespace) -> dict:
     return out
 
 
-def best_rate(fn: Callable[[np.ndarray], object], batches: list[np.ndarray], repeats: int) -> float:
+def best_rate(fn: Callable[[object], object], batches: list, repeats: int) -> float:
     """Best rows/s over ``repeats`` passes through the batches."""
     best = 0.0
     for _ in range(repeats):
@@ -159,7 +164,7 @@ def throughput(args: argparse.Namespace, xp) -> dict:
     """Rows/s of the engine and of the cache on the same keys, same run."""
     spec = TableSpec("bench", DIM, optimizer=Adagrad(learning_rate=0.05))
     rng = np.random.default_rng(args.seed)
-    hot = keys_of(np.arange(args.cache_rows))
+    hot = keys_of(np.arange(args.cache_rows // 2))  # half full: no set overflows
     batches = [
         np.sort(rng.choice(hot, size=args.rows_batch, replace=False))
         for _ in range(args.rate_batches)
@@ -182,41 +187,62 @@ def throughput(args: argparse.Namespace, xp) -> dict:
         cached.create_table(spec)
         start = time.perf_counter()
         fill(cached, "bench", hot)  # every row new: swapped in without a read
-        result["swap_in_new_rows_per_s"] = args.cache_rows / (time.perf_counter() - start)
-        kernels = cached.kernels
+        result["swap_in_new_rows_per_s"] = len(hot) / (time.perf_counter() - start)
+        assert cached.cache_stats("bench")["rows"] == len(hot)
+        k = cached.kernels
+        d_out = xp.empty((args.rows_batch, DIM), np.float32)
+        d_grads = k.to_device(grads)
 
-        def lookup(k: np.ndarray) -> None:
-            cached.pull("bench", k, out=out, step=3)
-            kernels.synchronize()
+        # The cache's interface, as a trainer calls it: keys from the host,
+        # rows into and gradients from device arrays.
+        def lookup(keys: np.ndarray) -> None:
+            cached.pull_many([PullPart("bench", keys, d_out)], step=3)
+            k.synchronize()
 
-        def update(k: np.ndarray) -> None:
-            cached.push("bench", k, grads, unique=True, step=3)
-            kernels.synchronize()
+        def update(keys: np.ndarray) -> None:
+            cached.push_many([PushPart("bench", keys, d_grads)], unique=True, step=3)
+            k.synchronize()
 
         result["cache_lookup_rows_per_s"] = best_rate(lookup, batches, args.repeats)
         result["cache_update_rows_per_s"] = best_rate(update, batches, args.repeats)
         stats = cached.cache_stats("bench")
-        assert stats["rows"] == args.cache_rows and stats["misses"] == args.cache_rows, stats
+        assert stats["rows"] == len(hot) and stats["misses"] == len(hot), stats
+
+        # Device-resident: keys, rows and gradients on the device already.
+        cache = cached._tables["bench"]
+        index = cached.index
+        base = cache.region.entry_base
+        region = xp.zeros(args.rows_batch, np.int32)
+        d_batches = [k.to_device(b) for b in batches]
+        model, _ = engine_float_model()
+
+        def index_lookup(keys) -> None:
+            k.index_lookup(index, keys, region, None, True, index.epoch, 1.0)
+            k.synchronize()
+
+        slots = [k.index_lookup(index, b, region, None, False, 0, 1.0) - base for b in d_batches]
+
+        def gather(s) -> None:
+            k.gather_into(cache.rows.weights, s, d_out)
+            k.synchronize()
+
+        def adagrad(s) -> None:
+            k.apply(spec, cache.math, model, cache.rows, s, d_grads, None, None, 3, 0)
+            k.synchronize()
+
+        def hit_path(keys) -> None:
+            s = k.index_lookup(index, keys, region, None, True, index.epoch, 1.0) - base
+            k.gather_into(cache.rows.weights, s, d_out)
+            k.apply(spec, cache.math, model, cache.rows, s, d_grads, None, None, 3, 0)
+            k.synchronize()
+
+        result["device_lookup_rows_per_s"] = best_rate(index_lookup, d_batches, args.repeats)
+        result["device_gather_rows_per_s"] = best_rate(gather, slots, args.repeats)
+        result["device_update_rows_per_s"] = best_rate(adagrad, slots, args.repeats)
+        result["device_hit_path_rows_per_s"] = best_rate(hit_path, d_batches, args.repeats)
         start = time.perf_counter()
         written = cached.flush("bench")
         result["write_back_rows_per_s"] = written / (time.perf_counter() - start)
-
-        # the kernels alone, on the cache's own arrays
-        cache = cached._tables["bench"]
-        assert cache is not None
-        slots = [cache.hot.slots_of(k) for k in batches]
-        math_ = OptimizerMath(spec.optimizer, DIM)
-        model, _ = engine_float_model()
-
-        def gather(s: np.ndarray) -> None:
-            kernels.to_host(kernels.gather(cache.weights, s))
-
-        def adagrad(s: np.ndarray) -> None:
-            kernels.update(math_, model, cache.weights, cache.state, s, grads, None)
-            kernels.synchronize()
-
-        result["cache_gather_kernel_rows_per_s"] = best_rate(gather, slots, args.repeats)
-        result["cache_adagrad_kernel_rows_per_s"] = best_rate(adagrad, slots, args.repeats)
 
     # Rows that exist but are not cached: read whole (read_rows), and the
     # reads alone: the engine's per-key read next to an export scan.
@@ -243,6 +269,117 @@ def throughput(args: argparse.Namespace, xp) -> dict:
     return {k: round(v) if isinstance(v, float) else v for k, v in result.items()}
 
 
+# --- one embedding step, with and without the cache ---------------------------------
+
+
+def step_keys(
+    rng: np.random.Generator, cdf: np.ndarray, unique: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``unique`` distinct keys of a Zipf stream, in the order
+    first drawn, with their occurrences until the last of them was drawn."""
+    draws = np.zeros(0, np.int64)
+    while True:
+        more = np.searchsorted(cdf, rng.random(max(unique, 4096) * 4), side="right")
+        draws = np.concatenate([draws, more])
+        ranks, first = np.unique(draws, return_index=True)
+        if len(ranks) >= unique:
+            break
+    order = np.argsort(first, kind="stable")[:unique]  # kept keys, as first drawn
+    cut = first[order[-1]] + 1  # every key drawn before this is kept
+    position = np.full(len(ranks), -1, np.int64)
+    position[order] = np.arange(unique)
+    counts = np.bincount(position[np.searchsorted(ranks, draws[:cut])], minlength=unique)
+    return keys_of(ranks[order]), counts.astype(np.float32)
+
+
+def embedding_step(args: argparse.Namespace, xp, tables: int) -> dict:
+    """Seconds per embedding step of ``args.step_keys`` unique keys over
+    ``tables`` tables (Zipf(1.2), 5% of each table's universe cached), two
+    ways in the same run, each pulling step i + 1 while step i runs:
+
+    (a) the host engine: pull into host rows, rows to the device, the
+        consumer (a stand-in for the tower: gradients from the rows, on the
+        device), gradients to the host, push;
+    (b) the device cache in front of the same engine: pull into device rows
+        (misses fetched from the engine), the consumer, push of device
+        gradients (misses to the engine).
+
+    Both read the next step's rows before the step's push (staleness 1). The
+    miss bound is the time (b) spent in the engine (its misses' pulls, reads,
+    pushes and write-backs), measured in the same steps."""
+    k = kernels_for(xp)
+    per_table = args.step_keys // tables
+    universe = args.step_universe // tables
+    cdf = zipf_cdf(1.2, universe)
+    steps = args.step_warmup + args.step_measured
+    keys = [
+        [step_keys(np.random.default_rng([args.seed, tables, s, t]), cdf, per_table)
+         for t in range(tables)]
+        for s in range(steps)
+    ]  # fmt: skip
+    names = [f"t{t}" for t in range(tables)]
+    specs = [TableSpec(n, DIM, optimizer=Adagrad(learning_rate=0.05)) for n in names]
+
+    def consumer(rows):
+        return rows * np.float32(1e-3) + np.float32(1e-4)
+
+    def run(ps, device_rows: bool) -> tuple[float, float]:
+        def parts(s: int):
+            outs = [
+                (xp.empty if device_rows else np.empty)((len(kc[0]), DIM), np.float32)
+                for kc in keys[s]
+            ]
+            return [PullPart(n, kc[0], o, counts=kc[1])
+                    for n, kc, o in zip(names, keys[s], outs, strict=True)], outs  # fmt: skip
+
+        pending, outs = None, None
+        start = inner = 0.0
+        current, current_outs = parts(0)
+        ps.pull_many(current, step=0)
+        for s in range(steps):
+            if s == args.step_warmup:
+                k.synchronize()
+                start = time.perf_counter()
+                inner = getattr(ps, "inner_seconds", 0.0)
+            if s + 1 < steps:
+                nxt, outs = parts(s + 1)
+                pending = ps.pull_many_async(nxt, step=s + 1)
+            pushes = []
+            for n, kc, rows in zip(names, keys[s], current_outs, strict=True):
+                grads = consumer(rows if device_rows else k.to_device(rows))
+                pushes.append(PushPart(n, kc[0], grads if device_rows else k.to_host(grads)))
+            ps.push_many(pushes, unique=True, step=s)
+            if pending is not None:
+                pending.wait()
+                current, current_outs, pending = nxt, outs, None
+        k.synchronize()
+        seconds = (time.perf_counter() - start) / args.step_measured
+        return seconds, (getattr(ps, "inner_seconds", 0.0) - inner) / args.step_measured
+
+    with Engine(args.shards) as engine:
+        for spec in specs:
+            engine.create_table(spec)
+        host, _ = run(engine, device_rows=False)
+    slots = {n: int(0.05 * universe) for n in names}
+    with CachedServer(Engine(args.shards), rows=slots, xp=xp) as cached:
+        for spec in specs:
+            cached.create_table(spec)
+        cache, miss_bound = run(cached, device_rows=True)
+        stats = cached.cache_stats()
+    hits = sum(s["hits"] for s in stats.values())
+    looked = hits + sum(s["misses"] for s in stats.values())
+    return {
+        "tables": tables,
+        "unique_keys": per_table * tables,
+        "host_step_ms": round(1000 * host, 3),
+        "cache_step_ms": round(1000 * cache, 3),
+        "miss_bound_ms": round(1000 * miss_bound, 3),
+        "unique_hit_rate": round(hits / max(looked, 1), 4),
+        "step_cache_vs_host": round(host / cache, 3),
+        "step_vs_miss_bound": round(cache / miss_bound, 3) if miss_bound else None,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="200 batches, smaller tables")
@@ -258,6 +395,11 @@ def main() -> None:
     parser.add_argument("--rate-batches", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--step-keys", type=int, default=65_536, help="unique keys per step")
+    parser.add_argument("--step-universe", type=int, default=UNIVERSE, help="keys, all tables")
+    parser.add_argument("--step-tables", default="1,26", help="embedding steps over these tables")
+    parser.add_argument("--step-warmup", type=int, default=40, help="steps before measuring")
+    parser.add_argument("--step-measured", type=int, default=20)
     parser.add_argument("--xp", default="auto", choices=("auto", "numpy", "cupy"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -271,6 +413,8 @@ def main() -> None:
             ("--read-table-rows", 250_000),
             ("--rate-batches", 4),
             ("--repeats", 2),
+            ("--step-warmup", 20),
+            ("--step-measured", 10),
         ):
             if name not in given:
                 setattr(args, name[2:].replace("-", "_"), value)
@@ -289,15 +433,27 @@ def main() -> None:
     print(
         "rows/s: engine pull {engine_pull_rows_per_s:,} push {engine_push_rows_per_s:,} | "
         "cache lookup {cache_lookup_rows_per_s:,} update {cache_update_rows_per_s:,} | "
-        "kernels gather {cache_gather_kernel_rows_per_s:,} adagrad "
-        "{cache_adagrad_kernel_rows_per_s:,} | swap-in new {swap_in_new_rows_per_s:,} "
+        "device-resident: lookup {device_lookup_rows_per_s:,} gather "
+        "{device_gather_rows_per_s:,} adagrad {device_update_rows_per_s:,} hit path "
+        "{device_hit_path_rows_per_s:,} | swap-in new {swap_in_new_rows_per_s:,} "
         "read {swap_in_read_rows_per_s:,} (table of {swap_in_read_table_rows:,}) | "
         "whole-row reads: engine read_rows {engine_read_rows_per_s:,} export scan "
         "{export_scan_read_rows_per_s:,} | "
         "write-back {write_back_rows_per_s:,}".format(**speed),
         flush=True,
     )
+    steps = {}
+    for tables in (int(t) for t in args.step_tables.split(",")):
+        steps[str(tables)] = step = embedding_step(args, xp, tables)
+        print(
+            f"embedding step, {tables} table(s), {step['unique_keys']:,} unique keys: host "
+            f"{step['host_step_ms']} ms, cache {step['cache_step_ms']} ms (its misses' host "
+            f"time {step['miss_bound_ms']} ms; unique-key hit rate {step['unique_hit_rate']})",
+            flush=True,
+        )
     hit = rates["hit_rate"]
+    ratios = [s["step_cache_vs_host"] for s in steps.values()]
+    bounds = [s["step_vs_miss_bound"] for s in steps.values() if s["step_vs_miss_bound"]]
     result = {
         "array_module": kernels.name,
         "device": kernels.device,
@@ -308,11 +464,17 @@ def main() -> None:
         "measured_batches": args.batches,
         "half_life": args.half_life,
         **rates,
+        "step": steps,
+        "step_cache_vs_host": min(ratios) if ratios else None,
+        "step_vs_miss_bound": max(bounds) if bounds else None,
         "targets": {
             "zipf1.2_5%_stats_at_least_0.95": hit["zipf1.2"]["5%"]["stats"] >= 0.95,
             "stats_at_least_lru_everywhere": all(
                 hit[s][z]["stats"] >= hit[s][z]["lru"] for s in STREAMS for z in SIZES
             ),
+            "device_hit_path_at_least_1e9": speed["device_hit_path_rows_per_s"] >= 1e9,
+            "step_cache_vs_host_at_least_3": bool(ratios) and min(ratios) >= 3,
+            "step_vs_miss_bound_at_most_1.25": bool(bounds) and max(bounds) <= 1.25,
         },
         "rows_batch": args.rows_batch,
         "dim": DIM,
@@ -320,6 +482,7 @@ def main() -> None:
         "table_rows": args.table_rows,
         "cache_rows": args.cache_rows,
         **speed,
+        "device_hit_path_rows_per_s": speed["device_hit_path_rows_per_s"],
         "seconds": round(time.perf_counter() - started),
     }
     print(json.dumps(result))

@@ -164,3 +164,56 @@ class Engine:
 def state_dim(kind: OptimizerKind, dim: int) -> int: ...
 def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray: ...
 def server_of(keys: np.ndarray, num_servers: int) -> np.ndarray: ...
+
+# The GPU hot cache's CPU twin (details/cache_twin.h): the index kernels of
+# details/cache_index.h and the engine's push arithmetic on cached rows.
+def cache_lookup(
+    regions: tuple,
+    index: tuple,
+    keys: np.ndarray,
+    region: np.ndarray,
+    counts: np.ndarray | None,
+    observe: bool,
+    epoch: int,
+    policy: int,
+    weight: float,
+    clock: float,
+) -> np.ndarray: ...
+def cache_score_misses(
+    regions: tuple,
+    index: tuple,
+    keys: np.ndarray,
+    region: np.ndarray,
+    counts: np.ndarray | None,
+    policy: int,
+    weight: float,
+) -> tuple[np.ndarray, np.ndarray]: ...
+def cache_populate(
+    regions: tuple,
+    index: tuple,
+    keys: np.ndarray,
+    region: np.ndarray,
+    sets: np.ndarray,
+    scores: np.ndarray,
+    allowed: np.ndarray,
+    epoch: int,
+    policy: int,
+    clock: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+def cache_apply(
+    optimizer: OptimizerSpec,
+    weights: np.ndarray,
+    state: np.ndarray,
+    counts: np.ndarray,
+    steps: np.ndarray,
+    times: np.ndarray,
+    shows: np.ndarray,
+    clicks: np.ndarray,
+    slots: np.ndarray,
+    grads: np.ndarray,
+    add_shows: np.ndarray | None,
+    add_clicks: np.ndarray | None,
+    step: int,
+    now: int,
+    half_life: float,
+) -> np.ndarray: ...

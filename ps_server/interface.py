@@ -104,12 +104,16 @@ class PullPart:
     are already grouped by (server, shard) cell (``wuliang.reader.
     KeyPreparer``), so the server skips grouping them (and checks the
     grouping).
+
+    ``counts`` (float32 ``[n]``): each key's occurrences in the batch, for a
+    cache's policy (``CachedServer``); other servers ignore it.
     """
 
     table: str
     keys: KeyArray
     out: np.ndarray | None = None  # float32 [n, dim], written
     shard_offsets: np.ndarray | None = None
+    counts: np.ndarray | None = None  # float32 [n]: occurrences in the batch (caches)
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ import numpy as np
 
 from wuliang.ps_server import LookupResult, ParameterServer
 from wuliang.ps_server.cache.kernels import array_module, kernels_for
-from wuliang.ps_server.cache.policy import KeyIndex
+from wuliang.ps_server.cache.key_index import KeyIndex
 from wuliang.ps_server.checks import as_keys
 
 __all__ = ["RERANK_EVERY", "DeviceCache", "TableSnapshot", "check_cache_rows"]

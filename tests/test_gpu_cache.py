@@ -37,7 +37,7 @@ from wuliang.ps_server import (
     TruncatedNormal,
     parameter_server,
 )
-from wuliang.ps_server.cache import CachedServer, HotSet, KeyIndex, array_module, gpu_available
+from wuliang.ps_server.cache import CachedServer, KeyIndex, SlotIndex, array_module, gpu_available
 from wuliang.ps_server.cache.kernels import (
     F32,
     OptimizerMath,
@@ -351,34 +351,214 @@ def test_key_index_matches_a_dict() -> None:
         assert index.size == len(truth)
 
 
+MASK64 = (1 << 64) - 1
+
+
+def mix64(x: int) -> int:
+    """details/cache_index.h's wl_mix, in Python."""
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & MASK64
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & MASK64
+    return x ^ (x >> 33)
+
+
+class ReferenceIndex:
+    """The set-associative index and its policies spelled out in plain
+    Python from the design (docs/gpu_cache.md), to check the kernels'
+    decisions one by one."""
+
+    def __init__(self, slots: list[int], policy: str, half_life: float) -> None:
+        self.policy, self.half_life = policy, half_life
+        self.regions = []
+        base = 0
+        for n in slots:
+            ways = min(32, n)
+            sets = -(-n // ways)
+            self.regions.append((base, sets, ways))
+            base += sets * ways
+        self.keys = [0] * base
+        self.scores = [0.0] * base
+        self.epochs = [-1] * base
+        self.gkeys = [0] * base
+        self.gscores = [-1.0] * base
+        self.epoch = self.clock = 0
+
+    def set_start(self, key: int, r: int) -> tuple[int, int]:
+        base, sets, ways = self.regions[r]
+        return base + ((mix64(key) * sets) >> 64) * ways, ways
+
+    def find(self, start: int, ways: int, key: int) -> int:
+        for w in range(ways):
+            if self.epochs[start + w] >= 0 and self.keys[start + w] == key:
+                return start + w
+        return -1
+
+    def find_ghost(self, start: int, ways: int, key: int) -> int:
+        for g in range(start, start + ways):
+            if self.gscores[g] >= 0 and self.gkeys[g] == key:
+                return g
+        return -1
+
+    def ghost_for(self, start: int, ways: int, key: int) -> int:
+        own = self.find_ghost(start, ways, key)
+        if own >= 0:
+            return own
+        low = -1
+        for g in range(start, start + ways):
+            if self.gscores[g] < 0:
+                return g
+            if low < 0 or self.gscores[g] < self.gscores[low]:
+                low = g
+        return low
+
+    def observe(self, keys: list[int], region: list[int], counts: list[float]) -> tuple:
+        stats = self.policy == "stats"
+        self.epoch += 1
+        self.clock += 1
+        weight = 2.0 ** (self.clock / self.half_life) if stats else 1.0
+        entries, misses = [], []
+        for i, (key, r, c) in enumerate(zip(keys, region, counts, strict=True)):
+            start, ways = self.set_start(key, r)
+            e = self.find(start, ways, key)
+            entries.append(e)
+            if e >= 0:
+                self.epochs[e] = self.epoch
+                if stats:
+                    self.scores[e] += float(np.float32(c)) * weight
+                else:
+                    self.scores[e] = float(self.clock)
+            else:
+                g = self.find_ghost(start, ways, key) if stats else -1
+                score = (self.gscores[g] if g >= 0 else 0.0) + float(np.float32(c)) * weight
+                misses.append((start, -(score if stats else float(np.float32(c))), i, ways))
+        victims = []
+        for start, neg, i, ways in sorted(misses):
+            key, score = keys[i], -neg
+            again = self.find(start, ways, key)
+            if again >= 0:
+                entries[i] = again
+                continue
+            empty = [w for w in range(start, start + ways) if self.epochs[w] < 0]
+            v = empty[0] if empty else -1
+            if not empty:
+                for w in range(start, start + ways):
+                    if self.epochs[w] < self.epoch - 1 and (
+                        v < 0 or self.scores[w] < self.scores[v]
+                    ):
+                        v = w
+            if v < 0 or (stats and not empty and not score > self.scores[v]):
+                if stats:
+                    g = self.ghost_for(start, ways, key)
+                    self.gkeys[g], self.gscores[g] = key, score
+                continue
+            if empty and stats:
+                g = self.find_ghost(start, ways, key)
+                if g >= 0:
+                    self.gscores[g] = -1.0
+            elif not empty:
+                victims.append(self.keys[v])
+                if stats:
+                    g = self.ghost_for(start, ways, key)
+                    self.gkeys[g], self.gscores[g] = self.keys[v], self.scores[v]
+            self.keys[v], self.epochs[v], entries[i] = key, self.epoch, v
+            self.scores[v] = score if stats else float(self.clock)
+        return entries, sorted(victims)
+
+
+@pytest.mark.parametrize("policy", ["stats", "lru"])
+def test_slot_index_takes_the_designed_decisions(policy: str) -> None:
+    """Batches of Zipf keys with repeats over three tables (one set of 24
+    ways, sets of 32 ways, a single slot) through the index (the C++ twin of
+    the CUDA kernels): every key's entry, every victim and every entry's
+    key, score and lock equal a plain Python spelling of the design; the
+    batch's own keys and the previous batch's are never victims."""
+    from wuliang.ps_server.cache.kernels import NumpyKernels
+
+    sizes = {"a": 24, "b": 100, "c": 1}
+    index = SlotIndex(NumpyKernels(), policy=policy, half_life=7.0)
+    ref = ReferenceIndex(list(sizes.values()), policy, 7.0)
+    for name, n in sizes.items():
+        region = index.add(name, n)
+        assert region.slots == ref.regions[region.id][1] * ref.regions[region.id][2]
+    assert index.add("a", 999) is index.regions["a"]  # made once
+    rng = np.random.default_rng(4)
+    pool = (np.arange(1, 400, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(3)
+    p = 1.0 / np.arange(1, len(pool) + 1) ** 1.1
+    previous: set[tuple[int, int]] = set()
+    for _ in range(40):
+        keys = pool[rng.choice(len(pool), size=90, p=p / p.sum())]
+        region = rng.integers(0, 3, len(keys)).astype(np.int32)
+        counts = rng.integers(1, 5, len(keys)).astype(F32)
+        plan = index.observe(keys, region, counts)
+        want, victims = ref.observe(keys.tolist(), region.tolist(), counts.tolist())
+        np.testing.assert_array_equal(plan.entries, want)
+        assert sorted(plan.victims.tolist()) == victims
+        used = index.epochs >= 0
+        np.testing.assert_array_equal(used, np.array(ref.epochs) >= 0)
+        np.testing.assert_array_equal(index.keys[used], np.array(ref.keys, np.uint64)[used])
+        np.testing.assert_array_equal(index.scores[used], np.array(ref.scores)[used])
+        np.testing.assert_array_equal(index.epochs, ref.epochs)
+        this = set(zip(keys.tolist(), region.tolist(), strict=True))
+        entry_region = np.searchsorted([r.entry_base for r in index.regions.values()],
+                                       plan.victim_entries, side="right") - 1  # fmt: skip
+        for key, r in zip(plan.victims.tolist(), entry_region.tolist(), strict=True):
+            assert (key, r) not in this | previous, "a locked key was evicted"
+        previous = this
+    for name in sizes:  # no key twice in a table; lookups find what is cached
+        keys, slots = index.cached(name)
+        assert len(np.unique(keys)) == len(keys)
+        region = index.regions[name]
+        found = index.lookup(keys, np.full(len(keys), region.id, np.int32))
+        np.testing.assert_array_equal(found, slots + region.entry_base)
+
+
 def test_stats_policy_keeps_frequent_keys_lru_does_not() -> None:
     """Four keys seen in every batch, then batches of keys seen once: the
     decayed counts keep the four; LRU lets the one-off keys push them out.
     A one-off key that comes back often enough gets in."""
+    from wuliang.ps_server.cache.kernels import NumpyKernels
+
     frequent = np.arange(1, 5, dtype=np.uint64)
-    sets = {policy: HotSet(4, policy=policy, half_life=50) for policy in ("stats", "lru")}
-    for hot in sets.values():
+    one = np.zeros(4, np.int32)
+    sets = {}
+    for policy in ("stats", "lru"):
+        index = sets[policy] = SlotIndex(NumpyKernels(), policy=policy, half_life=50)
+        index.add("t", 4)
         for _ in range(10):
-            plan = hot.observe(frequent, np.full(4, 3))
-        assert plan.hits.all()
+            plan = index.observe(frequent, one, np.full(4, 3, F32))
+        assert len(plan.miss) == 0
         for batch in range(5):
-            hot.observe(np.arange(100 + 4 * batch, 104 + 4 * batch, dtype=np.uint64))
-    assert (sets["stats"].slots_of(frequent) >= 0).all()
-    assert (sets["lru"].slots_of(frequent) < 0).all()
+            index.observe(np.arange(100 + 4 * batch, 104 + 4 * batch, dtype=np.uint64), one)
+    assert (sets["stats"].lookup(frequent, one) >= 0).all()
+    assert (sets["lru"].lookup(frequent, one) < 0).all()
     stats = sets["stats"]
     for _ in range(40):
-        plan = stats.observe(np.array([500], np.uint64), np.array([5]))
-    assert plan.slots[0] >= 0 and len(plan.victim_keys) == 0  # it came in earlier
-    assert len(stats) == 4 and (stats.slots_of(frequent) >= 0).sum() == 3
+        plan = stats.observe(np.array([500], np.uint64), one[:1], np.array([5], F32))
+    assert plan.entries[0] >= 0 and len(plan.victims) == 0  # it came in earlier
+    assert stats.size("t") == 4 and (stats.lookup(frequent, one) >= 0).sum() == 3
 
 
-def test_hot_set_checks_its_arguments() -> None:
-    with pytest.raises(ValueError, match="rows"):
-        HotSet(0)
+def test_slot_index_regions_and_arguments() -> None:
+    """A key cached in two tables has two slots; clearing one table leaves
+    the other; bad arguments are errors naming them."""
+    from wuliang.ps_server.cache.kernels import NumpyKernels
+
+    index = SlotIndex(NumpyKernels())
+    index.add("a", 40)
+    index.add("b", 40)
+    keys = np.array([7, 7], np.uint64)
+    regions = np.array([0, 1], np.int32)
+    plan = index.observe(keys, regions)
+    assert plan.entries[0] >= 0 and plan.entries[1] >= 64 and len(plan.miss) == 2
+    index.clear("a")
+    np.testing.assert_array_equal(index.lookup(keys, regions) >= 0, [False, True])
     with pytest.raises(ValueError, match="policy"):
-        HotSet(4, policy="lfu")
+        SlotIndex(NumpyKernels(), policy="lfu")
     with pytest.raises(ValueError, match="half_life"):
-        HotSet(4, half_life=0)
+        SlotIndex(NumpyKernels(), half_life=0)
+    with pytest.raises(ValueError, match="slots"):
+        index.add("c", 0)
     with pytest.raises(ValueError, match="rows"):
         CachedServer(Engine(1), rows=-1)
 
@@ -542,6 +722,8 @@ def test_the_benchmark_runs_without_tensorflow(tmp_path: Path) -> None:
         "--universe", "100000", "--batch", "8192", "--batches", "3", "--warmup", "3",
         "--table-rows", "20000", "--cache-rows", "8192", "--rows-batch", "4096",
         "--read-table-rows", "20000", "--rate-batches", "1", "--repeats", "1", "--xp", "numpy",
+        "--step-keys", "2600", "--step-universe", "200000", "--step-tables", "1,26",
+        "--step-warmup", "3", "--step-measured", "2",
     ]  # fmt: skip
     code = (
         "import runpy, sys\n"
@@ -567,9 +749,14 @@ def test_the_benchmark_runs_without_tensorflow(tmp_path: Path) -> None:
     for key in (
         "cache_lookup_rows_per_s",
         "cache_update_rows_per_s",
+        "device_hit_path_rows_per_s",
         "engine_pull_rows_per_s",
         "engine_push_rows_per_s",
         "swap_in_new_rows_per_s",
         "swap_in_read_rows_per_s",
+        "step_cache_vs_host",
+        "step_vs_miss_bound",
     ):
         assert result[key] > 0, key
+    assert set(result["step"]) == {"1", "26"}
+    assert result["step"]["26"]["unique_keys"] == 2600

@@ -44,6 +44,7 @@ import logging
 import math
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -288,6 +289,12 @@ class OptimizerMath:
             out[i] = rate
         return out[inverse.reshape(-1)]
 
+    def rate_table(self, size: int) -> np.ndarray:
+        """float32 ``[size]``: Adam's rate at each t (``lr_t``; t = 0 unused)."""
+        table = np.zeros(size, F32)
+        table[1:] = self.lr_t(np.arange(1, size, dtype=F32))
+        return table
+
 
 # --- the numpy arithmetic ---------------------------------------------------------
 
@@ -380,30 +387,163 @@ def update_rows(
 # --- the kernels ----------------------------------------------------------------------
 
 
+@dataclass
+class SlotRows:
+    """One cached table's rows by slot, in the array module's memory."""
+
+    weights: Any  # [slots, dim] float32
+    state: Any  # [slots, state_dim] float32: optimizer state, the engine's layout
+    counts: Any  # [slots] uint32: updates (and sightings before admission)
+    steps: Any  # [slots] uint64: step of the last update
+    times: Any  # [slots] uint32: unix seconds of the last update
+    shows: Any  # [slots] float32: decayed shows as of steps
+    clicks: Any  # [slots] float32
+    dirty: Any  # [slots] bool: updated since it came in (to write back)
+    admitted_at: Any  # [slots] uint64: step + 1 of an admission no push followed, else 0
+
+    COLUMNS = ("weights", "state", "counts", "steps", "times", "shows", "clicks")
+
+    @staticmethod
+    def zeros(xp: Any, slots: int, dim: int, state_dim: int) -> SlotRows:
+        return SlotRows(
+            weights=xp.zeros((slots, dim), F32),
+            state=xp.zeros((slots, state_dim), F32),
+            counts=xp.zeros(slots, np.uint32),
+            steps=xp.zeros(slots, np.uint64),
+            times=xp.zeros(slots, np.uint32),
+            shows=xp.zeros(slots, F32),
+            clicks=xp.zeros(slots, F32),
+            dirty=xp.zeros(slots, bool),
+            admitted_at=xp.zeros(slots, np.uint64),
+        )
+
+
 class NumpyKernels:
-    """The cache's kernels on numpy arrays (the CPU twin of ``CupyKernels``)."""
+    """The cache's kernels on numpy arrays: the CPU twin of ``CupyKernels``.
+    The index runs the C++ twin of the CUDA kernels (``_engine.cache_*``,
+    the same source); a push runs the engine's own row arithmetic on the
+    cached rows (``_engine.cache_apply``)."""
 
     xp: Any = np
     name = "numpy"
     device = "cpu"
 
-    def to_device(self, host: np.ndarray) -> Any:
+    # -- memory ----------------------------------------------------------------
+
+    def to_device(self, host: Any) -> Any:
         return np.array(host, copy=True)
 
     def to_host(self, array: Any) -> np.ndarray:
         return np.asarray(array)
 
-    def gather(self, src: Any, slots: np.ndarray) -> Any:
+    def on_device(self, array: Any) -> bool:
+        """Whether an array is in this module's memory."""
+        return isinstance(array, np.ndarray)
+
+    def as_device(self, array: Any) -> Any:
+        """An array in this module's memory (no copy if it is already)."""
+        return np.asarray(array)
+
+    def synchronize(self) -> None:
+        pass
+
+    # -- rows ------------------------------------------------------------------
+
+    def gather(self, src: Any, slots: Any) -> Any:
         """Rows ``src[slots]`` (a new array)."""
         return src[slots]
 
-    def gather_into(self, src: Any, slots: np.ndarray, out: np.ndarray) -> None:
-        """``out[:] = src[slots]`` into a host array (a pull's answer)."""
+    def gather_into(self, src: Any, slots: Any, out: Any) -> None:
+        """``out[:] = src[slots]`` (``out`` on the host or the device)."""
         np.take(src, slots, axis=0, out=out)
 
-    def scatter(self, dst: Any, slots: np.ndarray, rows: Any) -> None:
+    def scatter(self, dst: Any, slots: Any, rows: Any) -> None:
         """``dst[slots] = rows`` (slots distinct)."""
         dst[slots] = rows
+
+    def put_rows(self, out: Any, positions: Any, rows: Any) -> None:
+        """``out[positions] = rows``: rows (host or device) into ``out``
+        (host or device)."""
+        out[positions] = rows
+
+    def scatter_add_rows(self, out: Any, index: Any, values: Any) -> None:
+        """``out[index[i]] += values[i]`` for i in order (float32 rows), the
+        sums rounded as a sequential loop rounds them."""
+        from wuliang.embedding.kernels import scatter_add_rows
+
+        scatter_add_rows(out, np.asarray(index), np.asarray(values))
+
+    def finite_rows(self, grads: Any) -> np.ndarray:
+        """bool ``[n]`` on the host: rows whose values are all finite."""
+        return np.isfinite(grads).all(axis=1)
+
+    # -- the index (details/cache_index.h) ---------------------------------------
+
+    def index_lookup(
+        self, index: Any, keys: Any, region: Any, counts: Any, observe: bool, epoch: int,
+        weight: float,
+    ) -> Any:  # fmt: skip
+        """Each key's entry, -1 where absent; ``observe``: hits scored and
+        stamped with ``epoch``."""
+        from wuliang.ps_server import _engine
+
+        return _engine.cache_lookup(
+            index.device_regions, index.arrays(), keys, region, counts, observe, epoch,
+            index.policy_id, weight, float(index.clock),
+        )  # fmt: skip
+
+    def index_score(self, index: Any, keys: Any, region: Any, counts: Any, weight: float) -> Any:
+        """(set, score) of each miss."""
+        from wuliang.ps_server import _engine
+
+        return _engine.cache_score_misses(
+            index.device_regions, index.arrays(), keys, region, counts, index.policy_id, weight
+        )
+
+    def index_populate(
+        self, index: Any, keys: Any, region: Any, sets: Any, scores: Any, allowed: Any,
+        clock: float,
+    ) -> Any:  # fmt: skip
+        """(entry, how, victim) of misses sorted by (set, score descending)."""
+        from wuliang.ps_server import _engine
+
+        return _engine.cache_populate(
+            index.device_regions, index.arrays(), keys, region, sets, scores, allowed,
+            index.epoch, index.policy_id, clock,
+        )  # fmt: skip
+
+    # -- a push ------------------------------------------------------------------
+
+    def apply(
+        self,
+        spec: TableSpec,
+        m: OptimizerMath,
+        model: FloatModel,
+        rows: SlotRows,
+        slots: Any,
+        grads: Any,
+        add_shows: Any,
+        add_clicks: Any,
+        step: int,
+        now: int,
+    ) -> np.ndarray:
+        """The engine's push of summed gradients (``[n, dim]``) to the rows
+        at distinct ``slots``: non-finite rows dropped, the optimizer with
+        clipping, statistics decayed to ``step`` then increased, count + 1,
+        step and time, marked dirty. Returns which rows were applied (bool,
+        in the module's memory)."""
+        from wuliang.ps_server import _engine
+
+        applied = _engine.cache_apply(
+            spec.optimizer._native(), rows.weights, rows.state, rows.counts, rows.steps,
+            rows.times, rows.shows, rows.clicks, np.ascontiguousarray(slots, np.int64),
+            np.ascontiguousarray(grads, F32), add_shows, add_clicks, int(step), int(now),
+            float(spec.stats_half_life),
+        )  # fmt: skip
+        done = np.asarray(slots)[applied.view(bool)]
+        rows.dirty[done] = True
+        rows.admitted_at[done] = 0
+        return applied.view(bool)
 
     def update(
         self,
@@ -411,12 +551,14 @@ class NumpyKernels:
         model: FloatModel,
         weights: Any,
         state: Any,
-        slots: np.ndarray,
-        grads: np.ndarray,
+        slots: Any,
+        grads: Any,
         lr_t: np.ndarray | None,
     ) -> None:
-        """The optimizer applied in place to the rows at ``slots`` (distinct)
-        by the summed, finite gradients ``grads`` (host float32 ``[n, dim]``)."""
+        """The optimizer alone, in place, on the rows at ``slots`` (distinct)
+        by summed, finite gradients, with every rounding of the device
+        kernel spelled out (``update_rows``): the reference the CUDA kernel
+        is checked against."""
         if len(slots) == 0:
             return
         scale = clip_scales(grads, m.clip_norm, model)
@@ -424,20 +566,6 @@ class NumpyKernels:
         weights[slots] = w
         if m.state_dim:
             state[slots] = s
-
-    def touch(
-        self, counts: Any, steps: Any, times: Any, slots: np.ndarray, step: int, now: int
-    ) -> None:
-        """The metadata of updated rows: count + 1 (saturating), step, time."""
-        if len(slots) == 0:
-            return
-        c = counts[slots]
-        counts[slots] = np.where(c == COUNT_MAX, c, c + np.uint32(1))
-        steps[slots] = np.uint64(step)
-        times[slots] = np.uint32(now)
-
-    def synchronize(self) -> None:
-        pass
 
 
 _CUDA_SOURCE = r"""
@@ -470,12 +598,14 @@ extern "C" __global__ void wuliang_update(
     const float* g,           // (n, dim)
     const float* scale,       // (n,)
     const float* lr_t,        // (n,) Adam only
+    const bool* ok,           // (n,) rows to update (finite gradients)
     long long n, int dim, int sdim, int kind, int fused,
     float lr, float eps, float b1, float b2, float c1, float c2,
     float l1, float l2, float beta, float inv_alpha) {
   long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= n * dim) return;
   const long long r = e / dim;
+  if (!ok[r]) return;
   const int j = (int)(e % dim);
   const long long slot = slots[r];
   float* wp = w + slot * dim + j;
@@ -513,23 +643,79 @@ extern "C" __global__ void wuliang_update(
     *wp = fabsf(z_new) <= l1 ? 0.0f : solved;
   }
 }
+
+// What the engine's push does to an updated row besides the optimizer
+// (details/row_layout.h): shows and clicks decayed from the row's step to
+// `step` (factor from the host's table of exp2(-gap / half_life), the C
+// library's, for gaps below decay_n), increased, rounded as the engine
+// rounds; count + 1 (saturating), step and time stamped, marked dirty.
+extern "C" __global__ void wuliang_touch_stats(
+    const long long* slots, const bool* ok, long long n, unsigned int* counts,
+    unsigned long long* steps,
+    unsigned int* times, float* shows, float* clicks, bool* dirty,
+    unsigned long long* admitted_at, const float* add_shows,  // (n,)
+    const float* add_clicks,                                   // (n,)
+    unsigned long long step, unsigned int now, double half_life, const double* decay,
+    long long decay_n) {
+  long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= n || !ok[r]) return;
+  const long long s = slots[r];
+  float sh = shows[s], cl = clicks[s];
+  const unsigned long long from = steps[s];
+  if ((sh != 0.0f || cl != 0.0f) && half_life > 0.0 && step > from) {
+    const unsigned long long gap = step - from;
+    const double f = gap < (unsigned long long)decay_n ? decay[gap]
+                                                        : exp2(-(double)gap / half_life);
+    if (f != 1.0) {
+      sh = __double2float_rn(__dmul_rn((double)sh, f));
+      cl = __double2float_rn(__dmul_rn((double)cl, f));
+    }
+  }
+  shows[s] = __fadd_rn(sh, add_shows[r]);
+  clicks[s] = __fadd_rn(cl, add_clicks[r]);
+  counts[s] = counts[s] == 0xffffffffu ? counts[s] : counts[s] + 1u;
+  steps[s] = step;
+  times[s] = now;
+  dirty[s] = true;
+  admitted_at[s] = 0ull;
+}
+
+// out[index[order[k]]] += values[order[k]] for k in each segment of equal
+// index, in order: `order` sorts index stably, seg (segments + 1) bounds the
+// segments. One thread per (segment, coordinate): the sums round as a
+// sequential loop over the values does.
+extern "C" __global__ void wuliang_scatter_add_rows(
+    float* out, const long long* index, const long long* order, const long long* seg,
+    long long segments, const float* values, int dim) {
+  long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= segments * dim) return;
+  const long long g = e / dim;
+  const int j = (int)(e % dim);
+  const long long begin = seg[g], end = seg[g + 1];
+  const long long row = index[order[begin]];
+  float acc = out[row * dim + j];
+  for (long long k = begin; k < end; ++k) acc = __fadd_rn(acc, values[order[k] * dim + j]);
+  out[row * dim + j] = acc;
+}
 """
 _KINDS = {"sgd": 0, "adagrad": 1, "adam": 2, "ftrl": 3}
 
 
 class CupyKernels(NumpyKernels):
-    """The cache's kernels on cupy arrays: gather and scatter as
-    ``ElementwiseKernel``, clipping and the optimizers as ``RawKernel``
-    (one compile per process, cached by cupy on disk)."""
+    """The cache's kernels on cupy arrays: the index from
+    ``details/cache_index.h`` (compiled by NVRTC at first use), gather and
+    scatter as ``ElementwiseKernel``, clipping, the optimizers and the row
+    statistics as ``RawKernel`` (one compile per process, cached by cupy on
+    disk). Everything stays on the device but what the host asks for."""
 
     name = "cupy"
+    _THREADS = 256
 
     def __init__(self, cupy: Any) -> None:
         self.xp = cupy
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
         raw_name = props.get("name", b"gpu")
         self.device = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
-        options = ("--fmad=false",)
         self._gather = cupy.ElementwiseKernel(
             "raw T src, raw int64 slots, int64 width",
             "T dst",
@@ -542,24 +728,40 @@ class CupyKernels(NumpyKernels):
             "dst[slots[i / width] * width + i % width] = src",
             "wuliang_scatter",
         )
-        self._touch = cupy.ElementwiseKernel(
-            "int64 slot, uint64 step, uint32 now",
-            "raw uint32 counts, raw uint64 steps, raw uint32 times",
-            "counts[slot] = counts[slot] == 0xffffffffu ? counts[slot] : counts[slot] + 1;"
-            "steps[slot] = step; times[slot] = now;",
-            "wuliang_touch",
-        )
-        module = cupy.RawModule(code=_CUDA_SOURCE, options=options)
+        module = cupy.RawModule(code=_CUDA_SOURCE, options=("--fmad=false",))
         self._clip = module.get_function("wuliang_clip_scale")
         self._update = module.get_function("wuliang_update")
+        self._touch_stats = module.get_function("wuliang_touch_stats")
+        self._scatter_add = module.get_function("wuliang_scatter_add_rows")
+        index = cupy.RawModule(code=index_source())
+        self._lookup = index.get_function("wl_lookup")
+        self._score = index.get_function("wl_score_misses")
+        self._populate = index.get_function("wl_populate")
+        self._tables: dict[tuple, Any] = {}  # device copies of host tables (rates, decay)
 
-    def to_device(self, host: np.ndarray) -> Any:
+    def _grid(self, threads: int) -> tuple[tuple[int], tuple[int]]:
+        return ((threads + self._THREADS - 1) // self._THREADS,), (self._THREADS,)
+
+    # -- memory ----------------------------------------------------------------
+
+    def to_device(self, host: Any) -> Any:
         return self.xp.asarray(host)
 
     def to_host(self, array: Any) -> np.ndarray:
-        return self.xp.asnumpy(array)
+        return self.xp.asnumpy(array) if isinstance(array, self.xp.ndarray) else np.asarray(array)
 
-    def gather(self, src: Any, slots: np.ndarray) -> Any:
+    def on_device(self, array: Any) -> bool:
+        return isinstance(array, self.xp.ndarray)
+
+    def as_device(self, array: Any) -> Any:
+        return self.xp.asarray(array)
+
+    def synchronize(self) -> None:
+        self.xp.cuda.get_current_stream().synchronize()
+
+    # -- rows ------------------------------------------------------------------
+
+    def gather(self, src: Any, slots: Any) -> Any:
         xp = self.xp
         width = int(np.prod(src.shape[1:], dtype=np.int64)) if src.ndim > 1 else 1
         dst = xp.empty((len(slots), *src.shape[1:]), dtype=src.dtype)
@@ -567,15 +769,150 @@ class CupyKernels(NumpyKernels):
             self._gather(src, xp.asarray(slots, dtype=np.int64), width, dst)
         return dst
 
-    def gather_into(self, src: Any, slots: np.ndarray, out: np.ndarray) -> None:
-        self.gather(src, slots).get(out=out)
+    def gather_into(self, src: Any, slots: Any, out: Any) -> None:
+        rows = self.gather(src, slots)
+        if self.on_device(out):
+            out[...] = rows
+        else:
+            rows.get(out=out)
 
-    def scatter(self, dst: Any, slots: np.ndarray, rows: Any) -> None:
+    def scatter(self, dst: Any, slots: Any, rows: Any) -> None:
         xp = self.xp
         width = int(np.prod(dst.shape[1:], dtype=np.int64)) if dst.ndim > 1 else 1
         if len(slots) and width:
             rows = xp.ascontiguousarray(xp.asarray(rows, dtype=dst.dtype))
             self._scatter(rows, xp.asarray(slots, dtype=np.int64), width, dst)
+
+    def put_rows(self, out: Any, positions: Any, rows: Any) -> None:
+        if self.on_device(out):
+            out[self.xp.asarray(positions)] = self.xp.asarray(rows)
+        else:
+            out[self.to_host(positions)] = self.to_host(rows)
+
+    def scatter_add_rows(self, out: Any, index: Any, values: Any) -> None:
+        xp = self.xp
+        n = len(index)
+        if n == 0:
+            return
+        dim = out.shape[1]
+        index = xp.asarray(index, dtype=np.int64)
+        order = xp.argsort(index)  # stable
+        ordered = index[order]
+        starts = xp.nonzero(ordered[1:] != ordered[:-1])[0] + 1
+        seg = xp.concatenate([xp.zeros(1, np.int64), starts.astype(np.int64),
+                              xp.full(1, n, np.int64)])  # fmt: skip
+        segments = len(seg) - 1
+        values = xp.ascontiguousarray(xp.asarray(values, dtype=F32))
+        args = (out, index, order, seg, np.int64(segments), values, np.int32(dim))
+        self._scatter_add(*self._grid(segments * dim), args)
+
+    def finite_rows(self, grads: Any) -> np.ndarray:
+        return self.to_host(self.xp.isfinite(grads).all(axis=1))
+
+    # -- the index -----------------------------------------------------------------
+
+    def _counts(self, counts: Any, n: int) -> Any:
+        return self.xp.ones(n, F32) if counts is None else self.xp.asarray(counts, dtype=F32)
+
+    def _ghosts(self, index: Any) -> tuple[Any, Any]:
+        if index.ghost_keys is None:
+            return self.xp.zeros(1, np.uint64), self.xp.full(1, -1.0)
+        return index.ghost_keys, index.ghost_scores
+
+    def index_lookup(
+        self, index: Any, keys: Any, region: Any, counts: Any, observe: bool, epoch: int,
+        weight: float,
+    ) -> Any:  # fmt: skip
+        xp = self.xp
+        n = len(keys)
+        out = xp.empty(n, np.int64)
+        if n:
+            entry_base, _, sets, ways = index.device_regions
+            self._lookup(*self._grid(32 * n), (
+                keys, region, self._counts(counts, n), np.int64(n), entry_base, sets, ways,
+                index.keys, index.scores, index.epochs, np.int32(observe), np.int64(epoch),
+                np.int32(index.policy_id), np.float64(weight), np.float64(index.clock), out,
+            ))  # fmt: skip
+        return out
+
+    def index_score(self, index: Any, keys: Any, region: Any, counts: Any, weight: float) -> Any:
+        xp = self.xp
+        m = len(keys)
+        sets, scores = xp.empty(m, np.int64), xp.empty(m, np.float64)
+        if m:
+            entry_base, ghost_base, n_sets, ways = index.device_regions
+            gkeys, gscores = self._ghosts(index)
+            self._score(*self._grid(m), (
+                keys, region, self._counts(counts, m), np.int64(m), entry_base, ghost_base,
+                n_sets, ways, gkeys, gscores, np.int32(index.ghosts), np.int32(index.policy_id),
+                np.float64(weight), sets, scores,
+            ))  # fmt: skip
+        return sets, scores
+
+    def index_populate(
+        self, index: Any, keys: Any, region: Any, sets: Any, scores: Any, allowed: Any,
+        clock: float,
+    ) -> Any:  # fmt: skip
+        xp = self.xp
+        m = len(keys)
+        way, how, victim = xp.empty(m, np.int64), xp.empty(m, np.uint8), xp.zeros(m, np.uint64)
+        if m:
+            entry_base, ghost_base, _, ways = index.device_regions
+            gkeys, gscores = self._ghosts(index)
+            self._populate(*self._grid(m), (
+                keys, region, sets, scores, allowed, np.int64(m), entry_base, ghost_base, ways,
+                index.keys, index.scores, index.epochs, gkeys, gscores, np.int32(index.ghosts),
+                np.int64(index.epoch), np.int32(index.policy_id), np.float64(clock), way, how,
+                victim,
+            ))  # fmt: skip
+        return way, how, victim
+
+    # -- a push ------------------------------------------------------------------
+
+    def _host_table(self, key: tuple, make: Callable[[], np.ndarray]) -> Any:
+        table = self._tables.get(key)
+        if table is None:
+            table = self._tables[key] = self.xp.asarray(make())
+        return table
+
+    def apply(
+        self,
+        spec: TableSpec,
+        m: OptimizerMath,
+        model: FloatModel,
+        rows: SlotRows,
+        slots: Any,
+        grads: Any,
+        add_shows: Any,
+        add_clicks: Any,
+        step: int,
+        now: int,
+    ) -> np.ndarray:
+        xp = self.xp
+        grads = xp.ascontiguousarray(xp.asarray(grads, dtype=F32))
+        slots = xp.asarray(slots, dtype=np.int64)
+        n = len(slots)
+        finite = xp.isfinite(grads).all(axis=1)  # rows not finite are left alone
+        if n == 0:
+            return finite
+        lr_t = None
+        if m.kind == "adam":  # each row's rate at its new t, from the host's exact table
+            t = rows.state[slots, 2 * m.dim].astype(np.int64) + 1
+            size = 1 << max(16, int(self.to_host(t.max())).bit_length())
+            rates = self._host_table(("adam", id(m), size), lambda: m.rate_table(size))
+            lr_t = rates[t]
+        self.update(m, model, rows.weights, rows.state, slots, grads, lr_t, ok=finite)
+        half_life = float(spec.stats_half_life)
+        decay = self._host_table(("decay", half_life), lambda: decay_table(half_life))
+        zeros = xp.zeros(n, F32)
+        add_s = zeros if add_shows is None else xp.asarray(add_shows, dtype=F32)
+        add_c = zeros if add_clicks is None else xp.asarray(add_clicks, dtype=F32)
+        self._touch_stats(*self._grid(n), (
+            slots, finite, np.int64(n), rows.counts, rows.steps, rows.times, rows.shows,
+            rows.clicks, rows.dirty, rows.admitted_at, add_s, add_c, np.uint64(step),
+            np.uint32(now), np.float64(half_life), decay, np.int64(len(decay)),
+        ))  # fmt: skip
+        return finite
 
     def update(
         self,
@@ -583,47 +920,43 @@ class CupyKernels(NumpyKernels):
         model: FloatModel,
         weights: Any,
         state: Any,
-        slots: np.ndarray,
-        grads: np.ndarray,
-        lr_t: np.ndarray | None,
+        slots: Any,
+        grads: Any,
+        lr_t: Any,
+        ok: Any = None,
     ) -> None:
         n = len(slots)
         if n == 0:
             return
         xp = self.xp
         dim = m.dim
-        g = xp.asarray(np.ascontiguousarray(grads, dtype=F32))
+        g = xp.ascontiguousarray(xp.asarray(grads, dtype=F32))
         d_slots = xp.asarray(slots, dtype=np.int64)
         scale = xp.empty(n, dtype=F32)
-        threads = 256
-        self._clip(
-            ((n + threads - 1) // threads,),
-            (threads,),
-            (g, np.int64(n), np.int32(dim), m.clip_norm, np.int32(model.clip_cut(dim)),
-             np.int32(model.fused), scale),
-        )  # fmt: skip
-        rates = xp.asarray(lr_t if lr_t is not None else np.zeros(n, F32), dtype=F32)
-        total = n * dim
-        self._update(
-            ((total + threads - 1) // threads,),
-            (threads,),
-            (
-                weights, state, d_slots, g, scale, rates, np.int64(n), np.int32(dim),
-                np.int32(m.state_dim), np.int32(_KINDS[m.kind]), np.int32(model.fused),
-                m.lr, m.eps, m.b1, m.b2, m.c1, m.c2, m.l1, m.l2, m.beta, m.inv_alpha,
-            ),
-        )  # fmt: skip
+        self._clip(*self._grid(n), (
+            g, np.int64(n), np.int32(dim), m.clip_norm, np.int32(model.clip_cut(dim)),
+            np.int32(model.fused), scale,
+        ))  # fmt: skip
+        rates = xp.asarray(lr_t if lr_t is not None else xp.zeros(n, F32), dtype=F32)
+        ok = xp.ones(n, bool) if ok is None else ok
+        self._update(*self._grid(n * dim), (
+            weights, state, d_slots, g, scale, rates, ok, np.int64(n), np.int32(dim),
+            np.int32(m.state_dim), np.int32(_KINDS[m.kind]), np.int32(model.fused),
+            m.lr, m.eps, m.b1, m.b2, m.c1, m.c2, m.l1, m.l2, m.beta, m.inv_alpha,
+        ))  # fmt: skip
 
-    def touch(
-        self, counts: Any, steps: Any, times: Any, slots: np.ndarray, step: int, now: int
-    ) -> None:
-        if len(slots) == 0:
-            return
-        xp = self.xp
-        self._touch(
-            xp.asarray(slots, dtype=np.int64), np.uint64(step), np.uint32(now),
-            counts, steps, times,
-        )  # fmt: skip
 
-    def synchronize(self) -> None:
-        self.xp.cuda.Stream.null.synchronize()
+def index_source() -> str:
+    """The index kernels' CUDA source (``details/cache_index.h``, installed
+    beside this module)."""
+    from importlib import resources
+
+    return (resources.files("wuliang.ps_server.cache") / "cache_index.h").read_text()
+
+
+def decay_table(half_life: float, size: int = 1 << 16) -> np.ndarray:
+    """float64 ``[size]``: the engine's decay factor ``exp2(-gap /
+    half_life)`` (the C library's) of each gap; 1 without decay."""
+    if not half_life > 0:
+        return np.ones(size)
+    return np.array([libm_exp2(-gap / half_life) for gap in range(size)])

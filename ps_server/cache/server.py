@@ -1,21 +1,30 @@
-"""``CachedServer``: a GPU hot cache in front of any parameter server.
+"""``CachedServer``: a GPU hot cache in front of any parameter server,
+device-first.
 
-The hottest rows of each table live in device arrays indexed by slot
-(weights, optimizer state, count, step, time; ``kernels``); which key has
-which slot, and which keys come and go, is decided on the host
-(``policy.HotSet``), where a batch's keys already are. The inner server
-(embedded or remote) holds every row; a cached row's newest value is the
-cache's until it is written back.
+Everything about a cached row lives on the device (cupy; numpy arrays for
+the CPU twin): its weights, optimizer state, count, step, time, shows,
+clicks, whether it changed since it came in, the key → slot index and the
+policy's scores (``index.SlotIndex``, all tables in one key space). The
+inner server (embedded or remote) holds every row; a cached row's newest
+value is the cache's until it is written back. The host sees the keys a
+batch brings (the reader's) and the misses; a pull's ``out`` and a push's
+gradients and ``updated`` rows may be device arrays (the trainer's DLPack
+path to TensorFlow), or host arrays (everything else).
 
-Per training pull (``pull_many(train=True)``), for all tables at once:
-the hits are gathered on the device; the policy picks which misses come in
-and which cached keys leave; the leaving rows that were updated are written
-back to the inner server (one ``load`` per table); all misses come from the
-inner server in one ``pull_many`` (which counts their sightings and creates
-rows as admission allows, exactly as without the cache); the incoming rows
-are copied to their slots in one transfer per table. Pushes update cached
-rows on the device with the engine's own arithmetic (``kernels``) and
-forward the rest to the inner server in one ``push_many``.
+Per training pull (``pull_many(train=True)``), all tables at once: the
+keys go to the device and through the index (one launch per stage: lookup,
+score, populate); the victims' updated rows are written back (one ``load``
+per table); all misses come from the inner server in one ``pull_many``
+(which counts their sightings and creates rows as admission allows, exactly
+as without the cache); the incoming rows are copied to their slots; the
+hits are gathered into ``out`` on the device. The pipeline runs this for
+step i + 1 while step i trains: the rows step i uses are locked (the
+index's epochs), and a key that step i sent to the inner server is not
+brought in before step i's push has landed (its row there is not final).
+
+Per push: the keys' slots come from their pull (or a lookup); cached rows
+are updated on the device with the engine's own arithmetic (``kernels``),
+the rest go to the inner server in one ``push_many``.
 
 Every call that reads or changes the inner server's rows as a whole
 (``export``, ``write_rows``, ``evict``, ``stats``, ``advance_version``,
@@ -30,23 +39,23 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from wuliang.ps_server.cache.index import INTO_EMPTY, OVER_VICTIM, SlotIndex
 from wuliang.ps_server.cache.kernels import (
     F32,
     NumpyKernels,
     OptimizerMath,
+    SlotRows,
     array_module,
     engine_float_model,
     kernels_for,
-    libm_exp2,
 )
-from wuliang.ps_server.cache.policy import HotSet
-from wuliang.ps_server.checks import as_column, as_float32, check_float32, check_step
+from wuliang.ps_server.checks import as_column, check_step
 from wuliang.ps_server.interface import (
     MISSING,
     ONLY,
@@ -67,9 +76,9 @@ if TYPE_CHECKING:
     from wuliang.ps_server.storage.manifest import FileEntry
 
 COUNTERS = (
-    "hits",  # training-pull keys found in the cache (batch-unique keys)
+    "hits",  # training-pull keys found in the cache
     "misses",  # training-pull keys not found
-    "hit_occurrences",  # key occurrences of the hits
+    "hit_occurrences",  # key occurrences of the hits (the pull's counts)
     "occurrences",  # key occurrences of training pulls
     "swapped_in",  # rows copied into the cache
     "swapped_in_new",  # of those, rows the pull had just created (no read needed)
@@ -78,24 +87,17 @@ COUNTERS = (
     "updated",  # row updates applied in the cache
     "lookups",  # keys read from the cache by lookups and pulls without training
 )
+_USED_KEPT = 8  # training pulls whose slots a push may reuse
 
 
 @dataclass
 class _Table:
-    """One table's cache: the device arrays by slot and the host's state."""
+    """One table's cache: its rows by slot (device) and its counters (host)."""
 
     spec: TableSpec
     math: OptimizerMath
-    hot: HotSet
-    weights: Any  # [rows, dim] float32, on the device
-    state: Any  # [rows, state_dim] float32
-    counts: Any  # [rows] uint32: updates (and sightings before admission)
-    steps: Any  # [rows] uint64: step of the last update
-    times: Any  # [rows] uint32: unix seconds of the last update
-    dirty: np.ndarray  # [rows] bool, host: updated since it came in
-    adam_t: np.ndarray | None  # [rows] float32, host: Adam's t of each row
-    admitted_at: np.ndarray  # [rows] uint64, host: step + 1 of an admission no push followed
-    extra: dict[str, np.ndarray]  # host: any further RowChunk column by slot, as it came
+    region: Any  # index.Region
+    rows: SlotRows
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     # what the inner server's counters miss: (the keys the cache answered)
     pulled_keys: int = 0
@@ -105,24 +107,15 @@ class _Table:
 
 
 @dataclass
-class _Pull:
-    """One cached table's part of a training or lookup pull, between steps."""
+class _Used:
+    """A training pull's keys of one table and where they are cached, for
+    the push of the same step (its slots locked until the pull after next)."""
 
-    table: _Table
-    part: PullPart
-    keys: np.ndarray  # uint64, the part's keys
-    unique: np.ndarray  # its unique keys
-    inverse: np.ndarray
-    counts: np.ndarray
-    slots: np.ndarray  # each unique key's slot (-1: uncached)
-    hits: np.ndarray  # bool per unique key
-    admitted: np.ndarray  # bool per unique key
-    misses: np.ndarray  # indices into unique of the keys not cached (before this pull)
-    miss_at: np.ndarray  # their positions in keys (repeats too): pulled from the inner server
-    miss_rows: np.ndarray  # float32 [len(miss_at), dim]
-    miss_first: np.ndarray  # each miss's first row in miss_rows
-    miss_offsets: np.ndarray | None = None  # shard_offsets of miss_at's keys
-    new: np.ndarray | None = None  # bool per miss: no row before this pull
+    keys: np.ndarray  # uint64, as pulled
+    cached: np.ndarray  # bool [n], host
+    slots: Any  # int64 [n] on the device: table-local slot, -1 where not cached
+    epoch: int
+    generation: int
 
 
 class CachedServer(ParameterServer):
@@ -133,15 +126,13 @@ class CachedServer(ParameterServer):
         inner: the server that holds every row (embedded or remote); the
             cache owns it (``close`` closes it).
         rows: cache slots per table, or a mapping ``{table: slots}`` (tables
-            not in it are not cached). Serving tables and compressed tables
-            are never cached.
+            not in it are not cached); rounded up to whole sets of 32.
+            Serving tables and compressed tables are never cached.
         xp: the array module: ``"auto"`` (cupy when a GPU is present, else
             numpy), ``"cupy"``, ``"numpy"``, or the module itself.
         policy: ``"stats"`` (decayed show counts, the default) or ``"lru"``
-            (``policy.HotSet``).
+            (``index.SlotIndex``).
         half_life: batches after which a sighting counts half (``"stats"``).
-        history: uncached keys whose counts the ``"stats"`` policy keeps
-            (default: as many as ``rows``, at least 65536).
     """
 
     def __init__(
@@ -152,7 +143,6 @@ class CachedServer(ParameterServer):
         xp: Any = "auto",
         policy: str = "stats",
         half_life: float = 1000.0,
-        history: int | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(inner, ParameterServer):
@@ -162,15 +152,17 @@ class CachedServer(ParameterServer):
                 _check_rows(n, f"rows[{name!r}]")
         else:
             _check_rows(rows, "rows")
-        HotSet(1, policy=policy, half_life=half_life, history=history)  # checks them
         self.inner = inner
         self._rows = rows
-        self._policy = dict(policy=policy, half_life=half_life, history=history)
         self.xp = array_module(xp)
         self.kernels: NumpyKernels = kernels_for(self.xp)
+        self.index = SlotIndex(self.kernels, policy=policy, half_life=half_life)
         self.float_model, self.exact = engine_float_model()
         self._lock = threading.RLock()
         self._tables: dict[str, _Table | None] = {}  # None: not cached
+        self._used: dict[tuple[str, int | None], _Used] = {}
+        self._generation = 0  # bumped when keys leave the index other than by a pull
+        self.inner_seconds = 0.0  # time the data half spent waiting on the inner server
 
     def __repr__(self) -> str:
         return f"CachedServer({self.inner!r}, rows={self._rows!r}, xp={self.kernels.name!r})"
@@ -218,10 +210,10 @@ class CachedServer(ParameterServer):
 
         def restarted(address: str, step: int | None) -> None:
             with self._lock:
-                for cache in self._tables.values():
+                for name, cache in self._tables.items():
                     if cache is not None:
-                        _, slots = cache.hot.cached()
-                        cache.dirty[slots] = True
+                        _, slots = self.index.cached(name)
+                        cache.rows.dirty[self.kernels.to_device(slots)] = True
             listener(address, step)
 
         listen(restarted)
@@ -242,31 +234,30 @@ class CachedServer(ParameterServer):
         rows = self._rows_for(name)
         made: _Table | None = None
         if rows > 0 and not spec.serving and spec.precision == "fp32":
-            xp = self.xp
+            self._forget_table(name)
+            region = self.index.add(name, rows)
             math = OptimizerMath(spec.optimizer, spec.dim)
             made = _Table(
                 spec=spec,
                 math=math,
-                hot=HotSet(rows, **self._policy),  # type: ignore[arg-type]
-                weights=xp.zeros((rows, spec.dim), F32),
-                state=xp.zeros((rows, math.state_dim), F32),
-                counts=xp.zeros(rows, np.uint32),
-                steps=xp.zeros(rows, np.uint64),
-                times=xp.zeros(rows, np.uint32),
-                dirty=np.zeros(rows, bool),
-                adam_t=np.zeros(rows, F32) if math.kind == "adam" else None,
-                admitted_at=np.zeros(rows, np.uint64),
-                extra={name: np.zeros(rows, F32) for name in _EXTRA},
+                region=region,
+                rows=SlotRows.zeros(self.xp, region.slots, spec.dim, math.state_dim),
             )
         self._tables[name] = made
         return made
+
+    def _forget_table(self, name: str) -> None:
+        """Empties a table's region of the index."""
+        self.index.clear(name)
+        self._generation += 1
+        self._used = {k: v for k, v in self._used.items() if k[0] != name}
 
     def _flush_table(self, name: str) -> int:
         """Writes the table's updated cached rows back (one ``load``)."""
         cache = self._tables.get(name)
         if cache is None:
             return 0
-        slots = np.nonzero(cache.dirty)[0]
+        slots = np.nonzero(self.kernels.to_host(cache.rows.dirty))[0]
         return self._write_back(name, cache, slots)
 
     def _write_back(
@@ -274,27 +265,47 @@ class CachedServer(ParameterServer):
     ) -> int:
         """Loads the rows of ``slots`` (those updated; ``keys``: whose rows
         they hold, if no longer the index's) into the inner server with
-        their weights, state, count, step and time; the server stamps its
-        current version (so they enter its change log)."""
-        dirty = cache.dirty[slots]
-        slots = slots[dirty]
+        every column but the version: the server stamps its current version
+        (so they enter its change log)."""
+        k = self.kernels
+        slots = np.asarray(slots, np.int64)
         if not len(slots):
             return 0
-        k = self.kernels
-        keys = cache.hot.keys_of(slots) if keys is None else keys[dirty]
-        self.inner.load(
+        d_slots = k.to_device(slots)
+        dirty = k.to_host(cache.rows.dirty[d_slots])
+        slots, d_slots = slots[dirty], d_slots[k.to_device(dirty)]
+        if not len(slots):
+            return 0
+        if keys is None:
+            keys = k.to_host(self.index.keys[d_slots + cache.region.entry_base])
+        else:
+            keys = np.asarray(keys)[dirty]
+        rows = cache.rows
+        columns = {c: k.to_host(k.gather(getattr(rows, c), d_slots)) for c in SlotRows.COLUMNS}
+        self._timed(
+            self.inner.load,
             name,
             keys,
-            k.to_host(k.gather(cache.weights, slots)),
-            k.to_host(k.gather(cache.state, slots)) if cache.math.state_dim else None,
-            counts=k.to_host(k.gather(cache.counts, slots)),
-            steps=k.to_host(k.gather(cache.steps, slots)),
-            times=k.to_host(k.gather(cache.times, slots)),
-            **{name: values[slots] for name, values in cache.extra.items()},
+            columns["weights"],
+            columns["state"] if cache.math.state_dim else None,
+            counts=columns["counts"],
+            steps=columns["steps"],
+            times=columns["times"],
+            shows=columns["shows"],
+            clicks=columns["clicks"],
         )
-        cache.dirty[slots] = False
+        rows.dirty[d_slots] = False
         cache.counters["written_back"] += len(slots)
         return len(slots)
+
+    def _timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A call on the inner server from the data half, its time counted
+        in ``inner_seconds`` (what the misses cost)."""
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.inner_seconds += time.perf_counter() - start
 
     def flush(self, table: str | None = None) -> int:
         """Writes the updated cached rows of one table (or all) back to the
@@ -310,37 +321,53 @@ class CachedServer(ParameterServer):
 
     def _drop(self, name: str) -> None:
         """Forgets a table's cache (its rows changed or went elsewhere)."""
-        self._tables.pop(name, None)
+        if self._tables.pop(name, None) is not None:
+            self._forget_table(name)
 
     def _forget_keys(self, name: str, keys: np.ndarray) -> None:
         cache = self._tables.get(name)
         if cache is None or not len(keys):
             return
-        slots = cache.hot.forget(np.asarray(keys).view(np.uint64))
-        cache.dirty[slots] = False
-        cache.admitted_at[slots] = 0
+        k = self.kernels
+        keys = np.ascontiguousarray(keys).view(np.uint64)
+        entries = self.index.forget(k.to_device(keys), self._region_ids(cache, len(keys)))
+        held = entries[entries >= 0] - cache.region.entry_base
+        if len(held):
+            cache.rows.dirty[held] = False
+            cache.rows.admitted_at[held] = 0
+        self._generation += 1
+
+    def _region_ids(self, cache: _Table, n: int) -> Any:
+        return self.xp.full(n, cache.region.id, np.int32)
+
+    def _slots_of(self, cache: _Table, keys: np.ndarray) -> tuple[np.ndarray, Any]:
+        """(cached bool on the host, table-local slots on the device, -1
+        where not cached) of keys; changes nothing."""
+        k = self.kernels
+        entries = self.index.lookup(k.to_device(keys), self._region_ids(cache, len(keys)))
+        slots = self.xp.where(entries >= 0, entries - cache.region.entry_base, -1)
+        return k.to_host(entries) >= 0, slots
 
     def cache_stats(self, table: str | None = None) -> dict[str, Any]:
         """The cache's counters (``COUNTERS``) and rows of one table or of
         every cached table by name."""
         with self._lock:
             if table is not None:
-                return self._table_cache_stats(self._tables.get(table))
+                return self._table_cache_stats(table, self._tables.get(table))
             return {
-                name: self._table_cache_stats(cache)
+                name: self._table_cache_stats(name, cache)
                 for name, cache in self._tables.items()
                 if cache is not None
             }
 
-    @staticmethod
-    def _table_cache_stats(cache: _Table | None) -> dict[str, Any]:
+    def _table_cache_stats(self, name: str, cache: _Table | None) -> dict[str, Any]:
         if cache is None:
             return {}
         return {
             **cache.counters,
-            "rows": len(cache.hot),
-            "slots": cache.hot.rows,
-            "dirty": int(cache.dirty.sum()),
+            "rows": self.index.size(name),
+            "slots": cache.region.slots,
+            "dirty": int(cache.rows.dirty.sum()),
         }
 
     # -- data half: pulls -------------------------------------------------------
@@ -350,36 +377,22 @@ class CachedServer(ParameterServer):
     ) -> None:
         step = check_step(step)
         with self._lock:
-            checked = [self._pull_args(part) for part in parts]
-            pulls: list[_Pull] = []
+            local: list[tuple[_Table, PullPart, np.ndarray]] = []
             forward: list[PullPart] = []
-            for part, spec, keys in checked:
+            for part, spec, keys in [self._pull_args(part) for part in parts]:
                 cache = self._cache(part.table, spec)
                 if cache is None:
                     forward.append(part)
                 else:
-                    pulls.append(self._plan_pull(cache, part, keys, train))
-            admitted = [p for p in pulls if p.admitted.any()]
-            try:
-                for p in admitted:  # which incoming keys have no row yet
-                    p.new = ~self.inner.contains(p.part.table, p.unique[p.misses])
-                misses = [
-                    PullPart(p.part.table, p.keys[p.miss_at], p.miss_rows, p.miss_offsets)
-                    for p in pulls
-                ]
-                inner_parts = [m for m in misses if len(m.keys)] + forward
-                if inner_parts:
-                    self.inner.pull_many(inner_parts, train=train, step=step)
-                for p in admitted:
-                    self._swap_in(p, step)
-            except BaseException:
-                for p in admitted:  # the incoming keys did not come in
-                    slots = p.slots[p.admitted]
-                    keep = p.table.hot.slots_of(p.unique[p.admitted]) == slots
-                    self._forget_keys(p.part.table, p.unique[p.admitted][keep])
-                raise
-            for p in pulls:
-                self._answer_pull(p)
+                    local.append((cache, part, keys))
+            if not local:
+                if forward:
+                    self.inner.pull_many(forward, train=train, step=step)
+                return
+            if train:
+                self._training_pull(local, forward, step)
+            else:
+                self._reading_pull(local, forward)
 
     def _pull_args(self, part: PullPart) -> tuple[PullPart, TableSpec, np.ndarray]:
         """Checks a part as the engine does, before anything changes."""
@@ -387,11 +400,28 @@ class CachedServer(ParameterServer):
         keys = as_keys(part.keys)
         if part.out is None:
             raise ValueError(f"pull_many: the part for table {part.table!r} has no out")
-        check_float32(part.out, (len(keys), spec.dim), "out")
-        if not part.out.flags.c_contiguous or not part.out.flags.writeable:
-            raise ValueError("out must be a writeable C-contiguous array")
+        self._check_rows_array(part.out, (len(keys), spec.dim), "out")
         self._check_offsets(keys, part.shard_offsets)
-        return PullPart(part.table, keys, part.out, part.shard_offsets), spec, keys.view(np.uint64)
+        counts = as_column(part.counts, np.float32, (len(keys),), "counts")
+        checked = PullPart(part.table, keys, part.out, part.shard_offsets, counts)
+        return checked, spec, keys.view(np.uint64)
+
+    def _check_rows_array(self, array: Any, shape: tuple[int, ...], what: str) -> None:
+        """A float32 array of ``shape`` the cache may write: on the host, or
+        in the cache's device memory."""
+        if not (isinstance(array, np.ndarray) or self.kernels.on_device(array)):
+            raise TypeError(
+                f"{what} must be a numpy float32 array (or a {self.kernels.name} array), "
+                f"got {type(array).__name__}"
+            )
+        if array.dtype != np.float32:
+            raise TypeError(f"{what} must be float32, got dtype {array.dtype}")
+        if tuple(array.shape) != shape:
+            raise ValueError(f"{what} has shape {tuple(array.shape)}, expected {shape}")
+        if not array.flags.c_contiguous or (
+            isinstance(array, np.ndarray) and not array.flags.writeable
+        ):
+            raise ValueError(f"{what} must be a writeable C-contiguous array")
 
     def _check_offsets(self, keys: np.ndarray, offsets: np.ndarray | None) -> None:
         """Keys grouped by (server, shard) cell as ``shard_offsets`` say, or
@@ -422,62 +452,176 @@ class CachedServer(ParameterServer):
                 "shard_offsets say"
             )
 
-    def _plan_pull(self, cache: _Table, part: PullPart, keys: np.ndarray, train: bool) -> _Pull:
-        """The policy's decisions for one part; the leaving rows written back."""
-        unique, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
-        inverse = inverse.reshape(-1)
-        if train:
-            plan = cache.hot.observe(unique, counts)
-            slots, admitted = plan.slots, plan.admitted
-            if len(plan.victim_slots):
-                self._write_back(part.table, cache, plan.victim_slots, plan.victim_keys)
-                cache.admitted_at[plan.victim_slots] = 0
-                cache.counters["evicted"] += len(plan.victim_slots)
-            hits = plan.hits
-            c = cache.counters
-            c["hits"] += int(hits.sum())
-            c["misses"] += int((~hits).sum())
-            c["hit_occurrences"] += int(counts[hits].sum())
-            c["occurrences"] += len(keys)
-        else:
-            slots = cache.hot.slots_of(unique)
-            admitted = np.zeros(len(unique), bool)
-            hits = slots >= 0
-            cache.counters["lookups"] += int(hits.sum())
-        misses = np.nonzero(~hits)[0]
-        # The misses go to the inner server as the keys came, repeats and
-        # order kept: it counts their sightings (and pulls) as without the cache.
-        miss_at = np.nonzero(~hits[inverse])[0]
-        row_of = np.full(len(unique), -1, np.int64)
-        row_of[inverse[miss_at[::-1]]] = np.arange(len(miss_at) - 1, -1, -1)
+    def _reading_pull(
+        self, local: list[tuple[_Table, PullPart, np.ndarray]], forward: list[PullPart]
+    ) -> None:
+        """A pull without training: cached keys from the device, the rest
+        from the inner server; nothing comes in."""
+        answers = []
+        for cache, part, keys in local:
+            cached, slots = self._slots_of(cache, keys)
+            rest = np.nonzero(~cached)[0]
+            rows = np.empty((len(rest), cache.spec.dim), F32)
+            if len(rest):
+                forward.append(PullPart(part.table, keys[rest], rows))
+            answers.append((cache, part, cached, slots, rest, rows))
+            cache.counters["lookups"] += len(keys) - len(rest)
+            cache.pulled_keys += len(keys) - len(rest)
+        if forward:
+            self._timed(self.inner.pull_many, forward, train=False)
+        for cache, part, cached, slots, rest, rows in answers:
+            self._answer(cache, part.out, cached, slots, rest, rows)
+
+    def _answer(
+        self, cache: _Table, out: Any, cached: np.ndarray, slots: Any, rest: np.ndarray, rows: Any
+    ) -> None:
+        """A pull's ``out``: cached rows gathered on the device, ``rows`` (on
+        the host) at the positions ``rest``."""
+        k = self.kernels
+        if not len(rest):
+            if len(cached):
+                k.gather_into(cache.rows.weights, slots, out)
+            return
+        at = np.nonzero(cached)[0]
+        if len(at):
+            k.put_rows(out, at, k.gather(cache.rows.weights, slots[k.to_device(at)]))
+        k.put_rows(out, rest, rows)
+
+    def _training_pull(
+        self,
+        local: list[tuple[_Table, PullPart, np.ndarray]],
+        forward: list[PullPart],
+        step: int | None,
+    ) -> None:
+        k, xp = self.kernels, self.xp
+        keys = np.concatenate([keys for _, _, keys in local]) if len(local) > 1 else local[0][2]
+        bounds = np.cumsum([0] + [len(keys) for _, _, keys in local])
+        region = np.repeat([c.region.id for c, _, _ in local], np.diff(bounds)).astype(np.int32)
+        counts = None
+        if any(part.counts is not None for _, part, _ in local):
+            counts = np.concatenate(
+                [np.ones(len(k_), F32) if p.counts is None else p.counts for _, p, k_ in local]
+            )
+        plan = self.index.observe(
+            k.to_device(keys), k.to_device(region), None if counts is None else k.to_device(counts)
+        )
+        pulls = []
+        try:
+            for i, (cache, part, part_keys) in enumerate(local):
+                pulls.append(self._part_of_plan(cache, part, part_keys, plan, bounds[i], counts))
+            self._write_back_victims(plan)
+            for p in pulls:  # which incoming keys have no row yet
+                if p.incoming.any():
+                    p.new = ~self._timed(
+                        self.inner.contains, p.part.table, p.keys[p.miss[p.incoming]]
+                    )
+            inner_parts = [
+                PullPart(p.part.table, p.keys[p.miss], p.miss_rows, p.miss_offsets)
+                for p in pulls
+                if len(p.miss)
+            ] + forward
+            if inner_parts:
+                self._timed(self.inner.pull_many, inner_parts, train=True, step=step)
+            for p in pulls:
+                if p.incoming.any():
+                    self._swap_in(p, step)
+        except BaseException:
+            for p in pulls:  # the incoming keys did not come in
+                self._forget_keys(p.part.table, p.keys[p.miss[p.incoming]])
+            raise
+        for p in pulls:
+            slots = plan.entries[int(p.start) : int(p.start) + len(p.keys)]
+            slots = xp.where(slots >= 0, slots - p.cache.region.entry_base, -1)
+            if len(p.failed):
+                slots[k.to_device(p.miss[p.failed])] = -1
+            cached = np.ones(len(p.keys), bool)
+            cached[p.miss] = p.miss_cached()
+            rest = p.miss[~p.miss_cached()]
+            self._answer(p.cache, p.part.out, cached, slots, rest, p.miss_rows[~p.miss_cached()])
+            self._used[(p.part.table, step)] = _Used(
+                p.keys, cached, slots, self.index.epoch, self._generation
+            )
+        floor = self.index.epoch - 1
+        self._used = {
+            key: u
+            for key, u in list(self._used.items())[-_USED_KEPT:]
+            if u.epoch >= floor and u.generation == self._generation
+        }
+
+    def _part_of_plan(
+        self,
+        cache: _Table,
+        part: PullPart,
+        keys: np.ndarray,
+        plan: Any,
+        start: int,
+        counts: np.ndarray | None,
+    ) -> _PartPull:
+        """One table's share of a training pull's plan, and its counters."""
+        lo, hi = np.searchsorted(plan.miss, [start, start + len(keys)])
+        miss = plan.miss[lo:hi] - start
+        how = plan.how[lo:hi]
+        entries = plan.miss_entries[lo:hi]
+        incoming = (how == INTO_EMPTY) | (how == OVER_VICTIM)
         offsets = None
         if part.shard_offsets is not None:
-            offsets = np.searchsorted(miss_at, np.asarray(part.shard_offsets)).astype(np.int64)
-        cache.pulled_keys += len(keys) - len(miss_at)
-        return _Pull(
-            cache, part, keys, unique, inverse, counts, slots, hits, admitted, misses,
-            miss_at, np.empty((len(miss_at), cache.spec.dim), F32), row_of[misses], offsets,
+            offsets = np.searchsorted(miss, np.asarray(part.shard_offsets)).astype(np.int64)
+        c = cache.counters
+        hits = len(keys) - len(miss)
+        c["hits"] += hits
+        c["misses"] += len(miss)
+        if counts is None:
+            c["hit_occurrences"] += hits
+            c["occurrences"] += len(keys)
+        else:
+            part_counts = counts[start : start + len(keys)]
+            c["occurrences"] += int(part_counts.sum())
+            c["hit_occurrences"] += int(part_counts.sum() - part_counts[miss].sum())
+        cache.pulled_keys += hits
+        return _PartPull(
+            cache, part, keys, start, miss, how, entries - cache.region.entry_base, incoming,
+            np.empty((len(miss), cache.spec.dim), F32), offsets,
         )  # fmt: skip
 
-    def _swap_in(self, p: _Pull, step: int | None) -> None:
+    def _write_back_victims(self, plan: Any) -> None:
+        """The victims' updated rows, written back before their slots take
+        the incoming rows (one ``load`` per table)."""
+        if not len(plan.victims):
+            return
+        bases = np.array([r.entry_base for r in self.index.regions.values()])
+        names = list(self.index.regions)
+        region = np.searchsorted(bases, plan.victim_entries, side="right") - 1
+        for r in np.unique(region):
+            name = names[int(r)]
+            cache = self._tables.get(name)
+            if cache is None:
+                continue
+            at = region == r
+            slots = plan.victim_entries[at] - cache.region.entry_base
+            self._write_back(name, cache, slots, plan.victims[at])
+            cache.rows.admitted_at[self.kernels.to_device(slots)] = 0
+            cache.counters["evicted"] += int(at.sum())
+
+    def _swap_in(self, p: _PartPull, step: int | None) -> None:
         """Copies the incoming rows to their slots: rows the pull just
         created are known (initial vector and state); the others are read
         whole from the inner server. Keys left without a row (waiting for
-        admission) do not come in."""
-        cache, name = p.table, p.part.table
-        incoming = np.nonzero(p.admitted[p.misses])[0]  # positions in misses
-        keys = p.unique[p.misses][incoming]
-        slots = p.slots[p.misses][incoming]
-        dim, state_dim = cache.spec.dim, cache.math.state_dim
+        admission) do not come in (``p.failed``)."""
+        cache, name = p.cache, p.part.table
+        incoming = np.nonzero(p.incoming)[0]  # positions in miss
+        keys = p.keys[p.miss[incoming]]
+        slots = p.slots[incoming]
+        state_dim = cache.math.state_dim
         n = len(keys)
-        weights = p.miss_rows[p.miss_first[incoming]]
+        weights = p.miss_rows[incoming]
         state = np.empty((n, state_dim), F32)
         counts = np.zeros(n, np.uint32)
         steps = np.zeros(n, np.uint64)
         times = np.zeros(n, np.uint32)
+        shows = np.zeros(n, F32)
+        clicks = np.zeros(n, F32)
         found = np.ones(n, bool)
-        extra = {column: np.zeros(n, F32) for column in _EXTRA}
-        new = p.new[incoming] if p.new is not None else np.zeros(n, bool)
+        new = p.new if p.new is not None else np.zeros(n, bool)
         # min_count 1: a new row is the initial vector and state, count 0
         fresh = cache.spec.admission.min_count == 1 and step is not None
         known = new if fresh else np.zeros(n, bool)
@@ -488,50 +632,44 @@ class CachedServer(ParameterServer):
             cache.counters["swapped_in_new"] += int(known.sum())
         read = np.nonzero(~known)[0]
         if len(read):
-            rows, got = self.inner.read_rows(name, keys[read])
+            rows, got = self._timed(self.inner.read_rows, name, keys[read])
             found[read] = got
             at = read[got]
             weights[at] = rows.weights
             state[at] = rows.state.reshape(len(at), state_dim)
             counts[at], steps[at], times[at] = rows.counts, rows.steps, rows.times
-            for column, values in extra.items():
-                values[at] = getattr(rows, column)
+            shows[at], clicks[at] = rows.shows, rows.clicks
         if not found.all():
             self._forget_keys(name, keys[~found])
-            p.slots[p.misses[incoming[~found]]] = -1
-            p.admitted[p.misses[incoming[~found]]] = False
-        keys, slots = keys[found], slots[found]
-        k = self.kernels
-        k.scatter(cache.weights, slots, k.to_device(weights[found].reshape(-1, dim)))
-        if state_dim:
-            k.scatter(cache.state, slots, k.to_device(state[found]))
-        k.scatter(cache.counts, slots, k.to_device(counts[found]))
-        k.scatter(cache.steps, slots, k.to_device(steps[found]))
-        k.scatter(cache.times, slots, k.to_device(times[found]))
-        cache.dirty[slots] = False
-        for column, values in extra.items():
-            cache.extra[column][slots] = values[found]
-        if cache.adam_t is not None:
-            cache.adam_t[slots] = state[found][:, 2 * dim]
-        # A row this pull admitted (min_count > 1) carries the engine's
-        # "admitted, not pushed since" mark: pushes of earlier steps leave it.
-        marked = new[found] & (cache.spec.admission.min_count > 1)
-        cache.admitted_at[slots] = np.where(marked, np.uint64(self._step_of(step) + 1), 0)
-        cache.counters["swapped_in"] += len(slots)
+            p.failed = incoming[~found]
+        marked = new & (cache.spec.admission.min_count > 1)
+        admitted_at = np.where(marked, np.uint64(self._step_of(step) + 1), np.uint64(0))
+        self._put_slots(cache, slots[found], {
+            "weights": weights[found], "state": state[found], "counts": counts[found],
+            "steps": steps[found], "times": times[found], "shows": shows[found],
+            "clicks": clicks[found],
+        }, admitted_at[found])  # fmt: skip
 
-    def _answer_pull(self, p: _Pull) -> None:
-        """The part's ``out``: hits gathered on the device (one row per key
-        occurrence, in key order), misses as pulled."""
-        out = p.part.out
-        assert out is not None
-        k = self.kernels
-        if not len(p.misses) and len(p.keys):  # every key cached
-            k.gather_into(p.table.weights, p.slots[p.inverse], out)
+    def _put_slots(
+        self,
+        cache: _Table,
+        slots: np.ndarray,
+        columns: dict[str, np.ndarray],
+        admitted_at: np.ndarray,
+    ) -> None:
+        """Whole rows (host columns) into slots, one copy per column."""
+        if not len(slots):
             return
-        out[p.miss_at] = p.miss_rows
-        at = np.nonzero(p.hits[p.inverse])[0]
-        if len(at):
-            out[at] = k.to_host(k.gather(p.table.weights, p.slots[p.inverse[at]]))
+        k = self.kernels
+        d_slots = k.to_device(np.asarray(slots, np.int64))
+        rows = cache.rows
+        for name, values in columns.items():
+            if name == "state" and not cache.math.state_dim:
+                continue
+            k.scatter(getattr(rows, name), d_slots, k.to_device(values))
+        rows.dirty[d_slots] = False
+        rows.admitted_at[d_slots] = k.to_device(admitted_at)
+        cache.counters["swapped_in"] += len(slots)
 
     # -- data half: pushes ------------------------------------------------------
 
@@ -551,36 +689,68 @@ class CachedServer(ParameterServer):
         with self._lock:
             checked = [self._push_args(part) for part in parts]
             forward: list[PushPart] = []
-            local: list[tuple[_Table, PushPart, np.ndarray, np.ndarray]] = []
+            copy_back: list[tuple[Any, np.ndarray, np.ndarray]] = []
+            local: list[tuple[_Table, PushPart, np.ndarray, Any]] = []
             for part, spec in checked:
-                part = _only(part, only)
                 cache = self._cache(part.table, spec)
                 keys = np.asarray(part.keys).view(np.uint64)
-                slots = (
-                    cache.hot.slots_of(keys) if cache is not None and len(keys) else
-                    np.full(len(keys), -1, np.int64)
-                )  # fmt: skip
-                cached = slots >= 0
-                if cache is not None and cached.any():
-                    local.append((cache, part, np.nonzero(cached)[0], slots))
-                rest = np.nonzero(~cached)[0]
-                if len(rest) == len(keys):
-                    forward.append(part)
-                elif len(rest):
-                    forward.append(_subset(part, rest))
+                chosen = _chosen(part, only)
+                if cache is None or not len(keys):
+                    cached = np.zeros(len(keys), bool)
+                    slots = None
+                else:
+                    cached, slots = self._used_slots(cache, part.table, keys, step)
+                where = chosen[cached[chosen]]
+                if len(where):
+                    local.append((cache, part, where, slots))
+                rest = chosen[~cached[chosen]]
+                if len(rest):
+                    host_part, back = self._host_part(part, rest, only == "rest")
+                    forward.append(host_part)
+                    if back is not None:
+                        copy_back.append(back)
             result = PushResult(0, 0, 0, 0)
             if forward:
-                result = self.inner.push_many(forward, unique=unique, step=step)
+                result = self._timed(self.inner.push_many, forward, unique=unique, step=step)
+                for updated, rows, staged in copy_back:
+                    self.kernels.put_rows(updated, rows, staged)
             for cache, part, where, slots in local:
-                result += self._push_cached(cache, part, where, slots, unique, step)
+                result += self._push_cached(cache, part, where, slots, unique, step, only)
             return result
+
+    def _used_slots(
+        self, cache: _Table, table: str, keys: np.ndarray, step: int | None
+    ) -> tuple[np.ndarray, Any]:
+        """(cached on the host, slots on the device) of a push's keys. The
+        training pull of the same step found them while its slots are
+        locked, so its cached keys are still where it found them; its other
+        keys (and every key without such a pull) are looked up: a later
+        pull may have brought them in, and the push then goes to the cache."""
+        used = self._used.get((table, step))
+        if (
+            used is None
+            or used.generation != self._generation
+            or used.epoch < self.index.epoch - 1
+            or not (used.keys is keys or np.array_equal(used.keys, keys))
+        ):
+            return self._slots_of(cache, keys)
+        rest = np.nonzero(~used.cached)[0]
+        if not len(rest):
+            return used.cached, used.slots
+        now, slots = self._slots_of(cache, keys[rest])
+        if not now.any():
+            return used.cached, used.slots
+        cached, merged = used.cached.copy(), used.slots.copy()
+        cached[rest] = now
+        merged[self.kernels.to_device(rest)] = slots
+        return cached, merged
 
     def _push_args(self, part: PushPart) -> tuple[PushPart, TableSpec]:
         """Checks a part as the engine does, before anything changes."""
         table = part.table
         spec = self.inner.spec(table)
         keys = as_keys(part.keys)
-        grads = as_float32(part.grads, (len(keys), spec.dim), f"grads for table {table!r}")
+        self._check_rows_array(part.grads, (len(keys), spec.dim), f"grads for table {table!r}")
         updated, updated_rows = part.updated, part.updated_rows
         if updated_rows is not None:
             updated_rows = np.asarray(updated_rows)
@@ -594,14 +764,12 @@ class CachedServer(ParameterServer):
             updated_rows = np.ascontiguousarray(updated_rows)
         if updated is not None:
             rows = len(keys) if updated_rows is None else getattr(updated, "shape", (0,))[0]
-            check_float32(updated, (rows, spec.dim), "updated")
-            if not updated.flags.c_contiguous or not updated.flags.writeable:
-                raise ValueError("updated must be a writeable C-contiguous array")
+            self._check_rows_array(updated, (rows, spec.dim), "updated")
         self._check_offsets(keys, part.shard_offsets)
         shows = as_column(part.shows, np.float32, (len(keys),), f"shows for table {table!r}")
         clicks = as_column(part.clicks, np.float32, (len(keys),), f"clicks for table {table!r}")
         if spec.nan_policy == "raise" and len(keys):
-            bad = ~np.isfinite(grads).all(axis=1)
+            bad = ~self.kernels.finite_rows(part.grads)
             if bad.any():
                 i = int(np.argmax(bad))
                 raise ValueError(
@@ -611,7 +779,6 @@ class CachedServer(ParameterServer):
         checked = replace(
             part,
             keys=keys,
-            grads=grads,
             shard_offsets=None,
             updated=updated,
             updated_rows=updated_rows,
@@ -620,116 +787,104 @@ class CachedServer(ParameterServer):
         )
         return checked, spec
 
+    def _host_part(
+        self, part: PushPart, where: np.ndarray, rest: bool
+    ) -> tuple[PushPart, tuple[Any, np.ndarray, np.ndarray] | None]:
+        """The keys of a part at positions ``where``, for the inner server:
+        every per-key column on the host. Where the part's ``updated`` rows
+        are on the device, they are staged on the host and copied back
+        after the push (returned: (updated, its rows, the staged rows))."""
+        k = self.kernels
+        d_where = k.to_device(where) if k.on_device(part.grads) else where
+        grads = np.ascontiguousarray(k.to_host(part.grads[d_where]))
+        per_key = {
+            name: np.ascontiguousarray(getattr(part, name)[where])
+            for name in ("shows", "clicks")
+            if getattr(part, name) is not None
+        }
+        host = PushPart(part.table, np.ascontiguousarray(part.keys[where]), grads, **per_key)
+        if part.updated is None or rest:
+            return host, None
+        rows = where.astype(np.int32) if part.updated_rows is None else part.updated_rows[where]
+        if isinstance(part.updated, np.ndarray):
+            return replace(host, updated=part.updated, updated_rows=rows), None
+        keep = rows >= 0
+        staged = np.zeros((int(keep.sum()), part.grads.shape[1]), F32)
+        staged_rows = np.full(len(rows), -1, np.int32)
+        staged_rows[keep] = np.arange(int(keep.sum()), dtype=np.int32)
+        host = replace(host, updated=staged, updated_rows=staged_rows)
+        return host, (part.updated, rows[keep].astype(np.int64), staged)
+
     def _push_cached(
         self,
         cache: _Table,
         part: PushPart,
         where: np.ndarray,
-        slots: np.ndarray,
+        slots: Any,
         unique: bool,
         step: int | None,
+        only: str,
     ) -> PushResult:
         """The cached keys of a part (positions ``where``) updated on the
-        device, as the engine would: duplicates summed in order, non-finite
-        sums dropped, rows admitted by a later step's pull left alone, show
-        and click increments added after their rows' decay."""
+        device, as the engine would: duplicates summed in order, rows that
+        a later step's pull admitted left alone, non-finite sums dropped,
+        show and click increments added after their rows' decay."""
+        k, xp = self.kernels, self.xp
         dim = cache.spec.dim
-        key_slots = slots[where]
-        per_key = [np.asarray(part.grads)] + [
-            np.zeros(len(part.keys), F32) if v is None else np.asarray(v)
-            for v in (part.shows, part.clicks)
-        ]
-        feeds_stats = part.shows is not None or part.clicks is not None
+        d_where = k.to_device(where)
+        key_slots = slots[d_where]
+        grads = k.as_device(part.grads)
+        shows, clicks = part.shows, part.clicks
         if unique:
-            targets = key_slots
-            sums, shows, clicks = (v[where] for v in per_key)
+            targets, sums = key_slots, grads[d_where]
+            shows = None if shows is None else shows[where]
+            clicks = None if clicks is None else clicks[where]
             duplicates = 0
         else:  # the engine's order: the first occurrence, then the others by position
-            targets, first, group = np.unique(key_slots, return_index=True, return_inverse=True)
+            keys = np.asarray(part.keys).view(np.uint64)[where]
+            _, first, group = np.unique(keys, return_index=True, return_inverse=True)
             group = group.reshape(-1)
-            repeat = np.ones(len(where), bool)
-            repeat[first] = False
-            sums, shows, clicks = (v[where[first]].copy() for v in per_key)
-            if repeat.any():
-                for total, v in zip((sums, shows, clicks), per_key, strict=True):
-                    np.add.at(total, group[repeat], v[where[repeat]])
-            duplicates = len(where) - len(targets)
-        finite = np.isfinite(sums).all(axis=1)
+            targets = key_slots[k.to_device(first)]
+            sums = xp.zeros((len(first), dim), F32)
+            k.scatter_add_rows(sums, k.to_device(group), grads[d_where])
+            shows = None if shows is None else _ordered_sums(group, shows[where], len(first))
+            clicks = None if clicks is None else _ordered_sums(group, clicks[where], len(first))
+            duplicates = len(where) - len(first)
         later = np.zeros(len(targets), bool)
         if step is not None and cache.spec.admission.min_count > 1:
-            mark = cache.admitted_at[targets]
+            mark = k.to_host(cache.rows.admitted_at[targets])
             later = (mark > 0) & (mark - np.uint64(1) > np.uint64(step))
-        apply = finite & ~later
-        go = targets[apply]
-        lr_t = None
-        if cache.adam_t is not None:
-            t = (cache.adam_t[go] + F32(1)).astype(F32)
-            lr_t = cache.math.lr_t(t)
-            cache.adam_t[go] = t
-        k = self.kernels
-        k.update(cache.math, self.float_model, cache.weights, cache.state, go,
-                 np.ascontiguousarray(sums[apply]).reshape(-1, dim), lr_t)  # fmt: skip
+        go = np.nonzero(~later)[0]
+        d_go = k.to_device(go)
         stamp = self._step_of(step)
-        self._add_stats(cache, go, stamp, shows[apply], clicks[apply], feeds_stats)
-        now = int(time.time())
-        k.touch(cache.counts, cache.steps, cache.times, go, stamp, now)
-        cache.dirty[go] = True
-        cache.admitted_at[go] = 0
-        if part.updated is not None:
+        applied = k.apply(
+            cache.spec, cache.math, self.float_model, cache.rows, targets[d_go], sums[d_go],
+            None if shows is None else k.to_device(shows[go]),
+            None if clicks is None else k.to_device(clicks[go]),
+            stamp, int(time.time()),
+        )  # fmt: skip
+        if part.updated is not None and only != "rest":
             self._report(cache, part, where, key_slots)
-        dropped_nan = int((~finite & ~later).sum())
+        n_applied = int(applied.sum())  # the one copy to the host a push makes
+        dropped_nan = len(go) - n_applied
         dropped_pending = int(later.sum())
-        cache.counters["updated"] += len(go)
+        cache.counters["updated"] += n_applied
         cache.pushed_keys += len(where)
         cache.dropped_nan += dropped_nan
         cache.dropped_pending += dropped_pending
-        return PushResult(len(go), dropped_nan, dropped_pending, duplicates)
+        return PushResult(n_applied, dropped_nan, dropped_pending, duplicates)
 
-    def _add_stats(
-        self,
-        cache: _Table,
-        slots: np.ndarray,
-        step: int,
-        shows: np.ndarray,
-        clicks: np.ndarray,
-        feeds: bool,
-    ) -> None:
-        """The engine's ``DecayStats`` then ``+=`` for rows about to be
-        stamped with ``step``: a row's shows and clicks decay from its last
-        update's step (half-life ``stats_half_life``), in double, rounded
-        to float32 once, then the push's increments are added in float32."""
-        row_shows, row_clicks = cache.extra["shows"], cache.extra["clicks"]
-        half_life = float(cache.spec.stats_half_life)
-        if half_life > 0 and len(slots):
-            held = (row_shows[slots] != 0) | (row_clicks[slots] != 0)
-            if held.any():
-                at = slots[held]
-                k = self.kernels
-                since = k.to_host(k.gather(cache.steps, at)).astype(np.uint64)
-                later = since < np.uint64(step)
-                at, since = at[later], since[later]
-                gaps, which = np.unique(np.uint64(step) - since, return_inverse=True)
-                factors = np.array([libm_exp2(-float(g) / half_life) for g in gaps], np.float64)
-                f = factors[which.reshape(-1)]
-                row_shows[at] = (row_shows[at].astype(np.float64) * f).astype(F32)
-                row_clicks[at] = (row_clicks[at].astype(np.float64) * f).astype(F32)
-        if feeds:
-            row_shows[slots] += shows
-            row_clicks[slots] += clicks
-
-    def _report(self, cache: _Table, part: PushPart, where: np.ndarray, slots: np.ndarray) -> None:
+    def _report(self, cache: _Table, part: PushPart, where: np.ndarray, slots: Any) -> None:
         """``updated``: each cached key's weights after the push."""
-        updated = part.updated
-        assert updated is not None
+        k = self.kernels
         if part.updated_rows is None:
-            targets = where
+            targets, chosen = where, slots
         else:
-            rows = np.asarray(part.updated_rows)[where]
-            keep = rows >= 0
-            targets, slots = rows[keep], slots[keep]
+            rows = part.updated_rows[where]
+            keep = np.nonzero(rows >= 0)[0]
+            targets, chosen = rows[keep].astype(np.int64), slots[k.to_device(keep)]
         if len(targets):
-            k = self.kernels
-            updated[targets] = k.to_host(k.gather(cache.weights, slots))
+            k.put_rows(part.updated, targets, k.gather(cache.rows.weights, chosen))
 
     def _step_of(self, step: int | None) -> int:
         """The step a call stamps: its own, or the inner server's."""
@@ -744,16 +899,16 @@ class CachedServer(ParameterServer):
             cache = self._cache(table, spec)
             if cache is None:
                 return self.inner.lookup(table, keys, missing=missing)
-            slots = cache.hot.slots_of(keys.view(np.uint64))
-            hit = slots >= 0
+            hit, slots = self._slots_of(cache, keys.view(np.uint64))
             rest = self.inner.lookup(table, keys[~hit], missing=missing)
             rows = np.empty((len(keys), spec.dim), F32)
             found = np.ones(len(keys), bool)
             rows[~hit], found[~hit] = rest.rows, rest.found
             if hit.any():
                 k = self.kernels
-                rows[hit] = k.to_host(k.gather(cache.weights, slots[hit]))
-                cache.counters["lookups"] += int(hit.sum())
+                at = np.nonzero(hit)[0]
+                rows[at] = k.to_host(k.gather(cache.rows.weights, slots[k.to_device(at)]))
+                cache.counters["lookups"] += len(at)
             return LookupResult(rows, found, rest.version)
 
     def seed(self, table: str, keys: KeyArray, scores: np.ndarray | None = None) -> int:
@@ -771,23 +926,22 @@ class CachedServer(ParameterServer):
             _, first = np.unique(keys, return_index=True)
             first.sort()  # the first of repeated keys, in the order given
             keys, scores = keys[first], np.asarray(scores, np.float64)[first]
-            plan = cache.hot.seed(keys, scores)
-            if len(plan.victim_slots):
-                self._write_back(table, cache, plan.victim_slots, plan.victim_keys)
-            misses = np.nonzero(~plan.hits)[0]
-            p = _Pull(
-                cache, PullPart(table, keys), keys, keys, np.arange(len(keys)),
-                np.ones(len(keys)), plan.slots, plan.hits, plan.admitted, misses,
-                misses, np.empty((len(misses), spec.dim), F32), np.arange(len(misses)),
+            k = self.kernels
+            plan = self.index.observe(
+                k.to_device(keys), self._region_ids(cache, len(keys)),
+                k.to_device(scores.astype(F32)),
             )  # fmt: skip
+            p = self._part_of_plan(cache, PullPart(table, keys), keys, plan, 0, None)
             before = cache.counters["swapped_in"]
-            if p.admitted.any():
-                try:
-                    self.inner.pull_many([PullPart(table, keys[misses], p.miss_rows)], train=False)
+            try:
+                self._write_back_victims(plan)
+                if p.incoming.any():
+                    p.miss_rows[:] = 0
                     self._swap_in(p, None)
-                except BaseException:
-                    self._forget_keys(table, keys[plan.admitted])
-                    raise
+            except BaseException:
+                self._forget_keys(table, keys[p.miss[p.incoming]])
+                raise
+            self._generation += 1  # seeding is not a training step
             return cache.counters["swapped_in"] - before
 
     # -- admin half ----------------------------------------------------------------
@@ -798,8 +952,9 @@ class CachedServer(ParameterServer):
         with self._lock:
             cache = self._tables.get(table)
             if cache is not None:
-                slots = cache.hot.slots_of(as_keys(keys).view(np.uint64))
-                self._write_back(table, cache, np.unique(slots[slots >= 0]))
+                cached, slots = self._slots_of(cache, as_keys(keys).view(np.uint64))
+                held = np.unique(self.kernels.to_host(slots)[cached])
+                self._write_back(table, cache, held)
             return self.inner.read_rows(table, keys)
 
     def create_table(self, spec: TableSpec) -> None:
@@ -827,18 +982,20 @@ class CachedServer(ParameterServer):
             self._flush(table)
             stats = self.inner.stats(table)
             if table is not None:
-                return self._with_cache(stats, self._tables.get(table))
-            return {name: self._with_cache(s, self._tables.get(name)) for name, s in stats.items()}
+                return self._with_cache(table, stats, self._tables.get(table))
+            return {
+                name: self._with_cache(name, s, self._tables.get(name)) for name, s in stats.items()
+            }
 
-    def _with_cache(self, stats: dict[str, Any], cache: _Table | None) -> dict[str, Any]:
+    def _with_cache(self, name: str, stats: dict[str, Any], cache: _Table | None) -> dict[str, Any]:
         if cache is None:
             return stats
         stats = dict(stats)
-        for name in ("pulled_keys", "pushed_keys", "dropped_nan", "dropped_pending"):
-            if name in stats:
-                stats[name] += getattr(cache, name)
-        for name, value in self._table_cache_stats(cache).items():
-            stats[f"cache_{name}"] = value
+        for key in ("pulled_keys", "pushed_keys", "dropped_nan", "dropped_pending"):
+            if key in stats:
+                stats[key] += getattr(cache, key)
+        for key, value in self._table_cache_stats(name, cache).items():
+            stats[f"cache_{key}"] = value
         return stats
 
     def export(self, table: str, since: int = 0, chunk_rows: int = 65536) -> Iterator[RowChunk]:
@@ -877,7 +1034,7 @@ class CachedServer(ParameterServer):
         cache = self._cache(table, self.inner.spec(table))
         if cache is None:
             return 0
-        keys, shows = self.inner.top_keys(table, cache.hot.rows)
+        keys, shows = self.inner.top_keys(table, cache.region.slots)
         shown = shows > 0
         return self.seed(table, keys[shown], shows[shown]) if shown.any() else 0
 
@@ -914,9 +1071,10 @@ class CachedServer(ParameterServer):
             names = list(self._tables) if table is None else [table]
             for name in names:
                 cache = self._tables.get(name)
-                if cache is not None and len(cache.hot):
-                    keys, _ = cache.hot.cached()
-                    self._forget_keys(name, keys[~self.inner.contains(name, keys)])
+                if cache is not None:
+                    keys, _ = self.index.cached(name)
+                    if len(keys):
+                        self._forget_keys(name, keys[~self.inner.contains(name, keys)])
             return result
 
     def removed_log(self, table: str, since: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -963,10 +1121,31 @@ class CachedServer(ParameterServer):
         return self.inner.job(**kwargs)
 
 
-_COLUMNS = ("keys", "weights", "state", "counts", "steps", "times", "versions")
-# Columns a RowChunk may carry beyond these (per-row statistics): the cache
-# keeps them per slot as the rows came and writes them back unchanged.
-_EXTRA = tuple(f.name for f in fields(RowChunk) if f.name not in _COLUMNS)
+@dataclass
+class _PartPull:
+    """One cached table's part of a training pull, between its stages."""
+
+    cache: _Table
+    part: PullPart
+    keys: np.ndarray  # uint64, the part's keys
+    start: int  # where they begin in the pull's keys
+    miss: np.ndarray  # int64: positions of the keys that were not cached
+    how: np.ndarray  # uint8 per miss: what the index did (index.INTO_EMPTY, ...)
+    slots: np.ndarray  # int64 per miss: the slot it took (negative: none)
+    incoming: np.ndarray  # bool per miss: came in (its row is to be loaded)
+    miss_rows: np.ndarray  # float32 [len(miss), dim]: pulled from the inner server
+    miss_offsets: np.ndarray | None = None  # shard_offsets of the misses' keys
+    new: np.ndarray | None = None  # bool per incoming miss: no row before this pull
+    failed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # positions in miss
+
+    def miss_cached(self) -> np.ndarray:
+        """bool per miss: cached after the pull (came in, or a repeat of one
+        that did)."""
+        cached = self.slots >= 0
+        if len(self.failed):
+            lost = self.keys[self.miss[self.failed]]
+            cached &= ~np.isin(self.keys[self.miss], lost)
+        return cached
 
 
 def _check_rows(n: Any, what: str) -> None:
@@ -974,40 +1153,19 @@ def _check_rows(n: Any, what: str) -> None:
         raise ValueError(f"{what} must be an int >= 0 (cache slots), got {n!r}")
 
 
-def _only(part: PushPart, only: str) -> PushPart:
-    """The keys a push of ``only="updated"``/``"rest"`` applies, as a plain
-    part (the engine's split: by ``updated_rows[i] >= 0``)."""
-    if only == "all":
-        return part
-    rows = part.updated_rows
-    has_row = np.zeros(len(part.keys), bool) if rows is None else np.asarray(rows) >= 0
-    keep = np.nonzero(has_row if only == "updated" else ~has_row)[0]
-    chosen = _subset(part, keep)
-    if only == "rest":
-        return replace(chosen, updated=None, updated_rows=None)
-    return chosen
-
-
-_ROUTING = ("table", "shard_offsets", "updated", "updated_rows")
-
-
-def _subset(part: PushPart, where: np.ndarray) -> PushPart:
-    """The part's keys at positions ``where`` with what goes with each key
-    (gradient, and any other per-key column), and where their ``updated``
-    rows go."""
+def _chosen(part: PushPart, only: str) -> np.ndarray:
+    """Positions of the keys a push of ``only`` applies (the engine's split:
+    by ``updated_rows[i] >= 0``)."""
     n = len(part.keys)
-    per_key: dict[str, Any] = {}
-    for f in fields(PushPart):
-        value = getattr(part, f.name)
-        if f.name in _ROUTING or value is None:
-            continue
-        value = np.asarray(value)
-        if value.ndim and len(value) == n:
-            per_key[f.name] = np.ascontiguousarray(value[where])
-    updated_rows = None
-    if part.updated is not None:
-        if part.updated_rows is None:
-            updated_rows = where.astype(np.int32)
-        else:
-            updated_rows = np.ascontiguousarray(np.asarray(part.updated_rows)[where])
-    return replace(part, shard_offsets=None, updated_rows=updated_rows, **per_key)
+    if only == "all":
+        return np.arange(n)
+    rows = part.updated_rows
+    has_row = np.zeros(n, bool) if rows is None else np.asarray(rows) >= 0
+    return np.nonzero(has_row if only == "updated" else ~has_row)[0]
+
+
+def _ordered_sums(group: np.ndarray, values: np.ndarray, groups: int) -> np.ndarray:
+    """float32 sums of ``values`` per group, added in order (as the engine)."""
+    sums = np.zeros(groups, F32)
+    np.add.at(sums, group, values.astype(F32))
+    return sums

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "details/cache_twin.h"
 #include "details/hash_map.h"
 #include "wuliang/ps/engine.h"
 #include "wuliang/ps/hash.h"
@@ -650,6 +651,67 @@ void BindEngine(py::module_& m) {
       .def("restore_version", &Engine::RestoreVersion, "version"_a);
 }
 
+// ---- the GPU hot cache's CPU twin (details/cache_twin.h) ---------------------
+
+// A C-contiguous array's data as T*, checked: dtype (kind, size) and at
+// least `n` elements (n < 0: any).
+template <class T>
+T* Data(const py::array& a, const char* what, py::ssize_t n = -1) {
+  const py::dtype want = py::dtype::of<T>();
+  const py::dtype dt = a.dtype();
+  if (dt.kind() != want.kind() || dt.itemsize() != want.itemsize()) {
+    throw py::type_error(std::string(what) + " must be " + std::string(py::str(want)) + ", got " +
+                         std::string(py::str(dt)));
+  }
+  if (!(a.flags() & py::array::c_style)) {
+    throw py::value_error(std::string(what) + " must be C-contiguous");
+  }
+  if (n >= 0 && a.size() < n) {
+    throw py::value_error(std::string(what) + " has " + std::to_string(a.size()) +
+                          " elements, needs " + std::to_string(n));
+  }
+  return static_cast<T*>(const_cast<void*>(a.data()));
+}
+
+template <class T>
+T* OptionalData(const py::object& a, const char* what, py::ssize_t n) {
+  return a.is_none() ? nullptr : Data<T>(a.cast<py::array>(), what, n);
+}
+
+// (entry_base, ghost_base, sets, ways): the index's regions.
+details::CacheRegions Regions(const py::tuple& t) {
+  if (t.size() != 4) throw py::value_error("regions must be (entry_base, ghost_base, sets, ways)");
+  return {Data<int64_t>(t[0].cast<py::array>(), "entry_base"),
+          Data<int64_t>(t[1].cast<py::array>(), "ghost_base"),
+          Data<int64_t>(t[2].cast<py::array>(), "sets"),
+          Data<int32_t>(t[3].cast<py::array>(), "ways")};
+}
+
+// (keys, scores, epochs, ghost_keys or None, ghost_scores or None).
+details::CacheIndex Index(const py::tuple& t) {
+  if (t.size() != 5) {
+    throw py::value_error("index must be (keys, scores, epochs, ghost_keys, ghost_scores)");
+  }
+  const py::ssize_t n = t[0].cast<py::array>().size();
+  return {Data<uint64_t>(t[0].cast<py::array>(), "keys"),
+          Data<double>(t[1].cast<py::array>(), "scores", n),
+          Data<int64_t>(t[2].cast<py::array>(), "epochs", n),
+          OptionalData<uint64_t>(t[3], "ghost_keys", n),
+          OptionalData<double>(t[4], "ghost_scores", n)};
+}
+
+// The region id of every key: each below the number of regions.
+const int32_t* RegionOfKeys(const py::array& region, py::ssize_t n, const py::tuple& regions) {
+  const int32_t* r = Data<int32_t>(region, "region", n);
+  const py::ssize_t count = regions[3].cast<py::array>().size();
+  for (py::ssize_t i = 0; i < n; ++i) {
+    if (r[i] < 0 || r[i] >= count) {
+      throw py::value_error("region[" + std::to_string(i) + "] = " + std::to_string(r[i]) +
+                            " is not a region");
+    }
+  }
+  return r;
+}
 }  // namespace
 
 // Where each key goes among `count` shards or servers, by `batch`.
@@ -750,6 +812,138 @@ PYBIND11_MODULE(_engine, m) {
            "Removes keys; returns the ids they had (-1 where absent).")
       .def("clear", &KeyIndex::Clear)
       .def_property_readonly("size", &KeyIndex::Size);
+  m.def(
+      "cache_lookup",
+      [](const py::tuple& regions, const py::tuple& index, const py::array& keys,
+         const py::array& region, const py::object& counts, bool observe, int64_t epoch, int policy,
+         double weight, double clock) {
+        const KeyArray k = Keys(keys);
+        const auto n = static_cast<py::ssize_t>(k.size);
+        const int32_t* r = RegionOfKeys(region, n, regions);
+        const float* c = OptionalData<float>(counts, "counts", n);
+        const details::CacheRegions reg = Regions(regions);
+        const details::CacheIndex idx = Index(index);
+        py::array_t<int64_t> out(n);
+        int64_t* o = out.mutable_data();
+        py::gil_scoped_release release;
+        details::CacheLookup(reg, idx, k.data, r, c, k.size, observe, epoch, policy, weight, clock,
+                             o);
+        return out;
+      },
+      "regions"_a, "index"_a, "keys"_a, "region"_a, "counts"_a, "observe"_a, "epoch"_a, "policy"_a,
+      "weight"_a, "clock"_a,
+      "The GPU cache's lookup on the CPU (details/cache_twin.h): each key's entry, -1 if absent.");
+  m.def(
+      "cache_score_misses",
+      [](const py::tuple& regions, const py::tuple& index, const py::array& keys,
+         const py::array& region, const py::object& counts, int policy, double weight) {
+        const KeyArray k = Keys(keys);
+        const auto n = static_cast<py::ssize_t>(k.size);
+        const int32_t* r = RegionOfKeys(region, n, regions);
+        const float* c = OptionalData<float>(counts, "counts", n);
+        const details::CacheRegions reg = Regions(regions);
+        const details::CacheIndex idx = Index(index);
+        py::array_t<int64_t> sets(n);
+        py::array_t<double> scores(n);
+        int64_t* s = sets.mutable_data();
+        double* sc = scores.mutable_data();
+        {
+          py::gil_scoped_release release;
+          details::CacheScoreMisses(reg, idx, k.data, r, c, k.size, policy, weight, s, sc);
+        }
+        return py::make_tuple(sets, scores);
+      },
+      "regions"_a, "index"_a, "keys"_a, "region"_a, "counts"_a, "policy"_a, "weight"_a,
+      "Each miss's set (first entry) and candidate score (details/cache_twin.h).");
+  m.def(
+      "cache_populate",
+      [](const py::tuple& regions, const py::tuple& index, const py::array& keys,
+         const py::array& region, const py::array& sets, const py::array& scores,
+         const py::array& allowed, int64_t epoch, int policy, double clock) {
+        const KeyArray k = Keys(keys);
+        const auto n = static_cast<py::ssize_t>(k.size);
+        const int32_t* r = RegionOfKeys(region, n, regions);
+        const int64_t* s = Data<int64_t>(sets, "sets", n);
+        const double* sc = Data<double>(scores, "scores", n);
+        const uint8_t* a = Data<uint8_t>(allowed, "allowed", n);
+        const details::CacheRegions reg = Regions(regions);
+        const details::CacheIndex idx = Index(index);
+        const py::ssize_t entries = index[0].cast<py::array>().size();
+        for (py::ssize_t i = 0; i < n; ++i) {
+          const int32_t ways = reg.ways[r[i]];
+          if (s[i] < reg.entry_base[r[i]] || s[i] + ways > entries ||
+              (i > 0 && s[i] != s[i - 1] && s[i] < s[i - 1])) {
+            throw py::value_error("sets must be sorted first entries of the keys' sets");
+          }
+        }
+        py::array_t<int64_t> way(n);
+        py::array_t<uint8_t> how(n);
+        py::array_t<uint64_t> victim(n);
+        int64_t* w = way.mutable_data();
+        uint8_t* h = how.mutable_data();
+        uint64_t* v = victim.mutable_data();
+        {
+          py::gil_scoped_release release;
+          details::CachePopulate(reg, idx, k.data, r, s, sc, a, k.size, epoch, policy, clock, w, h,
+                                 v);
+        }
+        return py::make_tuple(way, how, victim);
+      },
+      "regions"_a, "index"_a, "keys"_a, "region"_a, "sets"_a, "scores"_a, "allowed"_a, "epoch"_a,
+      "policy"_a, "clock"_a,
+      "Admits misses sorted by (set, score descending) (details/cache_twin.h): each one's "
+      "entry (-1: none), how (0 not admitted, 1 empty entry, 2 over a victim, 3 a repeat) "
+      "and the victim's key.");
+  m.def(
+      "cache_apply",
+      [](const OptimizerSpec& opt, const py::array& weights, const py::array& state,
+         const py::array& counts, const py::array& steps, const py::array& times,
+         const py::array& shows, const py::array& clicks, const py::array& slots,
+         const py::array& grads, const py::object& add_shows, const py::object& add_clicks,
+         uint64_t step, uint32_t now, double half_life) {
+        if (weights.ndim() != 2 || state.ndim() != 2 || grads.ndim() != 2) {
+          throw py::value_error("weights, state and grads must be 2-D");
+        }
+        const py::ssize_t rows = weights.shape(0);
+        const py::ssize_t n = slots.size();
+        details::CacheRows r;
+        r.dim = static_cast<int>(weights.shape(1));
+        r.state_dim = static_cast<int>(state.shape(1));
+        if (state.shape(0) != rows || grads.shape(1) != r.dim || grads.shape(0) != n ||
+            r.state_dim != StateDim(opt.kind, r.dim)) {
+          throw py::value_error("weights, state, grads and slots do not agree in shape");
+        }
+        r.weights = Data<float>(weights, "weights");
+        r.state = Data<float>(state, "state");
+        r.counts = Data<uint32_t>(counts, "counts", rows);
+        r.steps = Data<uint64_t>(steps, "steps", rows);
+        r.times = Data<uint32_t>(times, "times", rows);
+        r.shows = Data<float>(shows, "shows", rows);
+        r.clicks = Data<float>(clicks, "clicks", rows);
+        const int64_t* s = Data<int64_t>(slots, "slots");
+        for (py::ssize_t i = 0; i < n; ++i) {
+          if (s[i] < 0 || s[i] >= rows) {
+            throw py::value_error("slots[" + std::to_string(i) + "] = " + std::to_string(s[i]) +
+                                  " is outside the rows");
+          }
+        }
+        const float* g = Data<float>(grads, "grads");
+        const float* as = OptionalData<float>(add_shows, "add_shows", n);
+        const float* ac = OptionalData<float>(add_clicks, "add_clicks", n);
+        py::array_t<uint8_t> applied(n);
+        uint8_t* a = applied.mutable_data();
+        {
+          py::gil_scoped_release release;
+          details::CacheApply(opt, r, s, g, as, ac, static_cast<size_t>(n), step, now, half_life,
+                              a);
+        }
+        return applied;
+      },
+      "optimizer"_a, "weights"_a, "state"_a, "counts"_a, "steps"_a, "times"_a, "shows"_a,
+      "clicks"_a, "slots"_a, "grads"_a, "add_shows"_a, "add_clicks"_a, "step"_a, "now"_a,
+      "half_life"_a,
+      "The engine's push arithmetic on a cache's rows at distinct slots (details/cache_twin.h); "
+      "per row 1 applied, 0 dropped (non-finite).");
   m.def(
       "shard_of",
       [](const py::array& keys, uint32_t num_shards) {

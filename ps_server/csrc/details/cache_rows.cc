@@ -1,0 +1,46 @@
+// The CPU twin of a push to cached rows: the engine's own row arithmetic,
+// compiled as the engine is (its floating-point contraction included).
+#include "details/cache_twin.h"
+#include "details/optimizers.h"
+#include "details/row_layout.h"
+
+namespace wuliang::ps::details {
+
+size_t CacheApply(const OptimizerSpec& spec, const CacheRows& rows, const int64_t* slots,
+                  const float* grads, const float* add_shows, const float* add_clicks, size_t n,
+                  uint64_t step, uint32_t now, double half_life, uint8_t* applied) {
+  const RowOptimizer opt(spec);
+  const int dim = rows.dim;
+  size_t done = 0;
+  WithOptimizer(spec.kind, [&](auto kind) {
+    for (size_t i = 0; i < n; ++i) {
+      const float* g = grads + i * dim;
+      if (!AllFinite(g, dim)) {
+        applied[i] = 0;
+        continue;
+      }
+      const int64_t s = slots[i];
+      UpdateRow<decltype(kind)::value>(opt, dim, rows.weights + s * dim,
+                                       rows.state + s * rows.state_dim, g, ClipScale(opt, g, dim));
+      float& shows = rows.shows[s];
+      float& clicks = rows.clicks[s];
+      if (shows != 0 || clicks != 0) {
+        const double f = StatsDecay(rows.steps[s], step, half_life);
+        if (f != 1.0) {
+          shows = static_cast<float>(shows * f);
+          clicks = static_cast<float>(clicks * f);
+        }
+      }
+      shows += add_shows != nullptr ? add_shows[i] : 0.0f;
+      clicks += add_clicks != nullptr ? add_clicks[i] : 0.0f;
+      rows.steps[s] = step;
+      rows.times[s] = now;
+      if (rows.counts[s] != UINT32_MAX) ++rows.counts[s];
+      applied[i] = 1;
+      ++done;
+    }
+  });
+  return done;
+}
+
+}  // namespace wuliang::ps::details
