@@ -19,6 +19,9 @@ Data half (any number of threads at once):
 * ``pull_many_async`` / ``push_many_async``: the same, started now; the
   returned ``Handle`` 's ``wait()`` returns the result or raises the error.
   The arrays passed in must not change (nor ``out`` be read) until then.
+  A caller's asynchronous pulls run one after the other in the order they
+  were started, and so do its pushes (a pull may overlap a push): the pulls
+  of consecutive steps count sightings and admit rows in step order.
 
 Admin half: tables (``create_table``, ``drop_table``, ``tables``, ``spec``),
 ``stats``, chunked ``export`` (rows modified after a version) and ``load``,
@@ -191,7 +194,7 @@ class ParameterServer(abc.ABC):
     """Embedding tables of a parameter server. See the module docstring."""
 
     def __init__(self) -> None:
-        self._executor: ThreadPoolExecutor | None = None
+        self._executors: dict[str, ThreadPoolExecutor] = {}  # "pull", "push": in order
         self._executor_lock = threading.Lock()
         self._background = "normal"
         self._job_board = JobBoard()
@@ -213,8 +216,8 @@ class ParameterServer(abc.ABC):
     def close(self) -> None:
         """Releases the server (its tables, for an embedded one)."""
         with self._executor_lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
+            executors, self._executors = self._executors, {}
+        for executor in executors.values():
             executor.shutdown(wait=True)
 
     def __enter__(self) -> ParameterServer:
@@ -268,8 +271,9 @@ class ParameterServer(abc.ABC):
     def pull_many_async(
         self, parts: Sequence[PullPart], *, train: bool = True, step: int | None = None
     ) -> Handle[None]:
-        """``pull_many`` started now; ``wait()`` on the handle for the rows."""
-        return self._start(lambda: self.pull_many(parts, train=train, step=step))
+        """``pull_many`` started now, after the pulls started before it;
+        ``wait()`` on the handle for the rows."""
+        return self._start("pull", lambda: self.pull_many(parts, train=train, step=step))
 
     def push_many_async(
         self,
@@ -279,8 +283,11 @@ class ParameterServer(abc.ABC):
         only: str = "all",
         step: int | None = None,
     ) -> Handle[PushResult]:
-        """``push_many`` started now; ``wait()`` returns its ``PushResult``."""
-        return self._start(lambda: self.push_many(parts, unique=unique, only=only, step=step))
+        """``push_many`` started now, after the pushes started before it;
+        ``wait()`` returns its ``PushResult``."""
+        return self._start(
+            "push", lambda: self.push_many(parts, unique=unique, only=only, step=step)
+        )
 
     def lookup(self, table: str, keys: KeyArray, *, missing: str = "zeros") -> LookupResult:
         """A pure lookup for serving: ``LookupResult(rows float32 [n, dim],
@@ -334,16 +341,19 @@ class ParameterServer(abc.ABC):
         part = PushPart(table, keys, grads, shard_offsets, updated, updated_rows, shows, clicks)
         return self.push_many([part], unique=unique, step=step)
 
-    def _start(self, call: Callable[[], T]) -> Handle[T]:
+    def _start(self, kind: str, call: Callable[[], T]) -> Handle[T]:
+        """Runs ``call`` on the thread of its kind (``"pull"`` or
+        ``"push"``), after the calls of that kind started before it."""
         with self._executor_lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    2,
-                    thread_name_prefix="wuliang-ps-call",
+            executor = self._executors.get(kind)
+            if executor is None:
+                executor = self._executors[kind] = ThreadPoolExecutor(
+                    1,
+                    thread_name_prefix=f"wuliang-ps-call-{kind}",
                     initializer=set_background,
                     initargs=(self._background,),
                 )
-            return Handle(self._executor.submit(call))
+            return Handle(executor.submit(call))
 
     # -- admin half: tables --------------------------------------------------
 
