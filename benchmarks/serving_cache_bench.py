@@ -1,5 +1,6 @@
 """Serving lookups in process, with and without the device cache
-(``ModelStore(gpu_cache_rows=N)``, ``serving/device_cache.py``).
+(``ModelStore(gpu_cache_rows=N)``, ``serving/device_cache.py``), and the
+rows predictions read.
 
 Setup (not timed): one full version of a table ``item`` of ``--rows`` rows
 (default 2M) of dim 16, each row's shows drawn so that the key's rank by
@@ -12,8 +13,12 @@ Zipf(1.1) over the table, one at a time on this thread, ``--lookups`` per
 round, the two stores alternating for ``--rounds`` rounds (AB, BA, ...) so
 that the machine's drift weighs on both alike. Reported: microseconds per
 lookup (median of the rounds' means, and p50/p99 over all lookups) for
-each, their ratio, and the cache's hit rate. With cupy (a GPU) the cached
-store's rows come from the device; without, from numpy arrays in host
+each and their ratio (``on_vs_off``: a lookup's answer leaves over the
+network, so lookups read the engine whether the cache is on or not). Then
+the same for the rows a prediction reads (``ModelStore.predict_rows``: with
+the cache, hits from its snapshot, the rows left in its memory for a tower
+there; ``predict_rows_on_vs_off``) and the cache's hit rate. With cupy (a
+GPU) the cached rows are on the device; without, numpy arrays in host
 memory (what ``--gpu-cache-rows`` costs on a machine without a GPU). The
 last line is one JSON object.
 """
@@ -57,14 +62,39 @@ def write_export(root: Path, rows: int) -> None:
     (root / "LATEST").write_text("1\n")
 
 
-def timed(store: ModelStore, batches: list[np.ndarray], lookups: int) -> np.ndarray:
+def timed(read: Any, batches: list[np.ndarray], lookups: int, sync: Any) -> np.ndarray:
     out = np.empty(lookups)
     for i in range(lookups):
         keys = batches[i % len(batches)]
         t0 = time.perf_counter()
-        store.lookup("item", keys)
+        read("item", keys)
+        sync()
         out[i] = time.perf_counter() - t0
     return out
+
+
+def compare(
+    stores: dict[str, ModelStore], method: str, batches: list[np.ndarray], args: Any, sync: Any
+) -> dict[str, Any]:
+    """Microseconds per call of ``method`` of each store, alternating."""
+    reads = {name: getattr(store, method) for name, store in stores.items()}
+    for read in reads.values():  # warm up
+        timed(read, batches, 200, sync)
+    times: dict[str, list[np.ndarray]] = {"off": [], "on": []}
+    for r in range(args.rounds):
+        for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            times[name].append(timed(reads[name], batches, args.lookups, sync))
+    result: dict[str, Any] = {}
+    for name, parts in times.items():
+        every = np.concatenate(parts)
+        result[f"{name}_us_per_lookup"] = round(
+            float(np.median([p.mean() for p in parts])) * 1e6, 1
+        )
+        result[f"{name}_p50_us"] = round(float(np.percentile(every, 50)) * 1e6, 1)
+        result[f"{name}_p99_us"] = round(float(np.percentile(every, 99)) * 1e6, 1)
+        result[f"{name}_round_us"] = [round(float(p.mean()) * 1e6, 1) for p in parts]
+    result["on_vs_off"] = round(result["on_us_per_lookup"] / result["off_us_per_lookup"], 3)
+    return result
 
 
 def main() -> None:
@@ -100,14 +130,14 @@ def main() -> None:
             off, on = stores["off"].lookup("item", b), stores["on"].lookup("item", b)
             if not (np.array_equal(off.rows, on.rows) and np.array_equal(off.found, on.found)):
                 raise RuntimeError("the cached store answers other rows")
-        for store in stores.values():  # warm up
-            timed(store, batches, 200)
-        times: dict[str, list[np.ndarray]] = {"off": [], "on": []}
-        for r in range(args.rounds):
-            for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
-                times[name].append(timed(stores[name], batches, args.lookups))
         cache = stores["on"].device_cache
         assert cache is not None
+        for b in batches[:4]:  # a prediction's rows through the cache: the same rows
+            off, on = stores["off"].lookup("item", b), stores["on"].predict_rows("item", b)
+            if not np.array_equal(off.rows, cache.kernels.to_host(on.rows)):
+                raise RuntimeError("the cached store reads other rows for predictions")
+        lookups = compare(stores, "lookup", batches, args, lambda: None)
+        predict = compare(stores, "predict_rows", batches, args, cache.kernels.synchronize)
         stats = cache.stats()["item"]
         result: dict[str, Any] = {
             "rows": args.rows,
@@ -116,16 +146,10 @@ def main() -> None:
             "cache_rows": cache_rows,
             "cache_device": cache.device,
             "hit_rate": round(stats["hits"] / max(1, stats["hits"] + stats["misses"]), 3),
+            **lookups,
+            "predict_rows": predict,
+            "predict_rows_on_vs_off": predict["on_vs_off"],
         }
-        for name, parts in times.items():
-            every = np.concatenate(parts)
-            result[f"{name}_us_per_lookup"] = round(
-                float(np.median([p.mean() for p in parts])) * 1e6, 1
-            )
-            result[f"{name}_p50_us"] = round(float(np.percentile(every, 50)) * 1e6, 1)
-            result[f"{name}_p99_us"] = round(float(np.percentile(every, 99)) * 1e6, 1)
-            result[f"{name}_round_us"] = [round(float(p.mean()) * 1e6, 1) for p in parts]
-        result["on_vs_off"] = round(result["on_us_per_lookup"] / result["off_us_per_lookup"], 3)
         for store in stores.values():
             store.close()
     finally:

@@ -85,8 +85,16 @@ turn with the others. The servers share this machine's cores with the
 trainer, so the figure is a floor for servers on their own machines. Its
 result adds ``wuliang_remote_samples_per_s``, ``remote_to_embedded`` (its
 samples/s over the embedded wuliang's), its stage timings and the servers'
-CPU time per step (of its rounds, their untimed step included). The last line
-printed is one JSON object: ``{"adagrad": {...}, "adam": {...}}``.
+CPU time per step (of its rounds, their untimed step included).
+
+``--gpu-cache-rows N`` adds ``wuliang_cached``: the same ``Session.train``
+with ``Context(gpu_cache_rows=N)`` (a GPU hot cache of N rows per table in
+front of the embedded engine: cupy where a GPU is present, numpy in host
+memory otherwise), taking its turn with the others. Its result adds
+``wuliang_cached_samples_per_s``, ``cache_on_vs_off`` (its samples/s over
+wuliang's without the cache), the cache's hit rate per key occurrence and
+its stage timings. The last line printed is one JSON object:
+``{"adagrad": {...}, "adam": {...}}``.
 
     python benchmarks/train_bench.py          # 200 timed steps, 4 rounds (TF-native Adam: 50)
     python benchmarks/train_bench.py --quick  # 30 timed steps, 3 rounds (TF-native Adam: 10)
@@ -397,6 +405,7 @@ class WuliangLoop:
         reserve: dict[str, int],
         plan: list[tuple[int, int]],
         ps: list[Any] | None = None,
+        gpu_cache_rows: int | None = None,
     ) -> None:
         from wuliang import Context, DenseFeature, EmbeddingTable, Session, SparseFeature
         from wuliang.embedding import concat
@@ -411,6 +420,8 @@ class WuliangLoop:
         self.servers = ps or []  # wuliang ps processes: remote tables, their CPU time metered
         if ps:
             settings["ps"] = [server.address for server in ps]
+        if gpu_cache_rows:
+            settings["gpu_cache_rows"] = gpu_cache_rows
         self.context = Context(**settings)
         emb_opt = Adagrad(0.05) if kind == "adagrad" else Adam(1e-3)
         tables = {
@@ -425,7 +436,7 @@ class WuliangLoop:
             return model(concat(inputs))
 
         self.session = Session(tower, features, self.context, optimizer=tower_optimizer(kind))
-        self.name = "wuliang_remote" if ps else "wuliang"
+        self.name = "wuliang_remote" if ps else "wuliang_cached" if gpu_cache_rows else "wuliang"
         self.kind, self.data, self.args = kind, data, args
         self.server_cpu_s = 0.0  # of the rounds with timed steps, their untimed steps included
         self.server_steps = 0
@@ -514,6 +525,13 @@ class WuliangLoop:
         if self.servers:
             extra["servers"] = len(self.servers)
             extra["server_cpu_ms_per_step"] = round(1e3 * self.server_cpu_s / self.server_steps, 1)
+        cache_stats = getattr(self.context.ps, "cache_stats", None)
+        if cache_stats is not None:
+            counted = cache_stats().values()
+            hits = sum(c["hit_occurrences"] for c in counted)
+            occurrences = max(1, sum(c["occurrences"] for c in counted))
+            extra["cache_hit_rate"] = round(hits / occurrences, 4)
+            extra["cache_device"] = self.context.ps.kernels.device
         return self.timed.run(self.name, batch, self.losses, extra)
 
     def close(self) -> None:
@@ -608,6 +626,7 @@ def bench_optimizer(
         "tf_native": split(native_steps, args.rounds),
         "wuliang": split(args.steps, args.rounds),
         "wuliang_remote": split(args.steps, args.rounds),
+        "wuliang_cached": split(args.steps, args.rounds),
     }
     plan = [(args.warmup, 0), *((1, n) for n in timed["wuliang"])]  # as played below
     start = time.perf_counter()
@@ -621,6 +640,11 @@ def bench_optimizer(
             servers = [PsProcess.start() for _ in range(args.remote)]
             remote = WuliangLoop(tf, kind, files, data, args, reserve, plan, ps=servers)
             contenders.append(remote)
+        if args.gpu_cache_rows:
+            cached = WuliangLoop(
+                tf, kind, files, data, args, reserve, plan, gpu_cache_rows=args.gpu_cache_rows
+            )
+            contenders.append(cached)
         for c in contenders:
             c.play(args.warmup, 0)
             gc.collect()
@@ -647,13 +671,19 @@ def bench_optimizer(
         f"pull {stages['pull_ms']:.0f}, prepare {stages['prepare_ms']:.0f} (ahead)",
     )
     for other in others:
-        progress(
-            other,
-            args.steps,
-            ceiling,
-            f"; {other.extra['servers']} servers' CPU {other.extra['server_cpu_ms_per_step']:.0f}"
-            f" ms/step; = {other.samples_per_s / ours.samples_per_s:.2f} of embedded",
-        )
+        if other.name == "wuliang_cached":
+            note = (
+                f"; cache hit rate {other.extra['cache_hit_rate']} on "
+                f"{other.extra['cache_device']}; = {other.samples_per_s / ours.samples_per_s:.2f}"
+                " of no cache"
+            )
+        else:
+            note = (
+                f"; {other.extra['servers']} servers' CPU "
+                f"{other.extra['server_cpu_ms_per_step']:.0f} ms/step; = "
+                f"{other.samples_per_s / ours.samples_per_s:.2f} of embedded"
+            )
+        progress(other, args.steps, ceiling, note)
     common = min(len(c.losses) for c in contenders)  # every contender ran these batches
     stages["ceiling_step_ms"] = round(1e3 * args.batch / ceiling.samples_per_s, 2)
     result: dict[str, Any] = {
@@ -697,13 +727,23 @@ def bench_optimizer(
         "tf_version": tf.__version__,
     }
     for other in others:
-        result.update(
-            wuliang_remote_samples_per_s=round(other.samples_per_s),
-            remote_to_embedded=ratio(other.samples_per_s, ours.samples_per_s),
-            remote_servers=other.extra["servers"],
-            remote_server_cpu_ms_per_step=other.extra["server_cpu_ms_per_step"],
-            remote_stages_ms=other.extra["stages"],
-        )
+        if other.name == "wuliang_cached":
+            result.update(
+                wuliang_cached_samples_per_s=round(other.samples_per_s),
+                cache_on_vs_off=ratio(other.samples_per_s, ours.samples_per_s),
+                gpu_cache_rows=args.gpu_cache_rows,
+                cache_hit_rate=other.extra["cache_hit_rate"],
+                cache_device=other.extra["cache_device"],
+                cached_stages_ms=other.extra["stages"],
+            )
+        else:
+            result.update(
+                wuliang_remote_samples_per_s=round(other.samples_per_s),
+                remote_to_embedded=ratio(other.samples_per_s, ours.samples_per_s),
+                remote_servers=other.extra["servers"],
+                remote_server_cpu_ms_per_step=other.extra["server_cpu_ms_per_step"],
+                remote_stages_ms=other.extra["stages"],
+            )
         result["cpu_ms_per_step"][other.name] = round(other.cpu_ms_per_step, 1)
         result["steal_ms_per_step"][other.name] = round(other.steal_ms_per_step or 0.0, 1)
         result["losses"][other.name] = other.loss_summary(common)
@@ -752,6 +792,15 @@ def main() -> None:
         metavar="N",
         help="also train wuliang against N local wuliang ps processes (2 shard threads each), "
         "alternated with the others",
+    )
+    parser.add_argument(
+        "--gpu-cache-rows",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also train wuliang with a GPU hot cache of N rows per table (Context("
+        "gpu_cache_rows=N): cupy where a GPU is present, numpy otherwise), alternated with the "
+        "others; the result's cache_on_vs_off is its samples/s over wuliang's without",
     )
     parser.add_argument(
         "--reserve",

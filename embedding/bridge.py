@@ -21,11 +21,13 @@ row kept after each group's pulled rows.
 
 ``U`` is an input of the function, not a variable, and like the index
 matrices it is handed to TensorFlow without a copy (64-byte aligned numpy
-buffers shared through DLPack, ``as_tensor``). The tape watches each
+buffers shared through DLPack, ``as_tensor``; with the GPU hot cache, device
+arrays: ``embedding/rows.py``). The tape watches each
 lookup's output (``gather(U, index)``), so TensorFlow returns dL/d(values)
-per looked-up value, a dense tensor; the host sums them into the rows they
-were read from (``StepFunctions.row_gradients``, C++ ``scatter_add_rows``)
-off the step's critical path, ready to push for the same unique keys.
+per looked-up value, a dense tensor; they are summed into the rows they
+were read from (``StepFunctions.row_gradients``: C++ ``scatter_add_rows`` on
+the host, or on the device with the cache) off the step's critical path,
+ready to push for the same unique keys.
 Differentiating with respect to ``U`` itself would make TensorFlow densify
 an ``IndexedSlices`` by ``unsorted_segment_sum``, which costs more CPU than
 the rest of the embedding work together (figures in docs/performance.md).
@@ -47,41 +49,13 @@ import numpy as np
 import tensorflow as tf
 
 from wuliang.embedding.features import DenseFeature, SparseFeature
-from wuliang.embedding.kernels import scatter_add_rows
 from wuliang.embedding.ops import concat
+from wuliang.embedding.rows import RowMemory, aligned_empty, as_tensor
 from wuliang.reader.batch import CsrBatch
 from wuliang.reader.prepare import PreparedKeys
 
 LOSSES = ("binary_crossentropy", "mse", "softmax_crossentropy")
 _NO_POSITIONS = np.zeros(0, dtype=np.int32)  # pooled features need none
-_TF_ALIGN = 64  # bytes: TensorFlow's tensor alignment (EIGEN_MAX_ALIGN_BYTES)
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An uninitialised C-contiguous array that ``as_tensor`` shares with
-    TensorFlow instead of copying (its data 64-byte aligned)."""
-    dtype = np.dtype(dtype)
-    size = int(np.prod(shape)) * dtype.itemsize
-    buffer = np.empty(size + _TF_ALIGN, np.uint8)
-    start = -buffer.ctypes.data % _TF_ALIGN
-    return buffer[start : start + size].view(dtype).reshape(shape)
-
-
-def as_tensor(value: Any) -> Any:
-    """A step input as a tensor. A C-contiguous, 64-byte aligned, writeable
-    numpy array is shared through DLPack (public API; no copy, where a
-    conversion would copy every pulled row on the main thread); anything
-    else is left to TensorFlow, which copies it. The caller must not write
-    the array while the step runs."""
-    if (
-        isinstance(value, np.ndarray)
-        and value.size
-        and value.flags.c_contiguous
-        and value.flags.writeable
-        and value.ctypes.data % _TF_ALIGN == 0
-    ):
-        return tf.experimental.dlpack.from_dlpack(value.__dlpack__())
-    return value
 
 
 def _aligned_copy(values: np.ndarray, dtype: Any) -> np.ndarray:
@@ -566,6 +540,7 @@ class StepFunctions:
         # shared through the parameter servers, wuliang.dense); set before tracing
         self.apply_tower = True
         self.tower_variables: list[tf.Variable] = []  # the trainable ones the step reaches
+        self.memory = RowMemory()  # where the rows and row gradients live (embedding.rows)
 
     # -- tracing -----------------------------------------------------------
 
@@ -738,19 +713,21 @@ class StepFunctions:
                 found.append((self.layout.group_of(f.table.name), inputs.features[f.name].inverse))
         return found
 
-    def row_gradients(self, inputs: StepInputs, gather_grads: Sequence[Any]) -> list[np.ndarray]:
-        """dL/dU per group ([pulled rows + 1, dim], the last row the zero row's):
-        each lookup's gradients summed into the rows it read (C++, sequential)."""
+    def row_gradients(self, inputs: StepInputs, gather_grads: Sequence[Any]) -> list[Any]:
+        """dL/dU per group ([pulled rows + 1, dim], the last row the zero row's),
+        in the rows' memory: each lookup's gradients summed into the rows it
+        read, in order (``RowMemory.scatter_add_rows``)."""
+        memory = self.memory
         out = [
-            np.zeros((rows + 1, dim), np.float32)
+            memory.zeros((rows + 1, dim))
             for (dim, _), rows in zip(self.layout.groups, inputs.group_rows, strict=True)
         ]
         lookups = self.gather_indices(inputs)
         if len(lookups) != len(gather_grads):
             raise ValueError(f"{len(gather_grads)} lookup gradients for {len(lookups)} lookups")
         for (g, index), grad in zip(lookups, gather_grads, strict=True):
-            values = np.asarray(grad, dtype=np.float32).reshape(len(index), -1)
-            scatter_add_rows(out[g], index, values)
+            values = memory.from_tf(grad).reshape(len(index), -1)
+            memory.scatter_add_rows(out[g], index, values)
         return out
 
     def train(self, inputs: StepInputs, rows: Sequence[np.ndarray]) -> dict:
@@ -781,7 +758,7 @@ class StepFunctions:
         )
         dense = tuple(as_tensor(inputs.dense[f.name]) for f in self.dense)
         return (
-            tuple(as_tensor(r) for r in rows),
+            tuple(self.memory.to_tf(r) for r in rows),
             tuple(as_tensor(index) for index in inputs.row_index),
             features,
             dense,

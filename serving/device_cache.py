@@ -9,7 +9,7 @@ the training cache's kernels gather and scatter them); and the engine's
 version label the rows are of. A key's slot is its position among the
 sorted keys, found through a ``KeyIndex`` of their positions built with
 the snapshot (the engine's C++ hash map, the training cache's key index;
-one call per lookup: 8 us for 1000 keys among 200K, ``searchsorted`` over the
+one call per read: 8 us for 1000 keys among 200K, ``searchsorted`` over the
 sorted keys 34 us).
 
 Which rows: the table's top N keys by the shows the export carries (the
@@ -21,7 +21,7 @@ engine's row bit for bit, whatever the served precision.
 Switching with the version. ``ModelStore`` applies a version to the engine
 (``serving.versions.apply``, atomic per table), then, before the version is
 published to readers (``served()``), calls ``switch``: per table of the
-version, the old snapshot is taken away (lookups go to the engine alone
+version, the old snapshot is taken away (predictions read the engine alone
 meanwhile), the new one is built, and installed by one reference
 assignment. A full version, or every ``rerank_every``-th delta since the
 last ranking, ranks afresh (``top_keys`` scans the table). Other deltas are
@@ -31,31 +31,34 @@ from the engine and scattered into a device copy of the rows, and keys the
 engine no longer has leave (with their rows); keys new to the table come in
 at the next ranking. A table a full version drops loses its snapshot first.
 
-A lookup takes the table's snapshot once, splits the keys into hits (among
+Who reads it: predictions (``ModelStore.predict_rows``), whose rows go on
+to a tower; with cupy they stay on the device and reach the tower through
+DLPack (``serving/predict.py``). A lookup's answer leaves over the network,
+so lookups read the engine and never pay a round trip to the device (with
+the cache on they are as fast as with it off).
+
+A read takes the table's snapshot once, splits the keys into hits (among
 its keys) and misses, gathers the hits on the device and looks the misses up
 in the engine. The engine's answer names its version: if it is not the
 snapshot's (the table switched between the two reads), the hits are not
-mixed in; the whole lookup is read from the engine instead, wholly at one
-version. A lookup whose keys all hit reads the snapshot alone and names its
+mixed in; the whole read goes to the engine instead, wholly at one
+version. A read whose keys all hit reads the snapshot alone and names its
 version (the version the store still serves while a switch is under way).
 So every answer is one version's rows and names it, and ``ModelStore``'s
-``lookup(at=)`` / ``VersionMoved`` contract holds unchanged.
+``at=`` / ``VersionMoved`` contract holds unchanged.
 
-"Copied in": with cupy the misses' rows are copied to the device and the
-answer is assembled there, then copied to the host once; with numpy it is
-assembled on the host. Either way ``copied_bytes`` counts the miss rows
-brought in. Counters per table (``stats()``): ``hits`` and ``misses`` (keys
-looked up, a fallback lookup counting all its keys as misses),
-``copied_bytes``, and of the snapshot ``rows``, ``bytes`` (device memory of
-its rows) and ``version``; ``/metrics`` publishes them
+"Copied in": the misses' rows are copied into the answer (to the device
+with cupy). ``copied_bytes`` counts them. Counters per table (``stats()``):
+``hits`` and ``misses`` (keys of predictions, a fallback counting all its
+keys as misses), ``copied_bytes``, and of the snapshot ``rows``, ``bytes``
+(device memory of its rows) and ``version``; ``/metrics`` publishes them
 (``wuliang_device_cache_*``).
 
 Cost without a GPU: with numpy the "device" is host memory, as the
-engine's rows are, so the cache only adds work (finding the hits, a second
-engine call for the misses, assembling): in process 2-3 times the engine's
-lookup of 1000 keys, through gRPC 15% (20K cached rows) to 50% (200K) more
-server CPU per lookup (``docs/performance.md``). It is there so that the same code runs
-(and is tested) everywhere; on a machine without a GPU leave it off.
+engine's rows are, so the cache only adds work to predictions (finding the
+hits, a second engine call for the misses, assembling, pooling in
+TensorFlow). It is there so that the same code runs (and is tested)
+everywhere; on a machine without a GPU leave it off.
 
 Not served this way: the Redis-backed store (``--redis``) reads rows from
 Redis through its own host cache and has no engine or show statistics to
@@ -172,7 +175,7 @@ class DeviceCache:
         else:
             log.warning(
                 "device cache: the %d hottest rows of each table on host memory (numpy: no "
-                "GPU here); without a GPU it only adds work to each lookup",
+                "GPU here); without a GPU it only adds work to each prediction",
                 rows,
             )
 
@@ -181,8 +184,10 @@ class DeviceCache:
     def snapshot(self, table: str) -> TableSnapshot | None:
         return self._snapshots.get(table)
 
-    def lookup(self, table: str, keys: Any, missing: str = "zeros") -> LookupResult:
-        """``ps.lookup(table, keys, missing=missing)``, hits from the device."""
+    def read(self, table: str, keys: Any, missing: str = "zeros") -> LookupResult:
+        """``ps.lookup(table, keys, missing=missing)`` for a prediction: hits
+        from the snapshot, misses from the engine, the rows in the cache's
+        memory (a device array with cupy, for a tower on the device)."""
         snap = self._snapshots.get(table)
         if snap is None or not snap.size:  # not cached (yet): the engine alone
             return self.ps.lookup(table, keys, missing=missing)
@@ -197,9 +202,8 @@ class DeviceCache:
             return answer
         k = self.kernels
         if n_hit == n:  # the snapshot alone: one version
-            rows = k.to_host(k.gather(snap.rows, slots))
             counters.add(n, 0, 0)
-            return LookupResult(rows, np.ones(n, np.bool_), snap.version)
+            return LookupResult(k.gather(snap.rows, slots), np.ones(n, np.bool_), snap.version)
         miss = np.flatnonzero(~hit)
         answer = self.ps.lookup(table, keys[miss], missing=missing)
         if answer.version != snap.version:  # switched meanwhile: never mix versions
@@ -207,14 +211,9 @@ class DeviceCache:
             counters.add(0, n, 0)
             return whole
         # Every key's slot gathered (a miss's is some row), then the misses'
-        # rows copied in over theirs: on the device, copied back once.
-        if self.on_device:
-            out = k.gather(snap.rows, slots)
-            out[self.xp.asarray(miss)] = self.xp.asarray(answer.rows)
-            rows = k.to_host(out)
-        else:
-            rows = snap.rows.take(slots, axis=0)
-            rows[miss] = answer.rows
+        # rows copied in over theirs.
+        rows = k.gather(snap.rows, slots)
+        k.put_rows(rows, miss, answer.rows)
         found = np.ones(n, np.bool_)
         found[miss] = answer.found
         counters.add(n_hit, n - n_hit, int(answer.rows.nbytes))

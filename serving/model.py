@@ -130,11 +130,14 @@ class Tower:
         self.module = module  # kept: the function's variables belong to it
         self.serve = module.serve.get_concrete_function()
 
-    def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The outputs (float32 arrays by name) of one batch of inputs."""
+    def __call__(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """The outputs (float32 arrays by name) of one batch of inputs
+        (arrays, or tensors where they are)."""
         import tensorflow as tf
 
-        result = self.serve({name: tf.constant(value) for name, value in inputs.items()})
+        result = self.serve(
+            {name: v if tf.is_tensor(v) else tf.constant(v) for name, v in inputs.items()}
+        )
         return {name: np.asarray(value.numpy(), np.float32) for name, value in result.items()}
 
 

@@ -13,11 +13,16 @@ with ``served`` the snapshot of the version to answer from:
    feature and row);
 3. looks each table's keys up once (the unique keys of every feature that
    reads the table), every table at the snapshot's version
-   (``store.lookup(..., at=served)``: ``VersionMoved`` when the store has
-   moved on, and the caller starts again from a new snapshot);
+   (``store.predict_rows(..., at=served)``, or ``lookup`` for a store
+   without it: ``VersionMoved`` when the store has moved on, and the caller
+   starts again from a new snapshot);
 4. pools each feature's rows with the function training uses
    (``wuliang.embedding.pooling``: sum, mean, sqrtn, or a padded sequence
-   and its mask);
+   and its mask). Rows from a device cache are pooled where they are: handed
+   to TensorFlow through DLPack (no copy; a GPU's memory with cupy, host
+   memory with numpy) and pooled by the training step's own TensorFlow
+   functions (``embedding.bridge.pool`` / ``sequence``), the tower then
+   taking the tensors where they are;
 5. runs the snapshot's tower (its SavedModel's ``serve``) and returns its
    outputs (``predictions``, or ``predictions_<task>`` per task).
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -96,6 +102,10 @@ def predict(
     keys = {name: _sparse(name, features[name], rows) for name in sparse}
     dense_inputs = {name: _dense(name, features[name], rows, f.dim) for name, f in dense.items()}
     rows_by_table = _lookup(store, served, sparse, keys)
+    assert served.tower is not None  # check_model
+    if getattr(store, "device_cache", None) is not None:
+        pooled = _pool_in_tensorflow(sparse, keys, rows_by_table, rows)
+        return PredictAnswer(served.tower({**dense_inputs, **pooled}), served.number)
     inputs: dict[str, np.ndarray] = dict(dense_inputs)
     for name, f in sparse.items():
         table_rows, inverse = rows_by_table[name]
@@ -105,8 +115,56 @@ def predict(
             inputs[name], inputs[f"{name}_mask"] = pooled
         else:
             inputs[name] = pooled
-    assert served.tower is not None  # check_model
     return PredictAnswer(served.tower(inputs), served.number)
+
+
+def _pool_in_tensorflow(
+    sparse: Mapping[str, SparseInput],
+    keys: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]],
+    rows_by_table: Mapping[str, tuple[Any, np.ndarray]],
+    batch: int,
+) -> dict[str, Any]:
+    """Each feature pooled by TensorFlow from rows where they are (DLPack):
+    the training step's ``pool`` and ``sequence``, per value in CSR order."""
+    import tensorflow as tf
+
+    from wuliang.embedding.bridge import pool, sequence
+    from wuliang.embedding.rows import as_tensor
+
+    tensors: dict[int, Any] = {}
+    out: dict[str, Any] = {}
+    for name, f in sparse.items():
+        table_rows, inverse = rows_by_table[name]
+        rows = tensors.get(id(table_rows))
+        if rows is None:
+            rows = tensors[id(table_rows)] = _to_tensorflow(table_rows, as_tensor, tf)
+        _, offsets, weights = keys[name]
+        lengths = np.diff(offsets)
+        segments = np.repeat(np.arange(batch, dtype=np.int32), lengths)
+        w = np.ones(len(inverse), np.float32) if weights is None else weights
+        if f.combiner is None:  # a sequence: its first max_len values
+            positions = (np.arange(len(inverse)) - np.repeat(offsets[:-1], lengths)).astype(
+                np.int32
+            )
+            keep = positions < f.max_len
+            values = tf.gather(rows, inverse[keep])
+            out[name], out[f"{name}_mask"] = sequence(
+                values, segments[keep], positions[keep], w[keep], f.max_len, batch
+            )
+        else:
+            out[name] = pool(tf.gather(rows, inverse), segments, w, f.combiner, batch)
+    return out
+
+
+def _to_tensorflow(rows: Any, as_tensor: Callable[[Any], Any], tf: Any) -> Any:
+    """Rows as a tensor without a copy: a device array through DLPack (its
+    stream synchronized first), a host array through ``as_tensor``."""
+    if isinstance(rows, np.ndarray):
+        return tf.convert_to_tensor(as_tensor(np.ascontiguousarray(rows)))
+    import cupy  # type: ignore[import-not-found]
+
+    cupy.cuda.get_current_stream().synchronize()
+    return tf.experimental.dlpack.from_dlpack(rows.__dlpack__())
 
 
 def _sparse(
@@ -174,7 +232,7 @@ def _lookup(
     served: ServedVersion,
     sparse: Mapping[str, SparseInput],
     keys: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]],
-) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+) -> dict[str, tuple[Any, np.ndarray]]:
     """Per feature (its table's unique rows, inverse index), every table read
     at the snapshot's version."""
     by_table: dict[str, list[str]] = {}
@@ -184,7 +242,8 @@ def _lookup(
     for table, names in by_table.items():
         joined = np.concatenate([keys[n][0] for n in names])
         unique, inverse = np.unique(joined, return_inverse=True)
-        result = store.lookup(table, unique, at=served)  # VersionMoved: the caller retries
+        read = getattr(store, "predict_rows", store.lookup)
+        result = read(table, unique, at=served)  # VersionMoved: the caller retries
         start = 0
         for name in names:
             size = len(keys[name][0])

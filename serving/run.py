@@ -9,7 +9,7 @@ a busy port or a bad certificate fails at once, before a long load. Until
 the first version is served (an empty export directory, a model not yet
 published) both servers answer UNAVAILABLE and the health checks
 NOT_SERVING, and the store keeps looking for one. ``--gpu-cache-rows N``
-keeps the N hottest rows of each table on the device
+keeps the N hottest rows of each table on the device for predictions
 (``wuliang.serving.device_cache``; export directories only). ``serve(options)`` also
 logs (INFO, to stderr) each version applied and each refusal, prints one
 line naming the model, its version (or that it waits for the first) and

@@ -25,7 +25,10 @@ missing directory is served as soon as its first version appears.
 * Device cache (``gpu_cache_rows=N``): the N hottest rows of each table
   by the exported shows live on the device (cupy where a GPU is present,
   numpy otherwise), switched with each version before it is served
-  (``wuliang.serving.device_cache``); lookups answer the same rows.
+  (``wuliang.serving.device_cache``). Predictions read their rows there
+  (``predict_rows``) and hand them to the tower on the device; a lookup,
+  whose answer leaves over the network, reads the engine and never takes
+  a round trip through the device.
 * Object storage: ``export_dir`` may be a URI (``s3://bucket/prefix``); a
   version there exists once its manifest does (uploaded last), its files
   are checked as they are read and its SavedModel is downloaded to a
@@ -188,15 +191,26 @@ class ModelStore:
 
     def lookup(self, table: str, keys: Any, at: ServedVersion | None = None) -> LookupResult:
         """The rows of keys, which were found, and the version they were read
-        at; with ``at``, that version's rows or ``VersionMoved``."""
+        at; with ``at``, that version's rows or ``VersionMoved``. Read from
+        the engine (host memory: the answer leaves over the network)."""
+        return self._read(table, at, lambda: self.ps.lookup(table, keys, missing=self.missing))
+
+    def predict_rows(self, table: str, keys: Any, at: ServedVersion | None = None) -> LookupResult:
+        """A prediction's rows: as ``lookup``, but with a device cache its
+        hits come from the device snapshot and the rows stay in the
+        cache's memory (a cupy array on a GPU), for a tower there."""
+        cache = self.device_cache
+        if cache is None:
+            return self.lookup(table, keys, at)
+        return self._read(table, at, lambda: cache.read(table, keys, self.missing))
+
+    def _read(
+        self, table: str, at: ServedVersion | None, read: Callable[[], LookupResult]
+    ) -> LookupResult:
         if self._current is None:
             raise Unavailable(f"model {self.name!r} has no version loaded yet")
-        cache = self.device_cache
         try:
-            if cache is None:
-                result = self.ps.lookup(table, keys, missing=self.missing)  # it checks the keys
-            else:
-                result = cache.lookup(table, keys, self.missing)
+            result = read()  # it checks the keys
         except UnknownTableError:
             if at is not None and at is not self._current:  # a new base dropped it
                 raise VersionMoved(

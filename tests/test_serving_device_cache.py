@@ -5,11 +5,12 @@ Versions are written directly (``VersionWriter``) with known rows and shows.
 Table ``t`` (dim 4): key k at version v reads ``[v, k, w, 0]`` (w random,
 kept from the last version that wrote it); table ``u`` (dim 3) is smaller
 than the cache. Every test compares a cached store with a store without the
-cache (or with the engine it serves from), exactly: after a full version,
-deltas that change, add and remove rows (cached and not), and a new full
-version; in fp32, fp16 and int8. Also: the cache holds the top N keys by
-shows, its counters for a known key set, ``/metrics``, lookups while
-versions switch (never a mix), the CLI flag end to end, and its checks.
+cache (or with the engine it serves from), exactly: the rows predictions
+read (``predict_rows``) after a full version, deltas that change, add and
+remove rows (cached and not), and a new full version; in fp32, fp16 and
+int8. Also: lookups never read the cache, the cache holds the top N keys by
+shows, its counters for a known key set, ``/metrics``, reads while versions
+switch (never a mix), the CLI flag end to end, and its checks.
 The cupy variants run where there is a GPU (``needs_gpu``)."""
 
 from __future__ import annotations
@@ -140,13 +141,24 @@ def assert_cache_is_the_engines(cached: ModelStore) -> None:
 
 
 def assert_same_lookups(cached: ModelStore, plain: ModelStore, version: int) -> None:
+    """The rows a prediction reads through the cache, and lookups, are the
+    store's without it; lookups leave the cache's counters alone."""
+    cache = cached.device_cache
+    assert cache is not None
     for table in ("t", "u"):
         for keys in (PROBE, PROBE[::-1].astype(np.int64), PROBE[:7], np.zeros(0, np.uint64)):
-            got, want = cached.lookup(table, keys), plain.lookup(table, keys)
+            want = plain.lookup(table, keys)
+            before = cache.stats().get(table)
+            got = cached.lookup(table, keys)
+            assert cache.stats().get(table) == before  # the engine alone
+            assert got.version == want.version == version
+            np.testing.assert_array_equal(got.rows, want.rows)
+            got = cached.predict_rows(table, keys)
             assert got.version == want.version == version
             np.testing.assert_array_equal(got.found, want.found)
-            np.testing.assert_array_equal(got.rows, want.rows)
-            assert got.rows.dtype == np.float32 and got.rows.flags.c_contiguous
+            rows = cache.kernels.to_host(got.rows)
+            np.testing.assert_array_equal(rows, want.rows)
+            assert rows.dtype == np.float32 and rows.flags.c_contiguous
 
 
 @pytest.mark.parametrize("xp", XPS)
@@ -230,10 +242,11 @@ def test_hits_misses_and_bytes_are_counted_exactly(tmp_path: Path) -> None:
         hot = np.array(sorted(versions.top("t", N)), np.uint64)
         cold = np.setdiff1d(keys_of((1, 201)), hot)[:25]
         unknown = keys_of((1000, 1005))
-        cached.lookup("t", hot[:10])  # all hits
-        cached.lookup("t", cold)  # all misses
+        cached.predict_rows("t", hot[:10])  # all hits
+        cached.predict_rows("t", cold)  # all misses
+        cached.lookup("t", hot)  # lookups read the engine alone
         mixed = np.concatenate([hot[10:30], cold[:7], unknown, hot[10:13]])  # repeats count
-        got = cached.lookup("t", mixed)
+        got = cached.predict_rows("t", mixed)
         np.testing.assert_array_equal(got.found, ~np.isin(mixed, unknown))
         misses = 25 + 7 + 5
         stats = cache.stats()["t"]
@@ -295,23 +308,24 @@ def test_a_table_a_full_version_drops_leaves_the_cache(tmp_path: Path) -> None:
         assert cached.refresh() == [2]
         assert cached.device_cache.snapshot("u") is None
         assert set(cached.tables()) == {"t"}
-        got = cached.lookup("t", keys_of((0, 12)))
+        got = cached.predict_rows("t", keys_of((0, 12)))
         assert got.version == 2 and got.found.sum() == 9
-        np.testing.assert_array_equal(got.rows[got.found], 1.0)
+        np.testing.assert_array_equal(cached.device_cache.kernels.to_host(got.rows)[got.found], 1)
 
 
 @pytest.mark.parametrize("xp", XPS)
-def test_lookups_while_versions_switch_never_mix_versions(tmp_path: Path, xp: str) -> None:
-    """Readers look up hot and cold keys while deltas and full versions
-    land; every row found carries the version its answer names (every
-    version rewrites every row), and a lookup at a snapshot reads that
+def test_reads_while_versions_switch_never_mix_versions(tmp_path: Path, xp: str) -> None:
+    """Readers read hot and cold keys for predictions while deltas and full
+    versions land; every row found carries the version its answer names
+    (every version rewrites every row), and a read at a snapshot reads that
     version or raises VersionMoved."""
     versions = Versions(tmp_path / "m", seed=3)
     every = keys_of((1, 301))
     versions.write(True, every, u_keys=keys_of((1, 21)))
     with store(versions.root, N, xp) as cached:
-        assert cached.device_cache is not None
-        cached.device_cache.rerank_every = 4
+        cache = cached.device_cache
+        assert cache is not None
+        cache.rerank_every = 4
         stop = threading.Event()
         seen: list[set[int]] = []
         errors: list[str] = []
@@ -325,16 +339,17 @@ def test_lookups_while_versions_switch_never_mix_versions(tmp_path: Path, xp: st
                 keys = rng.choice(every, size=int(rng.integers(1, 80)))
                 at = cached.served() if rng.random() < 0.5 else None
                 try:
-                    got = cached.lookup("t", keys, at=at)
+                    got = cached.predict_rows("t", keys, at=at)
                 except VersionMoved:
                     moved[0] += 1
                     continue
+                rows = cache.kernels.to_host(got.rows)
                 versions_seen.add(got.version)
                 if at is not None and got.version != at.number:
                     errors.append(f"asked for {at.number}, got {got.version}")
-                if not got.found.all() or (got.rows[:, 0] != got.version).any():
-                    errors.append(f"a mix: version {got.version}, rows {set(got.rows[:, 0])}")
-                np.testing.assert_array_equal(got.rows[:, 1], keys.astype(np.float32))
+                if not got.found.all() or (rows[:, 0] != got.version).any():
+                    errors.append(f"a mix: version {got.version}, rows {set(rows[:, 0])}")
+                np.testing.assert_array_equal(rows[:, 1], keys.astype(np.float32))
 
         threads = [threading.Thread(target=reader, args=(s,)) for s in range(3)]
         for t in threads:
@@ -420,9 +435,8 @@ def test_wuliang_serve_with_a_device_cache(tmp_path: Path) -> None:
             np.testing.assert_array_equal(got.rows, want)
             text = metrics(http_port)
             labels = '{model="m",table="t"}'
-            assert f"wuliang_device_cache_hits_total{labels} 12.0" in text
-            assert f"wuliang_device_cache_misses_total{labels} 10.0" in text
-            assert f"wuliang_device_cache_copied_bytes_total{labels} 160.0" in text
+            assert f"wuliang_device_cache_hits_total{labels} 0.0" in text  # lookups: the engine
+            assert f"wuliang_device_cache_misses_total{labels} 0.0" in text
             assert f"wuliang_device_cache_rows{labels} 30.0" in text
             assert f"wuliang_device_cache_version{labels} 1.0" in text
             # a delta is served, cached rows switched with it

@@ -77,6 +77,38 @@ def test_lookup_and_predict_equal_the_trainer(trained: dict[str, Any]) -> None:
         service.close()
 
 
+def test_predictions_through_a_device_cache_equal_the_ones_without(
+    trained: dict[str, Any],
+) -> None:
+    """With a device cache (numpy here: the same path as a GPU's) a
+    prediction's rows come from the snapshot and are pooled by TensorFlow
+    from where they are (DLPack): the same predictions as without the
+    cache; lookups read the engine and never the cache."""
+    session, batch = trained["session"], trained["batch"]
+    services = [serve(trained["exports"], **cache) for cache in ({}, {"gpu_cache_rows": 16})]
+    try:
+        outputs = []
+        for _, server in services:
+            with Client(f"127.0.0.1:{server.port}") as client:
+                outputs.append(client.predict(batch_features(batch), rows=batch.size)[0])
+                keys = np.arange(0, 300, 7, dtype=np.uint64)
+                rows, _, _ = client.lookup("users", keys)
+                np.testing.assert_array_equal(rows, session.context.ps.lookup("users", keys).rows)
+        np.testing.assert_array_equal(outputs[1]["predictions"], outputs[0]["predictions"])
+        expected = session.run(batch, "predictions", train=False)
+        np.testing.assert_allclose(outputs[1]["predictions"], expected, rtol=1e-5, atol=1e-6)
+        cache = services[1][0].store("m").device_cache  # type: ignore[attr-defined]
+        assert cache is not None
+        counted = cache.stats()
+        assert sum(c["hits"] for c in counted.values()) > 0  # predictions read the cache
+        looked = counted["users"]["hits"] + counted["users"]["misses"]
+        assert looked == len(np.unique(batch.sparse["user"].values))  # not the lookup's keys
+    finally:
+        for service, server in services:
+            server.stop()
+            service.close()
+
+
 def test_missing_keys_can_read_as_their_initial_vectors(trained: dict[str, Any]) -> None:
     session = trained["session"]
     service, server = serve(trained["exports"], missing="initial")

@@ -469,9 +469,7 @@ class NumpyKernels:
     def scatter_add_rows(self, out: Any, index: Any, values: Any) -> None:
         """``out[index[i]] += values[i]`` for i in order (float32 rows), the
         sums rounded as a sequential loop rounds them."""
-        from wuliang.embedding.kernels import scatter_add_rows
-
-        scatter_add_rows(out, np.asarray(index), np.asarray(values))
+        np.add.at(out, np.asarray(index), np.asarray(values, F32))
 
     def finite_rows(self, grads: Any) -> np.ndarray:
         """bool ``[n]`` on the host: rows whose values are all finite."""

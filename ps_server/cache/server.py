@@ -229,7 +229,7 @@ class CachedServer(ParameterServer):
         """The cache of a table (made on first use), or None when the table
         is not cached; a table recreated with another spec starts afresh."""
         cache = self._tables.get(name, False)
-        if cache is not False and (cache is None or cache.spec == spec):
+        if cache is not False and (cache is None or cache.spec is spec or cache.spec == spec):
             return cache  # type: ignore[return-value]
         rows = self._rows_for(name)
         made: _Table | None = None

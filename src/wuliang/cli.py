@@ -470,8 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=bounded_int(0),
         default=0,
         metavar="N",
-        help="keep the N hottest rows of each table (by the exported shows) on the GPU, "
-        "or in host memory where there is none (0: off; not with --redis)",
+        help="keep the N hottest rows of each table (by the exported shows) on the GPU for "
+        "predictions (lookups read the engine), or in host memory where there is none (0: "
+        "off; not with --redis)",
     )
     srv.add_argument(
         "--redis",

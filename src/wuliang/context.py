@@ -161,6 +161,7 @@ class Context:
             from wuliang.ps_server.cache import CachedServer
 
             self.ps = CachedServer(self.ps, rows=gpu_cache_rows)
+            _warn_without_gpus(self.ps.array_module_name)
         self.ps.set_background(self.background)
         listen = getattr(self.ps, "add_restart_listener", None)
         if listen is not None:
@@ -289,3 +290,27 @@ class Context:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _warn_without_gpus(array_module: str) -> None:
+    """Says, where TensorFlow sees no GPU, what the GPU cache does instead."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorflow") is None:
+        return  # no towers in this process
+    import tensorflow as tf
+
+    if tf.config.list_physical_devices("GPU"):
+        return
+    where = (
+        "the cache's rows are on the GPU (cupy) and are copied to the host for each step"
+        if array_module == "cupy"
+        else "no GPU for the cache either: its rows are numpy arrays in host memory, which "
+        "only adds work to each step"
+    )
+    log.warning(
+        "Context(gpu_cache_rows=...): TensorFlow sees no GPU, so the towers run on the CPU; "
+        "%s. For a GPU: pip install 'wuliang[gpu]' (TensorFlow with CUDA and cupy for the "
+        "same CUDA; docs/gpu_cache.md)",
+        where,
+    )

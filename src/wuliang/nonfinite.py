@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -84,12 +84,21 @@ class NonFiniteGuard:
             )
         return False
 
-    def check_rows(self, table: str, keys: np.ndarray, grads: np.ndarray, step: int) -> None:
+    def check_rows(
+        self,
+        table: str,
+        keys: np.ndarray,
+        grads: Any,
+        step: int,
+        finite_rows: Callable[[Any], np.ndarray] | None = None,
+    ) -> None:
         """A table's row gradients of ``step``, before they are pushed (in
-        "drop" mode the engine then drops the bad rows)."""
-        if np.isfinite(grads).all():
+        "drop" mode the engine then drops the bad rows). ``finite_rows``:
+        which rows are finite (host bool), for gradients on a device."""
+        finite = (finite_rows or _finite_rows)(grads)
+        if finite.all():
             return
-        bad = np.flatnonzero(~np.isfinite(grads).all(axis=1))
+        bad = np.flatnonzero(~finite)
         self._found(
             table,
             len(bad),
@@ -108,3 +117,7 @@ class NonFiniteGuard:
             self._logged = now
             totals = ", ".join(f"{k} {v}" for k, v in sorted(self.counts.items()))
             log.warning("%s; skipped so far: %s", message, totals)
+
+
+def _finite_rows(grads: np.ndarray) -> np.ndarray:
+    return np.isfinite(grads).all(axis=1)

@@ -35,13 +35,13 @@ from wuliang.embedding.bridge import (
     LossFn,
     StepFunctions,
     StepInputs,
-    aligned_empty,
     batch_inputs,
     embedding_of,
     ends_in_probabilities,
 )
 from wuliang.embedding.features import Feature, split_features
 from wuliang.embedding.kernels import index_in
+from wuliang.embedding.rows import RowMemory
 from wuliang.hooks.base import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
 from wuliang.hooks.evict import Evict
 from wuliang.hooks.metrics import Metrics
@@ -132,6 +132,9 @@ class Session:
             self.optimizer,
             order=[f.name for f in features],
         )
+        # the rows' memory: the GPU cache's device arrays where TensorFlow has a GPU too
+        self.memory = self.functions.memory = RowMemory.for_server(self.context.ps)
+        self._cached = getattr(self.context.ps, "kernels", None) is not None  # a GPU cache
         self.tower = TowerState(self.functions, self.sparse, self.dense, self.optimizer)
         self._shared: SharedTower | None = None  # the tower on the servers, from the first step
         if self.context.shares_tower:  # several trainers: the tower lives on the servers
@@ -526,7 +529,7 @@ class Session:
         sizes, _ = self.layout.bases(prepared)
         rows = []
         for (dim, _), size in zip(self.layout.groups, sizes, strict=True):
-            packed = aligned_empty((size + 1, dim), np.float32)
+            packed = self.memory.empty((size + 1, dim))
             packed[size] = 0.0
             rows.append(packed)
         return rows
@@ -535,16 +538,29 @@ class Session:
         self, prepared: PreparedKeys, rows: list[np.ndarray], train: bool, step: int | None
     ) -> Handle[None]:
         """Starts pulling each table into its slice of the packed rows;
-        ``step``: the batch's global step (see ``ParameterServer.pull_many``)."""
+        ``step``: the batch's global step (see ``ParameterServer.pull_many``).
+        A GPU cache gets each key's occurrences in the batch for its policy."""
         _, bases = self.layout.bases(prepared)
+        counts = self._occurrences(prepared) if train and self._cached else {}
         parts = []
         for (_, tables), packed in zip(self.layout.groups, rows, strict=True):
             for table in tables:
                 keys = prepared.tables[table]
                 base = bases[table]
                 out = packed[base : base + len(keys.uniques)]
-                parts.append(PullPart(table, keys.uniques, out, keys.shard_offsets))
+                parts.append(
+                    PullPart(table, keys.uniques, out, keys.shard_offsets, counts.get(table))
+                )
         return self.context.ps.pull_many_async(parts, train=train, step=step)
+
+    def _occurrences(self, prepared: PreparedKeys) -> dict[str, np.ndarray]:
+        """Per table, each unique key's occurrences in the batch (float32)."""
+        counts: dict[str, np.ndarray] = {}
+        for index in prepared.features.values():
+            n = len(prepared.tables[index.table].uniques)
+            found = np.bincount(index.inverse, minlength=n).astype(np.float32)
+            counts[index.table] = counts[index.table] + found if index.table in counts else found
+        return counts
 
     def _link(
         self, previous: PreparedKeys, prepared: PreparedKeys, rows: list[np.ndarray]
@@ -583,7 +599,9 @@ class Session:
                 keys = prepared.tables[table]
                 base = inputs.table_base[table]
                 grads = packed[base : base + len(keys.uniques)]
-                self.guard.check_rows(table, keys.uniques, grads, step)  # before any push
+                self.guard.check_rows(  # before any push
+                    table, keys.uniques, grads, step, self.memory.finite_rows
+                )
                 updated = None if link is None else link[0][g]
                 rows = None if link is None else link[1][table]
                 shows, clicks = stats.get(table, (None, None))
@@ -614,7 +632,7 @@ class Session:
         and, for a table with a ``stats_label``, clicks (that label summed
         over the examples it occurs in; with one label, that label), for the
         rows' decayed statistics (``EmbeddingTable(stats_label=)``)."""
-        shows: dict[str, np.ndarray] = {}
+        shows = {t: c for t, c in self._occurrences(prepared).items() if t in self.context.tables}
         clicks: dict[str, np.ndarray] = {}
         labels = inputs.labels
         for index in prepared.features.values():
@@ -622,8 +640,6 @@ class Session:
             if table is None:
                 continue
             n = len(prepared.tables[index.table].uniques)
-            counts = np.bincount(index.inverse, minlength=n).astype(np.float32)
-            shows[index.table] = shows[index.table] + counts if index.table in shows else counts
             label = table.stats_label
             if label is None or labels is None:
                 continue
