@@ -199,6 +199,7 @@ def cache_populate(
     epoch: int,
     policy: int,
     clock: float,
+    weight: float,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
 def cache_apply(
     optimizer: OptimizerSpec,
@@ -209,6 +210,8 @@ def cache_apply(
     times: np.ndarray,
     shows: np.ndarray,
     clicks: np.ndarray,
+    dirty: np.ndarray,
+    admitted_at: np.ndarray,
     slots: np.ndarray,
     grads: np.ndarray,
     add_shows: np.ndarray | None,

@@ -194,7 +194,8 @@ def test_hit_miss_and_write_back_counters(policy: str) -> None:
         ps.pull_many([PullPart("t", [1], out[:1])], step=2)  # a hit
         ps.push("t", [2], np.ones((1, 2), F32), step=2)  # 2 updated in the cache
         assert ps.cache_stats("t")["dirty"] == 1
-        ps.pull_many([PullPart("t", [3], out[:1])], step=3)  # 2 (least seen) makes room
+        twice = np.array([2], F32)  # seen twice in the batch: it may displace a cached key
+        ps.pull_many([PullPart("t", [3], out[:1], counts=twice)], step=3)  # 2 (least seen) leaves
         c = ps.cache_stats("t")
         assert (c["hits"], c["misses"], c["swapped_in"], c["swapped_in_new"]) == (1, 3, 3, 3)
         assert (c["evicted"], c["written_back"], c["updated"], c["rows"]) == (1, 1, 1, 2)
@@ -447,7 +448,9 @@ class ReferenceIndex:
                         v < 0 or self.scores[w] < self.scores[v]
                     ):
                         v = w
-            if v < 0 or (stats and not empty and not score > self.scores[v]):
+            once = stats and not empty and not score > weight
+            once = once and self.find_ghost(start, ways, key) < 0  # a key seen once stays out
+            if v < 0 or once or (stats and not empty and not score > self.scores[v]):
                 if stats:
                     g = self.ghost_for(start, ways, key)
                     self.gkeys[g], self.gscores[g] = key, score

@@ -229,7 +229,7 @@ class SlotIndex:
         order = order[xp.argsort(sets[order], kind="stable")]
         way, how, victim = k.index_populate(
             self, m_keys[order], m_region[order], sets[order], scores[order],
-            k.to_device(may.astype(np.uint8))[order], float(self.clock),
+            k.to_device(may.astype(np.uint8))[order], float(self.clock), weight,
         )  # fmt: skip
         h_order, h_way, h_how = k.to_host(order), k.to_host(way), k.to_host(how)
         miss_entries = np.empty(len(miss), np.int64)

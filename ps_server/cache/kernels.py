@@ -405,6 +405,8 @@ class SlotRows:
 
     @staticmethod
     def zeros(xp: Any, slots: int, dim: int, state_dim: int) -> SlotRows:
+        if xp is np:  # written now: the pages are not faulted in during steps
+            xp = _TouchedNumpy
         return SlotRows(
             weights=xp.zeros((slots, dim), F32),
             state=xp.zeros((slots, state_dim), F32),
@@ -416,6 +418,15 @@ class SlotRows:
             dirty=xp.zeros(slots, bool),
             admitted_at=xp.zeros(slots, np.uint64),
         )
+
+
+class _TouchedNumpy:
+    """``np.zeros`` that writes its memory (``np.full``), so a cache's host
+    arrays are faulted in when made, not by the first steps' scatters."""
+
+    @staticmethod
+    def zeros(shape: Any, dtype: Any) -> np.ndarray:
+        return np.full(shape, 0, dtype)
 
 
 class NumpyKernels:
@@ -500,14 +511,14 @@ class NumpyKernels:
 
     def index_populate(
         self, index: Any, keys: Any, region: Any, sets: Any, scores: Any, allowed: Any,
-        clock: float,
+        clock: float, weight: float,
     ) -> Any:  # fmt: skip
         """(entry, how, victim) of misses sorted by (set, score descending)."""
         from wuliang.ps_server import _engine
 
         return _engine.cache_populate(
             index.device_regions, index.arrays(), keys, region, sets, scores, allowed,
-            index.epoch, index.policy_id, clock,
+            index.epoch, index.policy_id, clock, weight,
         )  # fmt: skip
 
     # -- a push ------------------------------------------------------------------
@@ -534,13 +545,10 @@ class NumpyKernels:
 
         applied = _engine.cache_apply(
             spec.optimizer._native(), rows.weights, rows.state, rows.counts, rows.steps,
-            rows.times, rows.shows, rows.clicks, np.ascontiguousarray(slots, np.int64),
-            np.ascontiguousarray(grads, F32), add_shows, add_clicks, int(step), int(now),
-            float(spec.stats_half_life),
+            rows.times, rows.shows, rows.clicks, rows.dirty, rows.admitted_at,
+            np.ascontiguousarray(slots, np.int64), np.ascontiguousarray(grads, F32), add_shows,
+            add_clicks, int(step), int(now), float(spec.stats_half_life),
         )  # fmt: skip
-        done = np.asarray(slots)[applied.view(bool)]
-        rows.dirty[done] = True
-        rows.admitted_at[done] = 0
         return applied.view(bool)
 
     def update(
@@ -849,7 +857,7 @@ class CupyKernels(NumpyKernels):
 
     def index_populate(
         self, index: Any, keys: Any, region: Any, sets: Any, scores: Any, allowed: Any,
-        clock: float,
+        clock: float, weight: float,
     ) -> Any:  # fmt: skip
         xp = self.xp
         m = len(keys)
@@ -860,8 +868,8 @@ class CupyKernels(NumpyKernels):
             self._populate(*self._grid(m), (
                 keys, region, sets, scores, allowed, np.int64(m), entry_base, ghost_base, ways,
                 index.keys, index.scores, index.epochs, gkeys, gscores, np.int32(index.ghosts),
-                np.int64(index.epoch), np.int32(index.policy_id), np.float64(clock), way, how,
-                victim,
+                np.int64(index.epoch), np.int32(index.policy_id), np.float64(clock),
+                np.float64(weight), way, how, victim,
             ))  # fmt: skip
         return way, how, victim
 

@@ -859,7 +859,7 @@ PYBIND11_MODULE(_engine, m) {
       "cache_populate",
       [](const py::tuple& regions, const py::tuple& index, const py::array& keys,
          const py::array& region, const py::array& sets, const py::array& scores,
-         const py::array& allowed, int64_t epoch, int policy, double clock) {
+         const py::array& allowed, int64_t epoch, int policy, double clock, double weight) {
         const KeyArray k = Keys(keys);
         const auto n = static_cast<py::ssize_t>(k.size);
         const int32_t* r = RegionOfKeys(region, n, regions);
@@ -884,13 +884,13 @@ PYBIND11_MODULE(_engine, m) {
         uint64_t* v = victim.mutable_data();
         {
           py::gil_scoped_release release;
-          details::CachePopulate(reg, idx, k.data, r, s, sc, a, k.size, epoch, policy, clock, w, h,
-                                 v);
+          details::CachePopulate(reg, idx, k.data, r, s, sc, a, k.size, epoch, policy, clock,
+                                 weight, w, h, v);
         }
         return py::make_tuple(way, how, victim);
       },
       "regions"_a, "index"_a, "keys"_a, "region"_a, "sets"_a, "scores"_a, "allowed"_a, "epoch"_a,
-      "policy"_a, "clock"_a,
+      "policy"_a, "clock"_a, "weight"_a,
       "Admits misses sorted by (set, score descending) (details/cache_twin.h): each one's "
       "entry (-1: none), how (0 not admitted, 1 empty entry, 2 over a victim, 3 a repeat) "
       "and the victim's key.");
@@ -898,9 +898,10 @@ PYBIND11_MODULE(_engine, m) {
       "cache_apply",
       [](const OptimizerSpec& opt, const py::array& weights, const py::array& state,
          const py::array& counts, const py::array& steps, const py::array& times,
-         const py::array& shows, const py::array& clicks, const py::array& slots,
-         const py::array& grads, const py::object& add_shows, const py::object& add_clicks,
-         uint64_t step, uint32_t now, double half_life) {
+         const py::array& shows, const py::array& clicks, const py::array& dirty,
+         const py::array& admitted_at, const py::array& slots, const py::array& grads,
+         const py::object& add_shows, const py::object& add_clicks, uint64_t step, uint32_t now,
+         double half_life) {
         if (weights.ndim() != 2 || state.ndim() != 2 || grads.ndim() != 2) {
           throw py::value_error("weights, state and grads must be 2-D");
         }
@@ -920,6 +921,14 @@ PYBIND11_MODULE(_engine, m) {
         r.times = Data<uint32_t>(times, "times", rows);
         r.shows = Data<float>(shows, "shows", rows);
         r.clicks = Data<float>(clicks, "clicks", rows);
+        if (dirty.dtype().itemsize() != 1 || dirty.dtype().kind() != 'b') {
+          throw py::type_error("dirty must be bool");
+        }
+        if (!(dirty.flags() & py::array::c_style) || dirty.size() < rows) {
+          throw py::value_error("dirty must be C-contiguous with a flag per row");
+        }
+        r.dirty = static_cast<uint8_t*>(const_cast<void*>(dirty.data()));
+        r.admitted_at = Data<uint64_t>(admitted_at, "admitted_at", rows);
         const int64_t* s = Data<int64_t>(slots, "slots");
         for (py::ssize_t i = 0; i < n; ++i) {
           if (s[i] < 0 || s[i] >= rows) {
@@ -940,8 +949,8 @@ PYBIND11_MODULE(_engine, m) {
         return applied;
       },
       "optimizer"_a, "weights"_a, "state"_a, "counts"_a, "steps"_a, "times"_a, "shows"_a,
-      "clicks"_a, "slots"_a, "grads"_a, "add_shows"_a, "add_clicks"_a, "step"_a, "now"_a,
-      "half_life"_a,
+      "clicks"_a, "dirty"_a, "admitted_at"_a, "slots"_a, "grads"_a, "add_shows"_a, "add_clicks"_a,
+      "step"_a, "now"_a, "half_life"_a,
       "The engine's push arithmetic on a cache's rows at distinct slots (details/cache_twin.h); "
       "per row 1 applied, 0 dropped (non-finite).");
   m.def(

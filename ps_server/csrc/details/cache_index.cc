@@ -3,14 +3,29 @@
 #include "details/cache_twin.h"
 
 namespace wuliang::ps::details {
+namespace {
+
+// A set's 32 keys: four cache lines.
+void Prefetch(const uint64_t* keys) {
+  for (int line = 0; line < 4; ++line) __builtin_prefetch(keys + 8 * line);
+}
+
+}  // namespace
 
 void CacheLookup(const CacheRegions& regions, const CacheIndex& index, const uint64_t* keys,
                  const int32_t* region, const float* counts, size_t n, bool observe, int64_t epoch,
                  int policy, double weight, double clock, int64_t* out) {
+  const auto start_of = [&](size_t i) {
+    const int32_t r = region[i];
+    return regions.entry_base[r] + wl_set_of(keys[i], regions.sets[r]) * regions.ways[r];
+  };
+  constexpr size_t kAhead = 8;  // sets whose keys are fetched ahead
+  for (size_t i = 0; i < n && i < kAhead; ++i) Prefetch(index.keys + start_of(i));
   for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) Prefetch(index.keys + start_of(i + kAhead));
     const int32_t r = region[i];
     const int ways = regions.ways[r];
-    const int64_t start = regions.entry_base[r] + wl_set_of(keys[i], regions.sets[r]) * ways;
+    const int64_t start = start_of(i);
     const int w = wl_find(reinterpret_cast<const wl_u64*>(index.keys) + start,
                           reinterpret_cast<const wl_i64*>(index.epochs) + start, ways, keys[i]);
     if (w < 0) {
@@ -50,7 +65,7 @@ void CacheScoreMisses(const CacheRegions& regions, const CacheIndex& index, cons
 void CachePopulate(const CacheRegions& regions, const CacheIndex& index, const uint64_t* keys,
                    const int32_t* region, const int64_t* sets, const double* scores,
                    const uint8_t* allowed, size_t m, int64_t epoch, int policy, double clock,
-                   int64_t* way_out, uint8_t* how, uint64_t* victim) {
+                   double weight, int64_t* way_out, uint8_t* how, uint64_t* victim) {
   const bool ghosts = index.ghost_scores != nullptr;
   size_t i = 0;
   while (i < m) {
@@ -65,7 +80,7 @@ void CachePopulate(const CacheRegions& regions, const CacheIndex& index, const u
                     ghosts ? reinterpret_cast<wl_u64*>(index.ghost_keys) + g0 : nullptr,
                     ghosts ? index.ghost_scores + g0 : nullptr, ghosts ? ways : 0,
                     reinterpret_cast<const wl_u64*>(keys) + i, scores + i, allowed + i,
-                    static_cast<int>(end - i), epoch, policy, clock,
+                    static_cast<int>(end - i), epoch, policy, clock, weight,
                     reinterpret_cast<wl_i64*>(way_out) + i, how + i,
                     reinterpret_cast<wl_u64*>(victim) + i);
     for (size_t j = i; j < end; ++j) {

@@ -80,7 +80,7 @@ WL_HD wl_i64 wl_set_of(wl_u64 key, wl_i64 sets) {
 // The way of `key` among a set's `ways` entries, or -1.
 WL_HD int wl_find(const wl_u64* keys, const wl_i64* epochs, int ways, wl_u64 key) {
   for (int w = 0; w < ways; ++w) {
-    if (epochs[w] >= 0 && keys[w] == key) return w;
+    if (keys[w] == key && epochs[w] >= 0) return w;  // the keys' lines first
   }
   return -1;
 }
@@ -124,14 +124,17 @@ WL_HD double wl_candidate_score(const wl_u64* gkeys, const double* gscores, int 
 // One set's misses of a batch, best first (score descending). Each takes
 // an empty entry, else the victim: the unlocked entry (epoch < epoch - 1)
 // with the lowest score (first of equals), "stats" only when its score
-// beats the victim's. Victims join the ghosts ("stats"), candidates that
-// stay out are noted there. Outputs per candidate: `way` (-1: not
-// admitted), `how` (WL_*), `victim` (the key that left, WL_OVER_VICTIM).
+// beats the victim's and the key was seen before (a ghost of it, or more
+// than once in this batch: its score above one sighting's `weight`), so a
+// key seen once never displaces another. Victims join the ghosts ("stats"),
+// candidates that stay out are noted there. Outputs per candidate: `way`
+// (-1: not admitted), `how` (WL_*), `victim` (the key that left,
+// WL_OVER_VICTIM).
 WL_HD void wl_populate_set(wl_u64* keys, double* scores, wl_i64* epochs, int ways, wl_u64* gkeys,
                            double* gscores, int ghosts, const wl_u64* cand_keys,
                            const double* cand_scores, const unsigned char* allowed, int count,
-                           wl_i64 epoch, int policy, double clock, wl_i64* way, unsigned char* how,
-                           wl_u64* victim) {
+                           wl_i64 epoch, int policy, double clock, double weight, wl_i64* way,
+                           unsigned char* how, wl_u64* victim) {
   const bool stats = policy == WL_POLICY_STATS;
   for (int c = 0; c < count; ++c) {
     const wl_u64 key = cand_keys[c];
@@ -159,7 +162,9 @@ WL_HD void wl_populate_set(wl_u64* keys, double* scores, wl_i64* epochs, int way
         if (epochs[w] < epoch - 1 && (v < 0 || scores[w] < scores[v])) v = w;
       }
     }
-    if (v < 0 || (stats && !empty && !(score > scores[v]))) {
+    const bool once =
+        stats && !empty && !(score > weight) && wl_find_ghost(gkeys, gscores, ghosts, key) < 0;
+    if (v < 0 || once || (stats && !empty && !(score > scores[v]))) {
       if (stats) wl_ghost_note(gkeys, gscores, ghosts, key, score);
       continue;
     }
@@ -255,8 +260,8 @@ extern "C" __global__ void wl_populate(
     const unsigned char* __restrict__ allowed, long long m, const wl_i64* __restrict__ entry_base,
     const wl_i64* __restrict__ ghost_base, const int* __restrict__ ways, wl_u64* keys,
     double* scores, wl_i64* epochs, wl_u64* gkeys, double* gscores, int ghosts_on, wl_i64 epoch,
-    int policy, double clock, wl_i64* __restrict__ way_out, unsigned char* __restrict__ how,
-    wl_u64* __restrict__ victim) {
+    int policy, double clock, double weight, wl_i64* __restrict__ way_out,
+    unsigned char* __restrict__ how, wl_u64* __restrict__ victim) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= m || (i > 0 && mset[i - 1] == mset[i])) return;
   long long end = i + 1;
@@ -267,7 +272,7 @@ extern "C" __global__ void wl_populate(
   const wl_i64 g0 = ghost_base[r] + (start - entry_base[r]);
   wl_populate_set(keys + start, scores + start, epochs + start, nw, gkeys + g0, gscores + g0,
                   ghosts_on ? nw : 0, mkeys + i, mscore + i, allowed + i, (int)(end - i), epoch,
-                  policy, clock, way_out + i, how + i, victim + i);
+                  policy, clock, weight, way_out + i, how + i, victim + i);
   for (long long j = i; j < end; ++j) {
     if (way_out[j] >= 0) way_out[j] += start;
   }

@@ -12,8 +12,17 @@ size_t CacheApply(const OptimizerSpec& spec, const CacheRows& rows, const int64_
   const RowOptimizer opt(spec);
   const int dim = rows.dim;
   size_t done = 0;
+  const auto prefetch = [&](int64_t s) {
+    __builtin_prefetch(rows.weights + s * dim, 1);
+    if (rows.state_dim) __builtin_prefetch(rows.state + s * rows.state_dim, 1);
+    __builtin_prefetch(rows.steps + s, 1);
+    __builtin_prefetch(rows.shows + s, 1);
+  };
+  constexpr size_t kAhead = 8;
+  for (size_t i = 0; i < n && i < kAhead; ++i) prefetch(slots[i]);
   WithOptimizer(spec.kind, [&](auto kind) {
     for (size_t i = 0; i < n; ++i) {
+      if (i + kAhead < n) prefetch(slots[i + kAhead]);
       const float* g = grads + i * dim;
       if (!AllFinite(g, dim)) {
         applied[i] = 0;
@@ -36,6 +45,8 @@ size_t CacheApply(const OptimizerSpec& spec, const CacheRows& rows, const int64_
       rows.steps[s] = step;
       rows.times[s] = now;
       if (rows.counts[s] != UINT32_MAX) ++rows.counts[s];
+      rows.dirty[s] = 1;
+      rows.admitted_at[s] = 0;
       applied[i] = 1;
       ++done;
     }

@@ -46,7 +46,7 @@ void CacheScoreMisses(const CacheRegions& regions, const CacheIndex& index, cons
 void CachePopulate(const CacheRegions& regions, const CacheIndex& index, const uint64_t* keys,
                    const int32_t* region, const int64_t* sets, const double* scores,
                    const uint8_t* allowed, size_t m, int64_t epoch, int policy, double clock,
-                   int64_t* way_out, uint8_t* how, uint64_t* victim);
+                   double weight, int64_t* way_out, uint8_t* how, uint64_t* victim);
 
 // A cache's rows by slot, on the host.
 struct CacheRows {
@@ -59,13 +59,15 @@ struct CacheRows {
   uint32_t* times = nullptr;
   float* shows = nullptr;
   float* clicks = nullptr;
+  uint8_t* dirty = nullptr;         // set for each row applied
+  uint64_t* admitted_at = nullptr;  // cleared for each row applied
 };
 
 // One push of summed gradients to the rows at distinct slots, as the
 // engine's push applies it to a row: a non-finite gradient row is dropped
 // (applied[i] = 0), else the optimizer with clipping, the statistics
-// decayed to `step` then increased, count + 1, step and time stamped.
-// Returns the rows applied.
+// decayed to `step` then increased, count + 1, step and time stamped, the
+// row marked dirty and its admission mark cleared. Returns the rows applied.
 size_t CacheApply(const OptimizerSpec& opt, const CacheRows& rows, const int64_t* slots,
                   const float* grads,      // (n, dim)
                   const float* add_shows,  // (n,) or null
