@@ -38,6 +38,7 @@ from wuliang.ps_server import (
     parameter_server,
 )
 from wuliang.ps_server.cache import CachedServer, KeyIndex, SlotIndex, array_module, gpu_available
+from wuliang.ps_server.cache.index import OVER_VICTIM, REPEAT
 from wuliang.ps_server.cache.kernels import (
     F32,
     OptimizerMath,
@@ -448,8 +449,7 @@ class ReferenceIndex:
                         v < 0 or self.scores[w] < self.scores[v]
                     ):
                         v = w
-            once = stats and not empty and not score > weight
-            once = once and self.find_ghost(start, ways, key) < 0  # a key seen once stays out
+            once = stats and not empty and not score > weight  # a key seen once stays out
             if v < 0 or once or (stats and not empty and not score > self.scores[v]):
                 if stats:
                     g = self.ghost_for(start, ways, key)
@@ -540,6 +540,24 @@ def test_stats_policy_keeps_frequent_keys_lru_does_not() -> None:
         plan = stats.observe(np.array([500], np.uint64), one[:1], np.array([5], F32))
     assert plan.entries[0] >= 0 and len(plan.victims) == 0  # it came in earlier
     assert stats.size("t") == 4 and (stats.lookup(frequent, one) >= 0).sum() == 3
+
+
+def test_a_keys_repeats_in_a_batch_are_decided_alike() -> None:
+    """A key twice in a batch, never seen before, over a full set: neither
+    occurrence displaces a cached key (the first one's ghost must not let the
+    second in: a push would then update it in two places)."""
+    from wuliang.ps_server.cache.kernels import NumpyKernels
+
+    index = SlotIndex(NumpyKernels(), half_life=10.0)
+    index.add("t", 2)
+    one = np.zeros(3, np.int32)
+    index.observe(np.array([1, 2], np.uint64), one[:2])
+    index.observe(np.array([3], np.uint64), one[:1])  # 1 and 2 are locked: 3 stays out
+    plan = index.observe(np.array([5, 9, 5], np.uint64), one)  # 1 and 2 may leave now
+    np.testing.assert_array_equal(plan.miss_entries, [-1, -1, -1])
+    plan = index.observe(np.array([5, 5], np.uint64), one[:2])  # seen before: it gets in
+    assert plan.how.tolist() == [OVER_VICTIM, REPEAT] and plan.miss_entries[0] >= 0
+    assert plan.miss_entries[0] == plan.miss_entries[1]
 
 
 def test_slot_index_regions_and_arguments() -> None:

@@ -55,6 +55,7 @@ from wuliang.ps_server.cache.kernels import (
     engine_float_model,
     kernels_for,
 )
+from wuliang.ps_server.cache.key_index import KeyIndex
 from wuliang.ps_server.checks import as_column, check_step
 from wuliang.ps_server.interface import (
     MISSING,
@@ -162,6 +163,7 @@ class CachedServer(ParameterServer):
         self._tables: dict[str, _Table | None] = {}  # None: not cached
         self._used: dict[tuple[str, int | None], _Used] = {}
         self._generation = 0  # bumped when keys leave the index other than by a pull
+        self._admitted: list[tuple[int, str, np.ndarray]] = []  # (epoch, table, keys) came in
         self.inner_seconds = 0.0  # time the data half spent waiting on the inner server
 
     def __repr__(self) -> str:
@@ -529,7 +531,13 @@ class CachedServer(ParameterServer):
             for p in pulls:  # the incoming keys did not come in
                 self._forget_keys(p.part.table, p.keys[p.miss[p.incoming]])
             raise
+        epoch = self.index.epoch
+        self._admitted = [a for a in self._admitted if a[0] >= epoch - 1]
         for p in pulls:
+            came = p.incoming.copy()
+            came[p.failed] = False
+            if came.any():
+                self._admitted.append((epoch, p.part.table, p.keys[p.miss[came]]))
             slots = plan.entries[int(p.start) : int(p.start) + len(p.keys)]
             slots = xp.where(slots >= 0, slots - p.cache.region.entry_base, -1)
             if len(p.failed):
@@ -735,8 +743,16 @@ class CachedServer(ParameterServer):
         ):
             return self._slots_of(cache, keys)
         rest = np.nonzero(~used.cached)[0]
-        if not len(rest):
+        came = [a[2] for a in self._admitted if a[0] > used.epoch and a[1] == table]
+        if not len(rest) or not came:  # no pull since brought anything in
             return used.cached, used.slots
+        if self.kernels.name == "numpy":  # on the host: probe the few that came in
+            index = KeyIndex(sum(len(c) for c in came))
+            arrived = np.concatenate(came)
+            index.insert(arrived, np.arange(len(arrived), dtype=np.int64))
+            rest = rest[index.lookup(keys[rest]) >= 0]
+            if not len(rest):
+                return used.cached, used.slots
         now, slots = self._slots_of(cache, keys[rest])
         if not now.any():
             return used.cached, used.slots

@@ -5,9 +5,19 @@
 namespace wuliang::ps::details {
 namespace {
 
-// A set's 32 keys: four cache lines.
-void Prefetch(const uint64_t* keys) {
-  for (int line = 0; line < 4; ++line) __builtin_prefetch(keys + 8 * line);
+constexpr size_t kAhead = 8;  // keys (or sets) whose lines are fetched ahead
+
+// A set's 32 8-byte values: four cache lines.
+template <class T>
+void Prefetch(const T* values, bool write = false) {
+  static_assert(sizeof(T) == 8);
+  for (int line = 0; line < 4; ++line) {
+    if (write) {
+      __builtin_prefetch(values + 8 * line, 1);
+    } else {
+      __builtin_prefetch(values + 8 * line);
+    }
+  }
 }
 
 }  // namespace
@@ -19,7 +29,6 @@ void CacheLookup(const CacheRegions& regions, const CacheIndex& index, const uin
     const int32_t r = region[i];
     return regions.entry_base[r] + wl_set_of(keys[i], regions.sets[r]) * regions.ways[r];
   };
-  constexpr size_t kAhead = 8;  // sets whose keys are fetched ahead
   for (size_t i = 0; i < n && i < kAhead; ++i) Prefetch(index.keys + start_of(i));
   for (size_t i = 0; i < n; ++i) {
     if (i + kAhead < n) Prefetch(index.keys + start_of(i + kAhead));
@@ -49,7 +58,15 @@ void CacheScoreMisses(const CacheRegions& regions, const CacheIndex& index, cons
                       const int32_t* region, const float* counts, size_t m, int policy,
                       double weight, int64_t* set_out, double* score_out) {
   const bool ghosts = index.ghost_scores != nullptr;
+  const auto ghosts_of = [&](size_t i) {
+    const int32_t r = region[i];
+    return regions.ghost_base[r] + wl_set_of(keys[i], regions.sets[r]) * regions.ways[r];
+  };
+  if (ghosts) {
+    for (size_t i = 0; i < m && i < kAhead; ++i) Prefetch(index.ghost_keys + ghosts_of(i));
+  }
   for (size_t i = 0; i < m; ++i) {
+    if (ghosts && i + kAhead < m) Prefetch(index.ghost_keys + ghosts_of(i + kAhead));
     const int32_t r = region[i];
     const int ways = regions.ways[r];
     const int64_t set = wl_set_of(keys[i], regions.sets[r]);
@@ -67,8 +84,23 @@ void CachePopulate(const CacheRegions& regions, const CacheIndex& index, const u
                    const uint8_t* allowed, size_t m, int64_t epoch, int policy, double clock,
                    double weight, int64_t* way_out, uint8_t* how, uint64_t* victim) {
   const bool ghosts = index.ghost_scores != nullptr;
+  // The sets of the candidates kAhead places on (a set's first candidate
+  // reads its keys, epochs and scores and its ghosts' keys and scores).
+  const auto prefetch = [&](size_t j) {
+    const int64_t start = sets[j];
+    Prefetch(index.keys + start, true);
+    Prefetch(index.epochs + start, true);
+    Prefetch(index.scores + start, true);
+    if (ghosts) {
+      const int64_t g0 = regions.ghost_base[region[j]] + (start - regions.entry_base[region[j]]);
+      Prefetch(index.ghost_keys + g0, true);
+      Prefetch(index.ghost_scores + g0, true);
+    }
+  };
+  for (size_t j = 0; j < m && j < kAhead; ++j) prefetch(j);
   size_t i = 0;
   while (i < m) {
+    if (i + kAhead < m) prefetch(i + kAhead);
     size_t end = i + 1;
     while (end < m && sets[end] == sets[i]) ++end;
     const int32_t r = region[i];

@@ -124,9 +124,10 @@ WL_HD double wl_candidate_score(const wl_u64* gkeys, const double* gscores, int 
 // One set's misses of a batch, best first (score descending). Each takes
 // an empty entry, else the victim: the unlocked entry (epoch < epoch - 1)
 // with the lowest score (first of equals), "stats" only when its score
-// beats the victim's and the key was seen before (a ghost of it, or more
-// than once in this batch: its score above one sighting's `weight`), so a
-// key seen once never displaces another. Victims join the ghosts ("stats"),
+// beats the victim's and the key was seen before (its score, taken before
+// the batch, above one sighting's `weight`: a ghost's count, or another
+// sighting in this batch), so a key seen once never displaces another and
+// a key's repeats in a batch are decided alike. Victims join the ghosts ("stats"),
 // candidates that stay out are noted there. Outputs per candidate: `way`
 // (-1: not admitted), `how` (WL_*), `victim` (the key that left,
 // WL_OVER_VICTIM).
@@ -162,8 +163,9 @@ WL_HD void wl_populate_set(wl_u64* keys, double* scores, wl_i64* epochs, int way
         if (epochs[w] < epoch - 1 && (v < 0 || scores[w] < scores[v])) v = w;
       }
     }
-    const bool once =
-        stats && !empty && !(score > weight) && wl_find_ghost(gkeys, gscores, ghosts, key) < 0;
+    // seen before: a ghost's count (scored before this batch) or another
+    // sighting in this batch lifts the score above one sighting's weight
+    const bool once = stats && !empty && !(score > weight);
     if (v < 0 || once || (stats && !empty && !(score > scores[v]))) {
       if (stats) wl_ghost_note(gkeys, gscores, ghosts, key, score);
       continue;

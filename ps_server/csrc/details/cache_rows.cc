@@ -15,8 +15,13 @@ size_t CacheApply(const OptimizerSpec& spec, const CacheRows& rows, const int64_
   const auto prefetch = [&](int64_t s) {
     __builtin_prefetch(rows.weights + s * dim, 1);
     if (rows.state_dim) __builtin_prefetch(rows.state + s * rows.state_dim, 1);
+    __builtin_prefetch(rows.counts + s, 1);
     __builtin_prefetch(rows.steps + s, 1);
+    __builtin_prefetch(rows.times + s, 1);
     __builtin_prefetch(rows.shows + s, 1);
+    __builtin_prefetch(rows.clicks + s, 1);
+    __builtin_prefetch(rows.dirty + s, 1);
+    __builtin_prefetch(rows.admitted_at + s, 1);
   };
   constexpr size_t kAhead = 8;
   for (size_t i = 0; i < n && i < kAhead; ++i) prefetch(slots[i]);
