@@ -22,11 +22,12 @@ Policies (``policy``):
 * ``"stats"`` (default): decayed show counts. Each entry's score is its
   key's count over the batches, each batch's count weighted by ``2 ^
   (clock / half_life)`` (so scores compare without decaying them; rescaled
-  when the weight grows large). A miss comes in only when its score beats
-  the victim's. Each set keeps as many ghost entries as ways: keys not
-  cached, with their scores (victims, and misses that stayed out), so a key
-  that keeps coming back gets in and a key seen once never displaces a key
-  seen often lately.
+  when the weight grows large). Over a victim, a miss comes in only when
+  it was seen before (a ghost's count, or more than once in its batch) and
+  its score beats the victim's. Each set keeps as many ghost entries as
+  ways: keys not cached, with their scores (victims, and misses that stayed
+  out), so a key that keeps coming back gets in and a key seen once never
+  displaces a cached key.
 * ``"lru"``: every miss comes in over the least recently used unlocked
   entry.
 
