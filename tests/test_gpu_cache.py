@@ -730,6 +730,19 @@ def test_float_model_helpers_are_exact() -> None:
         assert r == best, (x, y, z, r, best)
 
 
+def test_the_cuda_sources_compile() -> None:
+    """Every CUDA source of the cache compiles with nvcc where there is one
+    (a machine without a GPU included): tools/check_cuda.py."""
+    import shutil
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc here")
+    tool = Path(__file__).resolve().parents[1] / "tools" / "check_cuda.py"
+    done = subprocess.run([sys.executable, str(tool)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.split() == ["kernels:", "ok", "index:", "ok"]
+
+
 # --- the benchmark ------------------------------------------------------------------
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_cache_bench.py"
