@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The GPU hot cache on a machine with a GPU, offline: builds and installs
 # wuliang (no network, no build isolation, no dependencies fetched), runs the
-# tests marked needs_gpu (the training cache's cupy kernels against the
-# engine built here, bit for bit; serving's device cache against the store
-# without it), serving's device cache benchmark, then
-# benchmarks/gpu_cache_bench.py; that benchmark's JSON is the last line.
+# tests marked needs_gpu (the device index's kernels and the training
+# cache's cupy kernels against the engine built here, bit for bit; serving's
+# device cache against the store without it), serving's device cache
+# benchmark, then benchmarks/gpu_cache_bench.py (device-resident rates,
+# hit rates, an embedding step with and without the cache on 1 and 26
+# tables); that benchmark's JSON is the last line, with the keys
+# device_hit_path_rows_per_s, step_cache_vs_host and step_vs_miss_bound.
 #
 #   bash benchmarks/gpu_check.sh                 # from anywhere in the checkout
 #   GPU_CHECK_BENCH_ARGS="--batches 500 --warmup 500" bash benchmarks/gpu_check.sh

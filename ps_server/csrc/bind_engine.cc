@@ -712,6 +712,26 @@ const int32_t* RegionOfKeys(const py::array& region, py::ssize_t n, const py::tu
   }
   return r;
 }
+
+// What the index twin's batch calls share: keys with their regions and
+// counts, and the index they read.
+struct CacheBatch {
+  KeyArray keys;
+  py::ssize_t n;
+  const int32_t* region;
+  const float* counts;
+  details::CacheRegions regions;
+  details::CacheIndex index;
+
+  CacheBatch(const py::tuple& regions_, const py::tuple& index_, const py::array& keys_,
+             const py::array& region_, const py::object& counts_)
+      : keys(Keys(keys_)),
+        n(static_cast<py::ssize_t>(keys.size)),
+        region(RegionOfKeys(region_, n, regions_)),
+        counts(OptionalData<float>(counts_, "counts", n)),
+        regions(Regions(regions_)),
+        index(Index(index_)) {}
+};
 }  // namespace
 
 // Where each key goes among `count` shards or servers, by `batch`.
@@ -817,17 +837,12 @@ PYBIND11_MODULE(_engine, m) {
       [](const py::tuple& regions, const py::tuple& index, const py::array& keys,
          const py::array& region, const py::object& counts, bool observe, int64_t epoch, int policy,
          double weight, double clock) {
-        const KeyArray k = Keys(keys);
-        const auto n = static_cast<py::ssize_t>(k.size);
-        const int32_t* r = RegionOfKeys(region, n, regions);
-        const float* c = OptionalData<float>(counts, "counts", n);
-        const details::CacheRegions reg = Regions(regions);
-        const details::CacheIndex idx = Index(index);
-        py::array_t<int64_t> out(n);
+        const CacheBatch b(regions, index, keys, region, counts);
+        py::array_t<int64_t> out(b.n);
         int64_t* o = out.mutable_data();
         py::gil_scoped_release release;
-        details::CacheLookup(reg, idx, k.data, r, c, k.size, observe, epoch, policy, weight, clock,
-                             o);
+        details::CacheLookup(b.regions, b.index, b.keys.data, b.region, b.counts, b.keys.size,
+                             observe, epoch, policy, weight, clock, o);
         return out;
       },
       "regions"_a, "index"_a, "keys"_a, "region"_a, "counts"_a, "observe"_a, "epoch"_a, "policy"_a,
@@ -837,19 +852,15 @@ PYBIND11_MODULE(_engine, m) {
       "cache_score_misses",
       [](const py::tuple& regions, const py::tuple& index, const py::array& keys,
          const py::array& region, const py::object& counts, int policy, double weight) {
-        const KeyArray k = Keys(keys);
-        const auto n = static_cast<py::ssize_t>(k.size);
-        const int32_t* r = RegionOfKeys(region, n, regions);
-        const float* c = OptionalData<float>(counts, "counts", n);
-        const details::CacheRegions reg = Regions(regions);
-        const details::CacheIndex idx = Index(index);
-        py::array_t<int64_t> sets(n);
-        py::array_t<double> scores(n);
+        const CacheBatch b(regions, index, keys, region, counts);
+        py::array_t<int64_t> sets(b.n);
+        py::array_t<double> scores(b.n);
         int64_t* s = sets.mutable_data();
         double* sc = scores.mutable_data();
         {
           py::gil_scoped_release release;
-          details::CacheScoreMisses(reg, idx, k.data, r, c, k.size, policy, weight, s, sc);
+          details::CacheScoreMisses(b.regions, b.index, b.keys.data, b.region, b.counts,
+                                    b.keys.size, policy, weight, s, sc);
         }
         return py::make_tuple(sets, scores);
       },
@@ -860,19 +871,17 @@ PYBIND11_MODULE(_engine, m) {
       [](const py::tuple& regions, const py::tuple& index, const py::array& keys,
          const py::array& region, const py::array& sets, const py::array& scores,
          const py::array& allowed, int64_t epoch, int policy, double clock, double weight) {
-        const KeyArray k = Keys(keys);
-        const auto n = static_cast<py::ssize_t>(k.size);
-        const int32_t* r = RegionOfKeys(region, n, regions);
+        const CacheBatch b(regions, index, keys, region, py::none());
+        const py::ssize_t n = b.n;
+        const int32_t* r = b.region;
         const int64_t* s = Data<int64_t>(sets, "sets", n);
         const double* sc = Data<double>(scores, "scores", n);
         const uint8_t* a = Data<uint8_t>(allowed, "allowed", n);
-        const details::CacheRegions reg = Regions(regions);
-        const details::CacheIndex idx = Index(index);
+        const details::CacheRegions& reg = b.regions;
         const py::ssize_t entries = index[0].cast<py::array>().size();
         for (py::ssize_t i = 0; i < n; ++i) {
           const int32_t ways = reg.ways[r[i]];
-          if (s[i] < reg.entry_base[r[i]] || s[i] + ways > entries ||
-              (i > 0 && s[i] != s[i - 1] && s[i] < s[i - 1])) {
+          if (s[i] < reg.entry_base[r[i]] || s[i] + ways > entries || (i > 0 && s[i] < s[i - 1])) {
             throw py::value_error("sets must be sorted first entries of the keys' sets");
           }
         }
@@ -884,8 +893,8 @@ PYBIND11_MODULE(_engine, m) {
         uint64_t* v = victim.mutable_data();
         {
           py::gil_scoped_release release;
-          details::CachePopulate(reg, idx, k.data, r, s, sc, a, k.size, epoch, policy, clock,
-                                 weight, w, h, v);
+          details::CachePopulate(reg, b.index, b.keys.data, r, s, sc, a, b.keys.size, epoch, policy,
+                                 clock, weight, w, h, v);
         }
         return py::make_tuple(way, how, victim);
       },
