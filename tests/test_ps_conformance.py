@@ -140,8 +140,8 @@ def remote_processes(shards: int, servers: int = 2) -> ParameterServer:
         for proc in procs:
             proc.terminate()
         for proc in procs:
-            try:
-                proc.wait(timeout=20)
+            try:  # a busy machine may take a while; a stop hung 15 s dumps its stacks
+                proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=20)
