@@ -203,15 +203,7 @@ def cache_populate(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
 def cache_apply(
     optimizer: OptimizerSpec,
-    weights: np.ndarray,
-    state: np.ndarray,
-    counts: np.ndarray,
-    steps: np.ndarray,
-    times: np.ndarray,
-    shows: np.ndarray,
-    clicks: np.ndarray,
-    dirty: np.ndarray,
-    admitted_at: np.ndarray,
+    rows: tuple,
     slots: np.ndarray,
     grads: np.ndarray,
     add_shows: np.ndarray | None,
@@ -220,3 +212,4 @@ def cache_apply(
     now: int,
     half_life: float,
 ) -> np.ndarray: ...
+def cache_put(rows: tuple, slots: np.ndarray, values: tuple) -> None: ...

@@ -248,6 +248,7 @@ class OptimizerMath:
         self.l2 = F32(getattr(opt, "l2", 0.0))
         self.beta = F32(getattr(opt, "beta", 0.0))
         self.inv_alpha = F32(1) / self.lr
+        self.native = opt._native()  # the engine's spec (the CPU twin's argument)
         self.initial_accumulator = F32(getattr(opt, "initial_accumulator", 0.0))
         self.log2_b1 = _log2(float(self.b1)) if self.b1 > 0 else -math.inf
         self.log2_b2 = _log2(float(self.b2)) if self.b2 > 0 else -math.inf
@@ -403,6 +404,10 @@ class SlotRows:
 
     COLUMNS = ("weights", "state", "counts", "steps", "times", "shows", "clicks")
 
+    def arrays(self) -> tuple:
+        """Every column, the CPU twin's argument order."""
+        return (*(getattr(self, c) for c in self.COLUMNS), self.dirty, self.admitted_at)
+
     @staticmethod
     def zeros(xp: Any, slots: int, dim: int, state_dim: int) -> SlotRows:
         if xp is np:  # written now: the pages are not faulted in during steps
@@ -477,6 +482,21 @@ class NumpyKernels:
         (host or device)."""
         out[positions] = rows
 
+    def put_slots(
+        self, rows: SlotRows, slots: np.ndarray, columns: dict[str, np.ndarray], admitted_at: Any
+    ) -> None:
+        """Whole rows (host columns by name, ``SlotRows.COLUMNS``) into
+        distinct slots, marked clean, with their admission marks."""
+        from wuliang.ps_server import _engine
+
+        values = tuple(
+            np.ascontiguousarray(columns[c], dtype=getattr(rows, c).dtype) for c in SlotRows.COLUMNS
+        )
+        _engine.cache_put(
+            rows.arrays(), np.ascontiguousarray(slots, np.int64),
+            (*values, np.ascontiguousarray(admitted_at, np.uint64)),
+        )  # fmt: skip
+
     def scatter_add_rows(self, out: Any, index: Any, values: Any) -> None:
         """``out[index[i]] += values[i]`` for i in order (float32 rows), the
         sums rounded as a sequential loop rounds them."""
@@ -544,10 +564,9 @@ class NumpyKernels:
         from wuliang.ps_server import _engine
 
         applied = _engine.cache_apply(
-            spec.optimizer._native(), rows.weights, rows.state, rows.counts, rows.steps,
-            rows.times, rows.shows, rows.clicks, rows.dirty, rows.admitted_at,
-            np.ascontiguousarray(slots, np.int64), np.ascontiguousarray(grads, F32), add_shows,
-            add_clicks, int(step), int(now), float(spec.stats_half_life),
+            m.native, rows.arrays(), np.ascontiguousarray(slots, np.int64),
+            np.ascontiguousarray(grads, F32), add_shows, add_clicks, int(step), int(now),
+            float(spec.stats_half_life),
         )  # fmt: skip
         return applied.view(bool)
 
@@ -794,6 +813,17 @@ class CupyKernels(NumpyKernels):
             out[self.xp.asarray(positions)] = self.xp.asarray(rows)
         else:
             out[self.to_host(positions)] = self.to_host(rows)
+
+    def put_slots(
+        self, rows: SlotRows, slots: np.ndarray, columns: dict[str, np.ndarray], admitted_at: Any
+    ) -> None:
+        d_slots = self.xp.asarray(slots, dtype=np.int64)
+        for name in SlotRows.COLUMNS:
+            target = getattr(rows, name)
+            if target.ndim == 1 or target.shape[1]:
+                self.scatter(target, d_slots, self.xp.asarray(columns[name]))
+        rows.dirty[d_slots] = False
+        rows.admitted_at[d_slots] = self.xp.asarray(admitted_at, dtype=np.uint64)
 
     def scatter_add_rows(self, out: Any, index: Any, values: Any) -> None:
         xp = self.xp

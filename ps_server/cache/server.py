@@ -88,7 +88,6 @@ COUNTERS = (
     "updated",  # row updates applied in the cache
     "lookups",  # keys read from the cache by lookups and pulls without training
 )
-_USED_KEPT = 8  # training pulls whose slots a push may reuse
 
 
 @dataclass
@@ -550,9 +549,9 @@ class CachedServer(ParameterServer):
                 p.keys, cached, slots, self.index.epoch, self._generation
             )
         floor = self.index.epoch - 1
-        self._used = {
+        self._used = {  # the pulls whose slots are still locked
             key: u
-            for key, u in list(self._used.items())[-_USED_KEPT:]
+            for key, u in self._used.items()
             if u.epoch >= floor and u.generation == self._generation
         }
 
@@ -665,18 +664,10 @@ class CachedServer(ParameterServer):
         columns: dict[str, np.ndarray],
         admitted_at: np.ndarray,
     ) -> None:
-        """Whole rows (host columns) into slots, one copy per column."""
+        """Whole rows (host columns) into slots, marked clean."""
         if not len(slots):
             return
-        k = self.kernels
-        d_slots = k.to_device(np.asarray(slots, np.int64))
-        rows = cache.rows
-        for name, values in columns.items():
-            if name == "state" and not cache.math.state_dim:
-                continue
-            k.scatter(getattr(rows, name), d_slots, k.to_device(values))
-        rows.dirty[d_slots] = False
-        rows.admitted_at[d_slots] = k.to_device(admitted_at)
+        self.kernels.put_slots(cache.rows, np.asarray(slots, np.int64), columns, admitted_at)
         cache.counters["swapped_in"] += len(slots)
 
     # -- data half: pushes ------------------------------------------------------

@@ -713,6 +713,53 @@ const int32_t* RegionOfKeys(const py::array& region, py::ssize_t n, const py::tu
   return r;
 }
 
+// (weights, state, counts, steps, times, shows, clicks, dirty, admitted_at):
+// a cache's rows by slot, each column checked against the slot count.
+details::CacheRows Rows(const py::tuple& t) {
+  if (t.size() != 9) {
+    throw py::value_error(
+        "rows must be (weights, state, counts, steps, times, shows, clicks, dirty, admitted_at)");
+  }
+  const py::array weights = t[0].cast<py::array>();
+  const py::array state = t[1].cast<py::array>();
+  if (weights.ndim() != 2 || state.ndim() != 2 || state.shape(0) != weights.shape(0)) {
+    throw py::value_error("weights and state must be 2-D with a row per slot");
+  }
+  const py::ssize_t rows = weights.shape(0);
+  details::CacheRows r;
+  r.dim = static_cast<int>(weights.shape(1));
+  r.state_dim = static_cast<int>(state.shape(1));
+  r.weights = Data<float>(weights, "weights");
+  r.state = Data<float>(state, "state");
+  r.counts = Data<uint32_t>(t[2].cast<py::array>(), "counts", rows);
+  r.steps = Data<uint64_t>(t[3].cast<py::array>(), "steps", rows);
+  r.times = Data<uint32_t>(t[4].cast<py::array>(), "times", rows);
+  r.shows = Data<float>(t[5].cast<py::array>(), "shows", rows);
+  r.clicks = Data<float>(t[6].cast<py::array>(), "clicks", rows);
+  const py::array dirty = t[7].cast<py::array>();
+  if (dirty.dtype().itemsize() != 1 || dirty.dtype().kind() != 'b' ||
+      !(dirty.flags() & py::array::c_style) || dirty.size() < rows) {
+    throw py::value_error("dirty must be a C-contiguous bool flag per slot");
+  }
+  r.dirty = static_cast<uint8_t*>(const_cast<void*>(dirty.data()));
+  r.admitted_at = Data<uint64_t>(t[8].cast<py::array>(), "admitted_at", rows);
+  return r;
+}
+
+py::ssize_t RowsOf(const py::tuple& rows) { return rows[0].cast<py::array>().shape(0); }
+
+// Slots, each inside [0, rows).
+const int64_t* Slots(const py::array& slots, py::ssize_t rows) {
+  const int64_t* s = Data<int64_t>(slots, "slots");
+  for (py::ssize_t i = 0; i < slots.size(); ++i) {
+    if (s[i] < 0 || s[i] >= rows) {
+      throw py::value_error("slots[" + std::to_string(i) + "] = " + std::to_string(s[i]) +
+                            " is outside the rows");
+    }
+  }
+  return s;
+}
+
 // What the index twin's batch calls share: keys with their regions and
 // counts, and the index they read.
 struct CacheBatch {
@@ -905,46 +952,16 @@ PYBIND11_MODULE(_engine, m) {
       "and the victim's key.");
   m.def(
       "cache_apply",
-      [](const OptimizerSpec& opt, const py::array& weights, const py::array& state,
-         const py::array& counts, const py::array& steps, const py::array& times,
-         const py::array& shows, const py::array& clicks, const py::array& dirty,
-         const py::array& admitted_at, const py::array& slots, const py::array& grads,
-         const py::object& add_shows, const py::object& add_clicks, uint64_t step, uint32_t now,
-         double half_life) {
-        if (weights.ndim() != 2 || state.ndim() != 2 || grads.ndim() != 2) {
-          throw py::value_error("weights, state and grads must be 2-D");
-        }
-        const py::ssize_t rows = weights.shape(0);
+      [](const OptimizerSpec& opt, const py::tuple& rows, const py::array& slots,
+         const py::array& grads, const py::object& add_shows, const py::object& add_clicks,
+         uint64_t step, uint32_t now, double half_life) {
+        const details::CacheRows r = Rows(rows);
         const py::ssize_t n = slots.size();
-        details::CacheRows r;
-        r.dim = static_cast<int>(weights.shape(1));
-        r.state_dim = static_cast<int>(state.shape(1));
-        if (state.shape(0) != rows || grads.shape(1) != r.dim || grads.shape(0) != n ||
-            r.state_dim != StateDim(opt.kind, r.dim)) {
-          throw py::value_error("weights, state, grads and slots do not agree in shape");
+        if (r.state_dim != StateDim(opt.kind, r.dim) || grads.ndim() != 2 || grads.shape(0) != n ||
+            grads.shape(1) != r.dim) {
+          throw py::value_error("state, grads and slots do not agree with the rows in shape");
         }
-        r.weights = Data<float>(weights, "weights");
-        r.state = Data<float>(state, "state");
-        r.counts = Data<uint32_t>(counts, "counts", rows);
-        r.steps = Data<uint64_t>(steps, "steps", rows);
-        r.times = Data<uint32_t>(times, "times", rows);
-        r.shows = Data<float>(shows, "shows", rows);
-        r.clicks = Data<float>(clicks, "clicks", rows);
-        if (dirty.dtype().itemsize() != 1 || dirty.dtype().kind() != 'b') {
-          throw py::type_error("dirty must be bool");
-        }
-        if (!(dirty.flags() & py::array::c_style) || dirty.size() < rows) {
-          throw py::value_error("dirty must be C-contiguous with a flag per row");
-        }
-        r.dirty = static_cast<uint8_t*>(const_cast<void*>(dirty.data()));
-        r.admitted_at = Data<uint64_t>(admitted_at, "admitted_at", rows);
-        const int64_t* s = Data<int64_t>(slots, "slots");
-        for (py::ssize_t i = 0; i < n; ++i) {
-          if (s[i] < 0 || s[i] >= rows) {
-            throw py::value_error("slots[" + std::to_string(i) + "] = " + std::to_string(s[i]) +
-                                  " is outside the rows");
-          }
-        }
+        const int64_t* s = Slots(slots, RowsOf(rows));
         const float* g = Data<float>(grads, "grads");
         const float* as = OptionalData<float>(add_shows, "add_shows", n);
         const float* ac = OptionalData<float>(add_clicks, "add_clicks", n);
@@ -957,11 +974,41 @@ PYBIND11_MODULE(_engine, m) {
         }
         return applied;
       },
-      "optimizer"_a, "weights"_a, "state"_a, "counts"_a, "steps"_a, "times"_a, "shows"_a,
-      "clicks"_a, "dirty"_a, "admitted_at"_a, "slots"_a, "grads"_a, "add_shows"_a, "add_clicks"_a,
-      "step"_a, "now"_a, "half_life"_a,
-      "The engine's push arithmetic on a cache's rows at distinct slots (details/cache_twin.h); "
-      "per row 1 applied, 0 dropped (non-finite).");
+      "optimizer"_a, "rows"_a, "slots"_a, "grads"_a, "add_shows"_a, "add_clicks"_a, "step"_a,
+      "now"_a, "half_life"_a,
+      "The engine's push arithmetic on a cache's rows (weights, state, counts, steps, times, "
+      "shows, clicks, dirty, admitted_at) at distinct slots (details/cache_twin.h); per row 1 "
+      "applied, 0 dropped (non-finite).");
+  m.def(
+      "cache_put",
+      [](const py::tuple& rows, const py::array& slots, const py::tuple& values) {
+        const details::CacheRows r = Rows(rows);
+        const py::ssize_t n = slots.size();
+        const int64_t* s = Slots(slots, RowsOf(rows));
+        if (values.size() != 8) {
+          throw py::value_error(
+              "values must be (weights, state, counts, steps, times, shows, clicks, admitted_at)");
+        }
+        const py::array w = values[0].cast<py::array>();
+        const py::array st = values[1].cast<py::array>();
+        if (w.ndim() != 2 || w.shape(0) != n || w.shape(1) != r.dim || st.ndim() != 2 ||
+            st.shape(0) != n || st.shape(1) != r.state_dim) {
+          throw py::value_error("the rows' weights and state do not agree with the slots");
+        }
+        const details::CacheRowValues v{
+            Data<float>(w, "weights"),
+            Data<float>(st, "state"),
+            Data<uint32_t>(values[2].cast<py::array>(), "counts", n),
+            Data<uint64_t>(values[3].cast<py::array>(), "steps", n),
+            Data<uint32_t>(values[4].cast<py::array>(), "times", n),
+            Data<float>(values[5].cast<py::array>(), "shows", n),
+            Data<float>(values[6].cast<py::array>(), "clicks", n),
+            Data<uint64_t>(values[7].cast<py::array>(), "admitted_at", n)};
+        py::gil_scoped_release release;
+        details::CachePut(r, s, static_cast<size_t>(n), v);
+      },
+      "rows"_a, "slots"_a, "values"_a,
+      "Whole rows into distinct slots of a cache's rows (details/cache_twin.h), marked clean.");
   m.def(
       "shard_of",
       [](const py::array& keys, uint32_t num_shards) {

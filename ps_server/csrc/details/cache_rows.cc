@@ -1,5 +1,7 @@
 // The CPU twin of a push to cached rows: the engine's own row arithmetic,
 // compiled as the engine is (its floating-point contraction included).
+#include <cstring>
+
 #include "details/cache_twin.h"
 #include "details/optimizers.h"
 #include "details/row_layout.h"
@@ -57,6 +59,29 @@ size_t CacheApply(const OptimizerSpec& spec, const CacheRows& rows, const int64_
     }
   });
   return done;
+}
+
+void CachePut(const CacheRows& rows, const int64_t* slots, size_t n, const CacheRowValues& values) {
+  const int dim = rows.dim;
+  const int sdim = rows.state_dim;
+  constexpr size_t kAhead = 8;
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      const int64_t a = slots[i + kAhead];
+      __builtin_prefetch(rows.weights + a * dim, 1);
+      if (sdim) __builtin_prefetch(rows.state + a * sdim, 1);
+    }
+    const int64_t s = slots[i];
+    std::memcpy(rows.weights + s * dim, values.weights + i * dim, sizeof(float) * dim);
+    if (sdim) std::memcpy(rows.state + s * sdim, values.state + i * sdim, sizeof(float) * sdim);
+    rows.counts[s] = values.counts[i];
+    rows.steps[s] = values.steps[i];
+    rows.times[s] = values.times[i];
+    rows.shows[s] = values.shows[i];
+    rows.clicks[s] = values.clicks[i];
+    rows.dirty[s] = 0;
+    rows.admitted_at[s] = values.admitted_at[i];
+  }
 }
 
 }  // namespace wuliang::ps::details

@@ -74,4 +74,18 @@ size_t CacheApply(const OptimizerSpec& opt, const CacheRows& rows, const int64_t
                   const float* add_clicks, size_t n, uint64_t step, uint32_t now, double half_life,
                   uint8_t* applied);
 
+// Whole rows into distinct slots (a swap-in): every column of row i into
+// slot slots[i], the row marked clean, its admission mark set.
+struct CacheRowValues {
+  const float* weights;         // (n, dim)
+  const float* state;           // (n, state_dim)
+  const uint32_t* counts;       // (n,)
+  const uint64_t* steps;        // (n,)
+  const uint32_t* times;        // (n,)
+  const float* shows;           // (n,)
+  const float* clicks;          // (n,)
+  const uint64_t* admitted_at;  // (n,)
+};
+void CachePut(const CacheRows& rows, const int64_t* slots, size_t n, const CacheRowValues& values);
+
 }  // namespace wuliang::ps::details
