@@ -574,6 +574,9 @@ def test_slot_index_regions_and_arguments() -> None:
     assert plan.entries[0] >= 0 and plan.entries[1] >= 64 and len(plan.miss) == 2
     index.clear("a")
     np.testing.assert_array_equal(index.lookup(keys, regions) >= 0, [False, True])
+    plan = index.observe(keys, regions, allowed=lambda miss: miss != 0)  # the first held back
+    np.testing.assert_array_equal(plan.miss, [0])
+    assert plan.miss_entries.tolist() == [-1] and index.lookup(keys, regions)[0] == -1
     with pytest.raises(ValueError, match="policy"):
         SlotIndex(NumpyKernels(), policy="lfu")
     with pytest.raises(ValueError, match="half_life"):

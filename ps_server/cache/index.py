@@ -201,15 +201,13 @@ class SlotIndex:
         region: Any,
         counts: Any = None,
         *,
-        host_keys: np.ndarray | None = None,
         allowed: Any = None,
     ) -> Plan:
         """One training batch: all tables' keys (uint64 on the device, with
         their ``region`` ids, int32), their ``counts`` in the batch (float32,
         or None: 1 each). Scores and locks the hits, then admits misses.
-        ``allowed(miss_positions) -> bool mask`` (host) may keep misses out
-        (they are still scored). ``host_keys``: the same keys on the host,
-        if there, for the outcome's keys."""
+        ``allowed(miss_positions) -> bool mask`` (host) may hold misses back
+        (they are still noted as ghosts; none comes in)."""
         self.epoch += 1
         self.clock += 1
         k = self.kernels
