@@ -107,6 +107,7 @@ class SlotIndex:
         self.half_life = float(half_life)
         self.ghosts = policy == "stats"
         self.regions: dict[str, Region] = {}
+        self._used = 0  # entries the regions take (the arrays may have more)
         self._entry_base = np.zeros(0, np.int64)
         self._sets = np.zeros(0, np.int64)
         self._ways = np.zeros(0, np.int32)
@@ -133,15 +134,11 @@ class SlotIndex:
             raise ValueError(f"slots must be an int >= 1, got {slots!r}")
         ways = min(WAYS, int(slots))
         sets = -(-int(slots) // ways)
-        region = Region(len(self.regions), len(self.keys), sets, ways)
+        region = Region(len(self.regions), self._used, sets, ways)
         self.regions[name] = region
-        xp, n = self.xp, sets * ways
-        self.keys = xp.concatenate([self.keys, xp.zeros(n, np.uint64)])
-        self.scores = xp.concatenate([self.scores, xp.zeros(n, np.float64)])
-        self.epochs = xp.concatenate([self.epochs, xp.full(n, -1, np.int64)])
-        if self.ghosts:
-            self.ghost_keys = xp.concatenate([self.ghost_keys, xp.zeros(n, np.uint64)])
-            self.ghost_scores = xp.concatenate([self.ghost_scores, xp.full(n, -1.0)])
+        self._used += sets * ways
+        if self._used > len(self.keys):  # room for this and as much again
+            self._grow(max(self._used, 2 * len(self.keys)))
         self._entry_base = np.append(self._entry_base, region.entry_base)
         self._sets = np.append(self._sets, sets)
         self._ways = np.append(self._ways, np.int32(ways))
@@ -151,6 +148,24 @@ class SlotIndex:
             k.to_device(a) for a in (self._entry_base, self._entry_base, self._sets, self._ways)
         )
         return region
+
+    def _grow(self, entries: int) -> None:
+        """The index's arrays with room for ``entries`` (the new ones empty),
+        so adding tables one by one copies each entry a bounded number of
+        times."""
+        xp = self.xp
+
+        def grown(old: Any, fill: Any) -> Any:
+            new = xp.full(entries, fill, old.dtype)
+            new[: len(old)] = old
+            return new
+
+        self.keys = grown(self.keys, 0)
+        self.scores = grown(self.scores, 0.0)
+        self.epochs = grown(self.epochs, -1)
+        if self.ghosts:
+            self.ghost_keys = grown(self.ghost_keys, 0)
+            self.ghost_scores = grown(self.ghost_scores, -1.0)
 
     def clear(self, name: str) -> None:
         """Empties a table's region (its keys and ghosts)."""
@@ -162,6 +177,11 @@ class SlotIndex:
         self.scores[part] = 0.0
         if self.ghosts:
             self.ghost_scores[part] = -1.0
+
+    @property
+    def entries(self) -> int:
+        """Entries the regions take (the arrays may be longer: room to add)."""
+        return self._used
 
     def arrays(self) -> tuple:
         """(keys, scores, epochs, ghost_keys, ghost_scores), for the kernels."""
