@@ -55,7 +55,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -462,8 +462,13 @@ def _in_thread(call: Callable[[], Any], name: str) -> Future:
     return future
 
 
-def _wait_all(futures: Sequence[Future], timeout: float) -> list[Any]:
-    return [f.result(timeout) for f in futures]
+def _wait_all(futures: Sequence[Future], timeout: float | None) -> list[Any]:
+    """Every call's answer, in order. Waits for all of them before raising
+    the first error, so that no call is still on its way to a server when
+    this returns (a later call could overtake it: a failed DropTable on one
+    server arriving after the next CreateTable of that name)."""
+    wait(futures, timeout)
+    return [f.result(0) for f in futures]
 
 
 def _combined(futures: Sequence[Future], result: Callable[[list[Any]], Any]) -> Future:
