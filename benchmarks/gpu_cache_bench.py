@@ -1,37 +1,46 @@
-"""GPU hot cache benchmark: hit rates of its policies, and its rows/s next
-to the engine's.
+"""GPU hot cache benchmark: hit rates of its policies, its rows/s next to
+the engine's, and an embedding step with and without it.
 
 Hit rates. Key streams over a fixed universe of 10M keys, Zipf(1.05),
 Zipf(1.1) and Zipf(1.2) by rank (ranks scrambled into hash-like keys),
 batches of 4096 x 26 keys. Caches of 1%, 5% and 20% of the universe, each
 with the decayed-counts policy (``"stats"``) and LRU, all fed the same
-batches through the policy class the cache itself uses
-(``wuliang.ps_server.cache.HotSet.observe``: one call per batch with its
-unique keys and their counts, the index and slots changing as in
-training). The first ``--warmup`` batches fill the caches; the hit rates
-are those of the batches after: per key occurrence (what the trainer's
-lookups see) and per batch-unique key (what the cache's gather sees).
-``oracle`` is the share of occurrences that the most frequent keys of each
-size take (a cache that knew the distribution).
+batches through the index the cache itself uses (``wuliang.ps_server.cache.
+SlotIndex.observe``, its CPU twin: the same decisions as its kernels; one
+call per batch with its unique keys and their counts). The first
+``--warmup`` batches fill the caches; the hit rates are those of the
+batches after: per key occurrence (what the trainer's lookups see) and per
+batch-unique key (what the cache's gather sees). ``oracle`` is the share of
+occurrences that the most frequent keys of each size take (a cache that
+knew the distribution).
 
 Rows/s, in the same run, on one table (dim 16, Adagrad) and batches of
-65,536 unique keys (``--rows-batch``):
+65,536 unique keys (``--rows-batch``), all in a cache half full:
 
 * engine pull / push: the embedded engine (``--shards`` threads), training
   pulls of existing rows and Adagrad pushes;
-* cache lookup / update: ``CachedServer.pull`` and ``push`` of keys all in
-  the cache (host index and policy, the device gather or update, the copies
-  between host and device); and the kernels alone (gather to the host,
-  Adagrad update on the device);
+* cache lookup / update: ``CachedServer.pull_many`` / ``push_many`` as a
+  trainer calls them (keys from the host, rows into and gradients from
+  device arrays);
+* device-resident (keys, rows and gradients on the device already, no copy
+  to or from the host): the index lookup, the gather, the Adagrad update,
+  and the three together (``device_hit_path_rows_per_s``);
 * swap-in: pulls of keys not in the cache: rows the pull creates (known
   without a read) and rows that exist (read whole, every column, from the
   inner server by ``read_rows``; ``swap_in_read_table_rows`` says how big
   the table is);
 * whole-row reads alone, on that table and those keys: the engine's
-  ``read_rows`` (each shard reads its keys' rows) next to the interface's
-  default, an export scan filtered to the keys (``scan_rows``: what a
-  server without its own ``read_rows`` costs, in proportion to the table);
+  ``read_rows`` next to the interface's default, an export scan filtered to
+  the keys (``scan_rows``);
 * write-back: the cache's updated rows loaded back into the engine.
+
+An embedding step (``embedding_step``), on 1 and on 26 tables
+(``--step-tables``): ``--step-keys`` unique keys per step (Zipf(1.2)), 5% of
+each table's universe cached, the next step's pull running during the
+step, (a) the host engine with the rows copied to the device and the
+gradients back, against (b) the cache; ``step_cache_vs_host`` is (a)'s time
+over (b)'s and ``step_vs_miss_bound`` (b)'s over the time (b) spent in the
+engine (its misses).
 
 The array module is cupy where a GPU is present (``--xp`` to choose), numpy
 otherwise. Does not import TensorFlow. The last line printed is one JSON
