@@ -211,6 +211,40 @@ def test_hit_miss_and_write_back_counters(policy: str) -> None:
         assert ps.stats("t")["pulled_keys"] == 10
 
 
+def test_a_failed_write_back_is_tried_again_and_never_dropped() -> None:
+    """Evicted rows go back in the background; a load that fails is tried
+    again by the next call on the inner server, and one that fails twice
+    raises naming the table, its rows kept until a try succeeds."""
+    engine = Engine(1)
+    real_load, failures = engine.load, []
+
+    def flaky_load(*args: object, **kwargs: object) -> object:
+        if failures:
+            failures.pop()
+            raise OSError("disk on fire")
+        return real_load(*args, **kwargs)
+
+    engine.load = flaky_load  # type: ignore[method-assign]
+    with CachedServer(engine, rows=2, xp="numpy") as ps:
+        ps.create_table(TableSpec("t", 2, optimizer=SGD(0.5)))
+        out = np.empty((2, 2), F32)
+        often = np.array([10], F32)  # seen often: it displaces the least seen cached key
+        for attempts, (hot, cold, new) in ((1, (1, 2, 3)), (2, (3, 1, 4))):
+            ps.pull_many([PullPart("t", [hot, cold], out)], step=attempts * 10)
+            ps.pull_many([PullPart("t", [hot], out[:1])], step=attempts * 10 + 1)
+            ps.push("t", [cold], np.ones((1, 2), F32), step=attempts * 10 + 1)  # in the cache
+            want = ps.pull("t", [cold], train=False)
+            failures[:] = [True] * attempts
+            ps.pull_many([PullPart("t", [new], out[:1], counts=often)], step=attempts * 10 + 2)
+            assert ps.cache_stats("t")["evicted"] == attempts  # cold left
+            if attempts == 2:
+                with pytest.raises(RuntimeError, match=r"1 evicted rows of tables \['t'\]"):
+                    ps.inner.pull("t", [cold], train=False)
+            np.testing.assert_array_equal(ps.inner.pull("t", [cold], train=False), want)
+            assert not failures
+        assert ps.cache_stats("t")["written_back"] == 2
+
+
 def test_write_back_keeps_versions_and_the_change_log() -> None:
     """Rows updated in the cache reach the engine with the version they were
     updated in (a cut writes them back first) and in its change log: delta

@@ -13,8 +13,10 @@ path to TensorFlow), or host arrays (everything else).
 
 Per training pull (``pull_many(train=True)``), all tables at once: the
 keys go to the device and through the index (one launch per stage: lookup,
-score, populate); the victims' updated rows are written back (one ``load``
-per table); all misses come from the inner server in one ``pull_many``
+score, populate); the victims' updated rows are copied out and written
+back in the background (one job per pull, a ``load`` per table, on the
+cache's writer thread) while the pull goes on; all misses come from the
+inner server in one ``pull_many``
 (which counts their sightings and creates rows as admission allows, exactly
 as without the cache); the incoming rows are copied to their slots; the
 hits are gathered into ``out`` on the device. The pipeline runs this for
@@ -25,6 +27,15 @@ brought in before step i's push has landed (its row there is not final).
 Per push: the keys' slots come from their pull (or a lookup); cached rows
 are updated on the device with the engine's own arithmetic (``kernels``),
 the rest go to the inner server in one ``push_many``.
+
+The write-back in flight. The pull's own inner calls never touch its
+victims (a victim was cached, so none of its keys is a miss). Every other
+call on the inner server first waits for the write-backs in flight (the
+``inner`` property; a training pull waits at its start), except a push
+whose keys were found by its pull while their slots were locked (none of
+them can be a victim since). A write-back that failed is tried again
+there, once; failing again, the call raises naming the tables, and the
+rows are kept for the next try: an update is never dropped.
 
 Every call that reads or changes the inner server's rows as a whole
 (``export``, ``write_rows``, ``evict``, ``stats``, ``advance_version``,
@@ -39,6 +50,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -107,6 +119,16 @@ class _Table:
 
 
 @dataclass
+class _Load:
+    """Evicted rows of one table copied out, on their way to the inner server."""
+
+    table: str
+    keys: np.ndarray
+    columns: tuple[np.ndarray, np.ndarray | None]  # weights, state
+    named: dict[str, np.ndarray]  # counts, steps, times, shows, clicks
+
+
+@dataclass
 class _Used:
     """A training pull's keys of one table and where they are cached, for
     the push of the same step (its slots locked until the pull after next)."""
@@ -152,7 +174,7 @@ class CachedServer(ParameterServer):
                 _check_rows(n, f"rows[{name!r}]")
         else:
             _check_rows(rows, "rows")
-        self.inner = inner
+        self._inner = inner
         self._rows = rows
         self.xp = array_module(xp)
         self.kernels: NumpyKernels = kernels_for(self.xp)
@@ -164,6 +186,44 @@ class CachedServer(ParameterServer):
         self._generation = 0  # bumped when keys leave the index other than by a pull
         self._admitted: list[tuple[int, str, np.ndarray]] = []  # (epoch, table, keys) came in
         self.inner_seconds = 0.0  # time the data half spent waiting on the inner server
+        self._timed_lock = threading.Lock()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="wuliang-cache-writeback")
+        self._in_flight: list[tuple[Future, list[_Load]]] = []  # write-backs, oldest first
+        self._settle_lock = threading.Lock()
+
+    @property
+    def inner(self) -> ParameterServer:
+        """The server behind the cache, once the write-backs in flight have
+        landed there."""
+        self._settle()
+        return self._inner
+
+    def _settle(self) -> None:
+        """Waits for the write-backs in flight; one that failed is tried
+        again now, and failing again raises (its rows kept for the next try)."""
+        if not self._in_flight:
+            return
+        with self._settle_lock:
+            while self._in_flight:
+                future, loads = self._in_flight[0]
+                try:
+                    future.result()
+                except BaseException as first:
+                    try:
+                        self._load_all(loads)
+                    except BaseException as error:
+                        tables = sorted({load.table for load in loads})
+                        rows = sum(len(load.keys) for load in loads)
+                        raise RuntimeError(
+                            f"cache: writing {rows} evicted rows of tables {tables} back to "
+                            f"the inner server failed twice ({first}; {error}); they are kept "
+                            "and the next call tries again"
+                        ) from error
+                self._in_flight.pop(0)
+
+    def _load_all(self, loads: list[_Load]) -> None:
+        for load in loads:
+            self._timed(self._inner.load, load.table, load.keys, *load.columns, **load.named)
 
     def __repr__(self) -> str:
         return f"CachedServer({self.inner!r}, rows={self._rows!r}, xp={self.kernels.name!r})"
@@ -194,12 +254,14 @@ class CachedServer(ParameterServer):
         """Writes the updated rows back, then closes the inner server."""
         try:
             with self._lock:
+                self._settle()
                 for name in list(self._tables):
                     self._flush_table(name)
                 self._tables.clear()
         finally:
             super().close()
-            self.inner.close()
+            self._writer.shutdown(wait=True)
+            self._inner.close()
 
     def add_restart_listener(self, listener: Callable[[str, int | None], None]) -> None:
         """``listener(address, step)`` when a remote server came back (its
@@ -262,12 +324,18 @@ class CachedServer(ParameterServer):
         return self._write_back(name, cache, slots)
 
     def _write_back(
-        self, name: str, cache: _Table, slots: np.ndarray, keys: np.ndarray | None = None
+        self,
+        name: str,
+        cache: _Table,
+        slots: np.ndarray,
+        keys: np.ndarray | None = None,
+        loads: list[_Load] | None = None,
     ) -> int:
         """Loads the rows of ``slots`` (those updated; ``keys``: whose rows
         they hold, if no longer the index's) into the inner server with
         every column but the version: the server stamps its current version
-        (so they enter its change log)."""
+        (so they enter its change log). With ``loads``, the rows are copied
+        out and the load is appended there, for later."""
         k = self.kernels
         slots = np.asarray(slots, np.int64)
         if not len(slots):
@@ -283,18 +351,17 @@ class CachedServer(ParameterServer):
             keys = np.asarray(keys)[dirty]
         rows = cache.rows
         columns = {c: k.to_host(k.gather(getattr(rows, c), d_slots)) for c in SlotRows.COLUMNS}
-        self._timed(
-            self.inner.load,
+        load = _Load(
             name,
             keys,
-            columns["weights"],
-            columns["state"] if cache.math.state_dim else None,
-            counts=columns["counts"],
-            steps=columns["steps"],
-            times=columns["times"],
-            shows=columns["shows"],
-            clicks=columns["clicks"],
+            (columns["weights"], columns["state"] if cache.math.state_dim else None),
+            {c: columns[c] for c in ("counts", "steps", "times", "shows", "clicks")},
         )
+        if loads is None:
+            self._settle()  # older rows of these keys land first
+            self._load_all([load])
+        else:
+            loads.append(load)
         rows.dirty[d_slots] = False
         cache.counters["written_back"] += len(slots)
         return len(slots)
@@ -306,7 +373,9 @@ class CachedServer(ParameterServer):
         try:
             return fn(*args, **kwargs)
         finally:
-            self.inner_seconds += time.perf_counter() - start
+            took = time.perf_counter() - start
+            with self._timed_lock:  # the writer thread counts too
+                self.inner_seconds += took
 
     def flush(self, table: str | None = None) -> int:
         """Writes the updated cached rows of one table (or all) back to the
@@ -495,6 +564,7 @@ class CachedServer(ParameterServer):
         step: int | None,
     ) -> None:
         k, xp = self.kernels, self.xp
+        self._settle()  # a miss may be an earlier pull's victim
         keys = np.concatenate([keys for _, _, keys in local]) if len(local) > 1 else local[0][2]
         bounds = np.cumsum([0] + [len(keys) for _, _, keys in local])
         region = np.repeat([c.region.id for c, _, _ in local], np.diff(bounds)).astype(np.int32)
@@ -514,7 +584,7 @@ class CachedServer(ParameterServer):
             for p in pulls:  # which incoming keys have no row yet
                 if p.incoming.any():
                     p.new = ~self._timed(
-                        self.inner.contains, p.part.table, p.keys[p.miss[p.incoming]]
+                        self._inner.contains, p.part.table, p.keys[p.miss[p.incoming]]
                     )
             inner_parts = [
                 PullPart(p.part.table, p.keys[p.miss], p.miss_rows, p.miss_offsets)
@@ -522,7 +592,7 @@ class CachedServer(ParameterServer):
                 if len(p.miss)
             ] + forward
             if inner_parts:
-                self._timed(self.inner.pull_many, inner_parts, train=True, step=step)
+                self._timed(self._inner.pull_many, inner_parts, train=True, step=step)
             for p in pulls:
                 if p.incoming.any():
                     self._swap_in(p, step)
@@ -591,10 +661,12 @@ class CachedServer(ParameterServer):
         )  # fmt: skip
 
     def _write_back_victims(self, plan: Any) -> None:
-        """The victims' updated rows, written back before their slots take
-        the incoming rows (one ``load`` per table)."""
+        """The victims' updated rows, copied out before their slots take the
+        incoming rows, then written back by the writer thread (one job, a
+        ``load`` per table)."""
         if not len(plan.victims):
             return
+        loads: list[_Load] = []
         bases = np.array([r.entry_base for r in self.index.regions.values()])
         names = list(self.index.regions)
         region = np.searchsorted(bases, plan.victim_entries, side="right") - 1
@@ -605,9 +677,11 @@ class CachedServer(ParameterServer):
                 continue
             at = region == r
             slots = plan.victim_entries[at] - cache.region.entry_base
-            self._write_back(name, cache, slots, plan.victims[at])
+            self._write_back(name, cache, slots, plan.victims[at], loads)
             cache.rows.admitted_at[self.kernels.to_device(slots)] = 0
             cache.counters["evicted"] += int(at.sum())
+        if loads:
+            self._in_flight.append((self._writer.submit(self._load_all, loads), loads))
 
     def _swap_in(self, p: _PartPull, step: int | None) -> None:
         """Copies the incoming rows to their slots: rows the pull just
@@ -639,7 +713,7 @@ class CachedServer(ParameterServer):
             cache.counters["swapped_in_new"] += int(known.sum())
         read = np.nonzero(~known)[0]
         if len(read):
-            rows, got = self._timed(self.inner.read_rows, name, keys[read])
+            rows, got = self._timed(self._inner.read_rows, name, keys[read])
             found[read] = got
             at = read[got]
             weights[at] = rows.weights
@@ -690,6 +764,7 @@ class CachedServer(ParameterServer):
             forward: list[PushPart] = []
             copy_back: list[tuple[Any, np.ndarray, np.ndarray]] = []
             local: list[tuple[_Table, PushPart, np.ndarray, Any]] = []
+            locked = True  # every cached key found by its pull, its slot locked since
             for part, spec in checked:
                 cache = self._cache(part.table, spec)
                 keys = np.asarray(part.keys).view(np.uint64)
@@ -698,7 +773,9 @@ class CachedServer(ParameterServer):
                     cached = np.zeros(len(keys), bool)
                     slots = None
                 else:
-                    cached, slots = self._used_slots(cache, part.table, keys, step)
+                    used = self._used_of(part.table, keys, step)
+                    locked = locked and used is not None
+                    cached, slots = self._used_slots(cache, part.table, keys, used)
                 where = chosen[cached[chosen]]
                 if len(where):
                     local.append((cache, part, where, slots))
@@ -709,8 +786,9 @@ class CachedServer(ParameterServer):
                     if back is not None:
                         copy_back.append(back)
             result = PushResult(0, 0, 0, 0)
-            if forward:
-                result = self._timed(self.inner.push_many, forward, unique=unique, step=step)
+            if forward:  # a locked key is no write-back's victim: no need to wait for them
+                inner = self._inner if locked else self.inner
+                result = self._timed(inner.push_many, forward, unique=unique, step=step)
                 for updated, rows, staged in copy_back:
                     self.kernels.put_rows(updated, rows, staged)
             for cache, part, where, slots in local:
@@ -718,20 +796,14 @@ class CachedServer(ParameterServer):
             return result
 
     def _used_slots(
-        self, cache: _Table, table: str, keys: np.ndarray, step: int | None
+        self, cache: _Table, table: str, keys: np.ndarray, used: _Used | None
     ) -> tuple[np.ndarray, Any]:
         """(cached on the host, slots on the device) of a push's keys. The
         training pull of the same step found them while its slots are
         locked, so its cached keys are still where it found them; its other
         keys (and every key without such a pull) are looked up: a later
         pull may have brought them in, and the push then goes to the cache."""
-        used = self._used.get((table, step))
-        if (
-            used is None
-            or used.generation != self._generation
-            or used.epoch < self.index.epoch - 1
-            or not (used.keys is keys or np.array_equal(used.keys, keys))
-        ):
+        if used is None:
             return self._slots_of(cache, keys)
         rest = np.nonzero(~used.cached)[0]
         came = [a[2] for a in self._admitted if a[0] > used.epoch and a[1] == table]
@@ -752,10 +824,23 @@ class CachedServer(ParameterServer):
         merged[self.kernels.to_device(rest)] = slots
         return cached, merged
 
+    def _used_of(self, table: str, keys: np.ndarray, step: int | None) -> _Used | None:
+        """The training pull of ``keys`` for this step, if its slots are
+        still locked (no pull but the next one since)."""
+        used = self._used.get((table, step))
+        if (
+            used is None
+            or used.generation != self._generation
+            or used.epoch < self.index.epoch - 1
+            or not (used.keys is keys or np.array_equal(used.keys, keys))
+        ):
+            return None
+        return used
+
     def _push_args(self, part: PushPart) -> tuple[PushPart, TableSpec]:
         """Checks a part as the engine does, before anything changes."""
         table = part.table
-        spec = self.inner.spec(table)
+        spec = self._inner.spec(table)
         keys = as_keys(part.keys)
         self._check_rows_array(part.grads, (len(keys), spec.dim), f"grads for table {table!r}")
         updated, updated_rows = part.updated, part.updated_rows
