@@ -198,7 +198,7 @@ def test_hit_miss_and_write_back_counters(policy: str) -> None:
         twice = np.array([2], F32)  # seen twice in the batch: it may displace a cached key
         ps.pull_many([PullPart("t", [3], out[:1], counts=twice)], step=3)  # 2 (least seen) leaves
         c = ps.cache_stats("t")
-        assert (c["hits"], c["misses"], c["swapped_in"], c["swapped_in_new"]) == (1, 3, 3, 3)
+        assert (c["hits"], c["misses"], c["swapped_in"]) == (1, 3, 3)
         assert (c["evicted"], c["written_back"], c["updated"], c["rows"]) == (1, 1, 1, 2)
         ps.push("t", [1], np.ones((1, 2), F32), step=3)
         assert ps.stats("t")["cache_written_back"] == 2  # stats writes 1 back
@@ -206,7 +206,7 @@ def test_hit_miss_and_write_back_counters(policy: str) -> None:
                                       ps.pull("t", [1, 2], train=False))  # fmt: skip
         ps.pull_many([PullPart("t", [2, 3], out)], step=4)  # 2 comes back: read whole
         c = ps.cache_stats("t")
-        assert (c["hits"], c["misses"], c["swapped_in"], c["swapped_in_new"]) == (2, 4, 4, 3)
+        assert (c["hits"], c["misses"], c["swapped_in"]) == (2, 4, 4)
         # as the engine alone counts: 8 keys through the cache, 2 straight to the engine
         assert ps.stats("t")["pulled_keys"] == 10
 

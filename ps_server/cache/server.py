@@ -94,7 +94,6 @@ COUNTERS = (
     "hit_occurrences",  # key occurrences of the hits (the pull's counts)
     "occurrences",  # key occurrences of training pulls
     "swapped_in",  # rows copied into the cache
-    "swapped_in_new",  # of those, rows the pull had just created (no read needed)
     "evicted",  # rows that left the cache for others
     "written_back",  # rows written back to the inner server
     "updated",  # row updates applied in the cache
@@ -581,8 +580,8 @@ class CachedServer(ParameterServer):
             for i, (cache, part, part_keys) in enumerate(local):
                 pulls.append(self._part_of_plan(cache, part, part_keys, plan, bounds[i], counts))
             self._write_back_victims(plan)
-            for p in pulls:  # which incoming keys have no row yet
-                if p.incoming.any():
+            for p in pulls:  # which incoming keys admission has just let in
+                if p.incoming.any() and p.cache.spec.admission.min_count > 1:
                     p.new = ~self._timed(
                         self._inner.contains, p.part.table, p.keys[p.miss[p.incoming]]
                     )
@@ -684,52 +683,22 @@ class CachedServer(ParameterServer):
             self._in_flight.append((self._writer.submit(self._load_all, loads), loads))
 
     def _swap_in(self, p: _PartPull, step: int | None) -> None:
-        """Copies the incoming rows to their slots: rows the pull just
-        created are known (initial vector and state); the others are read
-        whole from the inner server. Keys left without a row (waiting for
-        admission) do not come in (``p.failed``)."""
+        """Copies the incoming rows to their slots, read whole from the
+        inner server as the pull left them (one ``read_rows``). Keys left
+        without a row (waiting for admission) do not come in (``p.failed``)."""
         cache, name = p.cache, p.part.table
         incoming = np.nonzero(p.incoming)[0]  # positions in miss
         keys = p.keys[p.miss[incoming]]
         slots = p.slots[incoming]
-        state_dim = cache.math.state_dim
-        n = len(keys)
-        weights = p.miss_rows[incoming]
-        state = np.empty((n, state_dim), F32)
-        counts = np.zeros(n, np.uint32)
-        steps = np.zeros(n, np.uint64)
-        times = np.zeros(n, np.uint32)
-        shows = np.zeros(n, F32)
-        clicks = np.zeros(n, F32)
-        found = np.ones(n, bool)
-        new = p.new if p.new is not None else np.zeros(n, bool)
-        # min_count 1: a new row is the initial vector and state, count 0
-        fresh = cache.spec.admission.min_count == 1 and step is not None
-        known = new if fresh else np.zeros(n, bool)
-        if known.any():  # rows created by this pull, as the engine creates them
-            state[known] = cache.math.initial_state(int(known.sum()))
-            steps[known] = np.uint64(step if step is not None else 0)
-            times[known] = np.uint32(int(time.time()))
-            cache.counters["swapped_in_new"] += int(known.sum())
-        read = np.nonzero(~known)[0]
-        if len(read):
-            rows, got = self._timed(self._inner.read_rows, name, keys[read])
-            found[read] = got
-            at = read[got]
-            weights[at] = rows.weights
-            state[at] = rows.state.reshape(len(at), state_dim)
-            counts[at], steps[at], times[at] = rows.counts, rows.steps, rows.times
-            shows[at], clicks[at] = rows.shows, rows.clicks
+        rows, found = self._timed(self._inner.read_rows, name, keys)  # as the pull left them
         if not found.all():
             self._forget_keys(name, keys[~found])
             p.failed = incoming[~found]
-        marked = new & (cache.spec.admission.min_count > 1)
-        admitted_at = np.where(marked, np.uint64(self._step_of(step) + 1), np.uint64(0))
-        self._put_slots(cache, slots[found], {
-            "weights": weights[found], "state": state[found], "counts": counts[found],
-            "steps": steps[found], "times": times[found], "shows": shows[found],
-            "clicks": clicks[found],
-        }, admitted_at[found])  # fmt: skip
+        new = p.new[found] if p.new is not None else np.zeros(len(rows.keys), bool)
+        admitted_at = np.where(new, np.uint64(self._step_of(step) + 1), np.uint64(0))
+        columns = {c: getattr(rows, c) for c in SlotRows.COLUMNS}
+        columns["state"] = rows.state.reshape(len(rows.keys), cache.math.state_dim)
+        self._put_slots(cache, slots[found], columns, admitted_at)
 
     def _put_slots(
         self,
