@@ -20,6 +20,7 @@ whole machine. The last line printed is one JSON object.
     python benchmarks/ps_bench.py --quick    # 2M rows
     python benchmarks/ps_bench.py --rows 50000000 --skip-naive
     python benchmarks/ps_bench.py --remote   # remote servers (ps_remote.py)
+    python benchmarks/ps_bench.py --disk     # the disk tier's parts (ps_disk.py)
 """
 
 from __future__ import annotations
@@ -162,6 +163,8 @@ def run_wuliang(
 
 
 def main() -> None:
+    import ps_disk
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=16_000_000)
     parser.add_argument("--quick", action="store_true", help="2M rows, fewer batches")
@@ -180,7 +183,17 @@ def main() -> None:
     parser.add_argument(
         "--server-threads", type=int, default=2, help="--remote: each wuliang ps's --threads"
     )
+    parser.add_argument(
+        "--disk",
+        action="store_true",
+        help="the disk tier: the disk's random-read rate, row-file reads and the cold "
+        "index's RAM per key (benchmarks/ps_disk.py)",
+    )
+    ps_disk.add_arguments(parser)
     args = parser.parse_args()
+    if args.disk:
+        ps_disk.main(args)
+        return
     if args.remote:
         import ps_remote
 

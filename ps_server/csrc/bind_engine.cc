@@ -6,16 +6,20 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "details/cache_twin.h"
+#include "details/cold_index.h"
 #include "details/hash_map.h"
+#include "details/row_file.h"
 #include "wuliang/ps/engine.h"
 #include "wuliang/ps/hash.h"
 
@@ -1025,4 +1029,59 @@ PYBIND11_MODULE(_engine, m) {
       "keys"_a, "num_servers"_a,
       "Parameter server of each key among num_servers (uint32): ServerOf in "
       "wuliang/ps/hash.h, independent of the shard.");
+  m.def(
+      "disk_random_reads",
+      [](const std::string& dir, size_t file_bytes, size_t read_bytes, int depth, double seconds) {
+        bool direct = false;
+        double rate;
+        {
+          py::gil_scoped_release release;
+          rate = details::MeasureRandomReads(dir, file_bytes, read_bytes, depth, seconds, &direct);
+        }
+        return std::make_tuple(rate, direct);
+      },
+      "dir"_a, "file_bytes"_a, "read_bytes"_a, "depth"_a, "seconds"_a,
+      "The disk's random-read rate as fio measures it: (reads/s, O_DIRECT used), depth "
+      "threads reading read_bytes at random aligned offsets of a file of file_bytes in dir "
+      "(written first, deleted after).");
+  m.def(
+      "row_file_reads",
+      [](const std::string& dir, size_t record_bytes, size_t records, size_t reads, int depth,
+         size_t batch) {
+        py::gil_scoped_release release;
+        details::IoPool pool(depth - 1);  // and the caller: depth reads in flight
+        details::RowFile file(dir, record_bytes, &pool);
+        std::vector<char> record(record_bytes, 1);
+        std::vector<uint32_t> locs(records);
+        for (size_t i = 0; i < records; ++i) locs[i] = file.Append(record.data());
+        std::mt19937_64 rng(11);
+        std::vector<uint32_t> wanted(batch);
+        std::vector<char> out(batch * record_bytes);
+        const auto start = std::chrono::steady_clock::now();
+        size_t done = 0;
+        for (; done < reads; done += batch) {
+          for (uint32_t& loc : wanted) loc = locs[rng() % records];
+          file.ReadMany(wanted.data(), batch, out.data());
+        }
+        const double took =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        const details::RowFileStats stats = file.Stats();
+        return std::make_tuple(static_cast<double>(done) / took, stats.direct,
+                               static_cast<double>(stats.bytes_on_disk) / records);
+      },
+      "dir"_a, "record_bytes"_a, "records"_a, "reads"_a, "depth"_a, "batch"_a,
+      "Random record reads through the disk tier's row files (details/row_file.h): "
+      "(records/s, O_DIRECT used, disk bytes per record), records appended first, then read "
+      "in batches of batch with depth reads in flight.");
+  m.def(
+      "cold_index_bytes_per_key",
+      [](size_t keys) {
+        details::ColdIndex index;
+        for (uint64_t k = 1; k <= keys; ++k) {
+          const uint64_t key = k * 0x9E3779B97F4A7C15ULL;
+          index.Set(key, Mix64(key), static_cast<uint32_t>(k));
+        }
+        return static_cast<double>(index.bytes()) / static_cast<double>(keys);
+      },
+      "keys"_a, "RAM of the disk tier's cold index per key, holding keys keys.");
 }
