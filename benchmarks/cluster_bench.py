@@ -1,8 +1,9 @@
 """A training cluster next to one process: ``train_bench.py --cluster SxW``.
 
-The model and data of ``train_bench.py`` (26 Criteo-like embeddings of dim
-16, 13 dense features, a Keras MLP 512-256-128-1; Adagrad(0.05) on the
-tables, Adagrad(0.01) on the tower; batches of ``--batch``), trained
+The model (``bench_model.py``) and data of ``train_bench.py`` (26
+Criteo-like embeddings of dim 16, 13 dense features, a Keras MLP
+512-256-128-1; Adagrad(0.05) on the tables, Adagrad(0.01) on the tower;
+batches of ``--batch``), trained
 
 * by one process with the embedded engine (the baseline), for ``W + 1``
   times ``--steps`` steps;
@@ -51,7 +52,8 @@ HERE = Path(__file__).resolve().parent
 
 def trainer(args: argparse.Namespace) -> None:
     """One trainer (of the job, or the baseline): trains and writes its timings."""
-    import train_bench as tb
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ info lines
+    from bench_model import DIM, make_tower, tower_optimizer  # benchmarks/, the script's folder
 
     import wuliang as wl
     from wuliang import dense
@@ -78,16 +80,16 @@ def trainer(args: argparse.Namespace) -> None:
     dense.SharedTower.pull = timed("tower_pull", dense.SharedTower.pull)  # type: ignore[method-assign]
     dense.SharedTower.push = timed("tower_push", dense.SharedTower.push)  # type: ignore[method-assign]
 
-    model = tb.make_tower(0)
+    model = make_tower(0)
     context = wl.Context()
-    tables = {n: wl.EmbeddingTable(n, tb.DIM, optimizer=Adagrad(0.05)) for n in SINGLE}
+    tables = {n: wl.EmbeddingTable(n, DIM, optimizer=Adagrad(0.05)) for n in SINGLE}
     features: list[Any] = [wl.SparseFeature(n, tables[n]) for n in SINGLE]
     features += [wl.DenseFeature(n) for n in DENSE]
 
     def tower(embeddings: dict, dense_in: dict) -> Any:
         return model(concat([embeddings[n] for n in SINGLE] + [dense_in[n] for n in DENSE]))
 
-    session = wl.Session(tower, features, context, optimizer=tb.tower_optimizer("adagrad"))
+    session = wl.Session(tower, features, context, optimizer=tower_optimizer("adagrad"))
     marks: dict[str, float] = {}
 
     class Clock(wl.hooks.SessionRunHook):

@@ -124,15 +124,14 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 from bench_data import cores, parquet_files  # benchmarks/, the script's folder
+from bench_model import DIM, TOWER, make_tower, tower_optimizer
 from ps_remote import PsProcess
 
 from wuliang.hooks import SessionRunArgs, SessionRunHook, Timeline
 from wuliang.reader import ParquetReader
 from wuliang.reader.datagen import DENSE, LABEL, SINGLE
 
-DIM = 16
 BUCKETS = 4_194_304  # 2**22: the TF-native table
-TOWER = (512, 256, 128)
 NUM_RANDOM = 8  # distinct random embedding tensors of the ceiling, cycled
 LOSS_WINDOW = 10  # steps averaged for the first and last loss
 TARGETS = {
@@ -190,26 +189,6 @@ def read_batches(files: list[Path], batch: int, count: int) -> Batches:
 
 
 # -- model -----------------------------------------------------------------------------
-
-
-def make_tower(seed: int) -> Any:
-    import keras
-
-    keras.utils.set_random_seed(seed)
-    width = len(SINGLE) * DIM + len(DENSE)
-    return keras.Sequential(
-        [
-            keras.Input((width,)),
-            *(keras.layers.Dense(units, activation="relu") for units in TOWER),
-            keras.layers.Dense(1),
-        ]
-    )
-
-
-def tower_optimizer(kind: str) -> Any:
-    import keras
-
-    return keras.optimizers.Adagrad(0.01) if kind == "adagrad" else keras.optimizers.Adam(1e-3)
 
 
 def bce(tf: Any, labels: Any, logits: Any) -> Any:

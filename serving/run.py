@@ -20,13 +20,12 @@ until SIGINT or SIGTERM. Both servers bind 127.0.0.1 unless told otherwise.
 from __future__ import annotations
 
 import logging
-import signal
 import sys
-import threading
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 from wuliang.ps_server.rpc.auth import read_token
+from wuliang.ps_server.rpc.signals import StopSignals
 from wuliang.ps_server.rpc.tls import ServerTls
 from wuliang.serving.device_cache import check_cache_rows
 from wuliang.serving.grpc_server import GrpcServer
@@ -191,9 +190,8 @@ def serve(options: ServeOptions) -> int:
     logger = logging.getLogger("wuliang")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
+    # in short sleeps, not on an Event: a signal another thread takes would not wake it
+    stop = StopSignals()
     running = start(options)
     store = next(iter(running.service.stores.values()))
     version = store.version
@@ -203,7 +201,6 @@ def serve(options: ServeOptions) -> int:
         f"{running.addresses(options.host)}",
         flush=True,
     )
-    done.wait()
-    log.info("stopping (signal received)")
+    log.info("stopping (%s received)", stop.wait())
     running.stop()
     return 0

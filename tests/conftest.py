@@ -1,4 +1,5 @@
-"""Shared fixtures of the engine tests: seeding, engines and export helpers."""
+"""Shared fixtures of the engine tests: seeding, engines and export helpers;
+the session's safety net for child processes (``processes.py``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
+import processes
 import pytest
 import redis
 
@@ -20,6 +22,13 @@ SEED = 20240611
 
 ExportAll = Callable[..., RowChunk]
 MakeEngine = Callable[[int], Engine]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Child processes a test leaves running are stopped at the session's end
+    (``processes.pytest_sessionfinish``, and at exit)."""
+    if not config.pluginmanager.is_registered(processes):
+        config.pluginmanager.register(processes, "wuliang-child-processes")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -10,10 +10,13 @@ a function ``num_shards -> ParameterServer`` that returns a fresh, empty
 server (typically ``parameter_server(address, num_shards=num_shards)``). The
 ``make_ps`` fixture is the only place implementations are named: every test
 then runs against each one, at each shard count of ``SHARDS``, and every
-server made is closed after its test. The tests use the ``ParameterServer``
-interface and the public spec classes only (no ``Engine`` attribute such as
-``native``, the ``step`` setter or ``worker_thread_ids``), and are
-self-contained (no fixtures or helpers of other test files).
+server made is closed after its test (every one, also after a close that
+fails). The tests use the ``ParameterServer`` interface and the public spec
+classes only (no ``Engine`` attribute such as ``native``, the ``step``
+setter or ``worker_thread_ids``), and are self-contained (no fixtures or
+helpers of other test files; only the ``wuliang ps`` child processes are
+started and stopped through ``tests/processes.py``, so that none outlives
+the session whatever fails).
 
 The remote client runs twice: over servers on threads of the test process
 (every test) and over ``wuliang ps`` child processes (the tests named in
@@ -119,67 +122,56 @@ def remote_on_threads(shards: int, servers: int = 2) -> ParameterServer:
 def remote_processes(shards: int, servers: int = 2) -> ParameterServer:
     """A RemoteServer over ``servers`` ``wuliang ps`` child processes of
     ``shards`` shard threads each, on free loopback ports (read from their
-    start lines, each waited for at most 60 s); closing the client stops them."""
-    import os
+    start lines, each waited for at most 60 s); closing the client stops
+    them, and asserts that each exited 0 on SIGTERM. The processes come
+    from ``tests/processes.py``: each in a process group of its own, killed
+    when a stop times out, stopped at the session's end should nothing else
+    stop them, and stopping by itself should this process die."""
     import re
-    import select
     import subprocess
-    import sys
     import tempfile
-    import time
+
+    import processes
 
     from wuliang.ps_server.remote.client import RemoteServer
 
-    command = [sys.executable, "-m", "wuliang", "ps", "--port", "0", "--threads", str(shards)]
+    command = processes.ps_command("--port", "0", "--threads", str(shards))
     logs = [tempfile.TemporaryFile() for _ in range(servers)]  # noqa: SIM115 (closed in stop)
-    procs = [
-        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True) for log in logs
-    ]
+    procs: list[subprocess.Popen[bytes]] = []
 
-    def stop() -> None:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:  # a busy machine may take a while; a stop hung 15 s dumps its stacks
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=20)
-            finally:
-                proc.stdout.close()
-        codes = [proc.returncode for proc in procs]
-        said = []
-        for log in logs:
-            log.seek(0)
-            said.append(log.read().decode(errors="replace")[-6000:])
-            log.close()
-        assert codes == [0] * len(procs), (
+    def stop(check: bool = True) -> None:
+        try:
+            codes = processes.stop_each(procs)
+        finally:
+            said = []
+            for log in logs:
+                log.seek(0)
+                said.append(log.read().decode(errors="replace")[-6000:])
+                log.close()
+        assert not check or codes == [0] * len(procs), (
             f"wuliang ps exit codes {codes} after SIGTERM; their stderr:\n" + "\n---\n".join(said)
         )
 
-    addresses = []
     try:
+        for log in logs:
+            procs.append(processes.spawn(command, stdout=subprocess.PIPE, stderr=log))
+        addresses = []
         for proc in procs:
-            deadline = time.monotonic() + 60
-            line = ""
-            while not line.endswith("\n") and time.monotonic() < deadline:
-                ready, _, _ = select.select([proc.stdout], [], [], 1.0)
-                if ready:
-                    line += os.read(proc.stdout.fileno(), 1).decode()
-                elif proc.poll() is not None:
-                    break
+            line = processes.read_line(proc)
             match = re.search(r"listening on grpc (\S+):(\d+)", line)
-            assert match, f"wuliang ps did not start: {line!r}"
+            assert match, f"wuliang ps did not start: {line!r} (exit code {proc.poll()})"
             addresses.append(f"127.0.0.1:{match[2]}")
         client = RemoteServer(addresses, timeout=30.0)
     except BaseException:
-        stop()
+        stop(check=False)  # one that had not started yet exits -15: the error is the start's
         raise
     close = client.close
 
     def close_all() -> None:
-        close()
-        stop()
+        try:
+            close()
+        finally:  # the servers stop even when the client's close fails
+            stop()
 
     client.close = close_all  # type: ignore[method-assign]
     return client
@@ -235,8 +227,25 @@ def make_ps(request: pytest.FixtureRequest) -> Iterator[MakeServer]:
         return server
 
     yield make
+    close_servers(servers)
+
+
+def close_servers(servers: list[ParameterServer]) -> None:
+    """Closes every server, also those after one whose close raises; then
+    raises the first error (naming how many closes failed)."""
+    errors: list[BaseException] = []
     for server in servers:
-        server.close()
+        try:
+            server.close()
+        except BaseException as error:  # the others are closed all the same
+            errors.append(error)
+    if len(errors) > 1:
+        raise RuntimeError(
+            f"closing {len(errors)} of {len(servers)} servers failed: "
+            + "; ".join(repr(error) for error in errors)
+        ) from errors[0]
+    if errors:
+        raise errors[0]
 
 
 @pytest.fixture(params=SHARDS, ids=lambda n: f"{n}shard")

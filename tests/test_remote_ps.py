@@ -1,10 +1,11 @@
 """``wuliang ps`` as real processes, and ``RemoteServer`` over them.
 
 Every server here is a child process (``python -m wuliang ps --port 0 ...``)
-started with ``subprocess.Popen``; its start line names the port it bound,
-which the tests parse. Every wait is bounded, and the ``start_ps`` fixture
-kills and reaps whatever is still running when a test ends (a test that
-stops a server itself asserts its exit code).
+started through ``tests/processes.py`` (a process group of its own, stopping
+by itself should the test process die); its start line names the port it
+bound, which the tests parse. Every wait is bounded, and the ``start_ps``
+fixture stops and reaps whatever is still running when a test ends (a test
+that stops a server itself asserts its exit code).
 
 What passing guarantees:
 
@@ -16,7 +17,8 @@ What passing guarantees:
   and contains, the removal log, and versions with a delta export.
 * The start line is one line naming the scheme, address and shard threads;
   SIGTERM and SIGINT each make the server exit 0 within a few seconds, with
-  a trainer still connected.
+  a trainer still connected, also when a thread other than the main one
+  takes the signal.
 * With ``--token-file`` a client without the token, or with a wrong one, is
   refused UNAUTHENTICATED (its data stream too), while a client with it is
   served.
@@ -50,6 +52,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import processes
 import pytest
 
 from wuliang.ps_server import (
@@ -129,14 +132,15 @@ StartPs = Callable[..., Ps]
 @pytest.fixture
 def start_ps(tmp_path: Path) -> Iterator[StartPs]:
     """``start_ps(*args, port=0)``: a ``wuliang ps`` process that has printed
-    its start line. Every process started is killed and reaped afterwards."""
+    its start line. Every process started is stopped (SIGTERM, then SIGKILL)
+    and reaped afterwards (``tests/processes.py``)."""
     started: list[Ps] = []
 
     def start(*args: str, port: int = 0) -> Ps:
         log = tmp_path / f"ps-{len(started)}.log"
-        command = [sys.executable, "-m", "wuliang", "ps", "--port", str(port), *args]
+        command = processes.ps_command("--port", str(port), *args)
         with open(log, "w") as stderr:
-            process = subprocess.Popen(
+            process = processes.spawn(
                 command, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=tmp_path
             )
         ps = Ps(process, log)
@@ -152,11 +156,7 @@ def start_ps(tmp_path: Path) -> Iterator[StartPs]:
         return ps
 
     yield start
-    for ps in started:
-        if ps.process.poll() is None:
-            ps.kill()
-        assert ps.process.stdout is not None
-        ps.process.stdout.close()
+    processes.stop_each([ps.process for ps in started])  # all of them, whatever fails
 
 
 @pytest.fixture
@@ -351,6 +351,44 @@ def test_the_start_line_names_the_address_and_a_signal_stops_it(
     assert "Traceback" not in ps.log_text()
     with socket.socket() as probe:  # nothing listens there any more
         assert probe.connect_ex(("127.0.0.1", ps.port)) != 0
+
+
+# A process that waits for SIGTERM as ``wuliang ps`` and ``wuliang serve`` do
+# (``StopSignals``), whose main thread blocks SIGTERM, so that the kernel hands
+# it to another thread, as it sometimes does in a busy server (to a thread
+# that is creating a thread at that moment, for one).
+SIGNAL_ON_ANOTHER_THREAD = """
+import signal, threading, time
+from wuliang.ps_server.rpc.signals import StopSignals
+
+stop = StopSignals()
+threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+print("waiting", flush=True)
+print(stop.wait(), flush=True)
+"""
+
+
+def test_a_stop_signal_taken_by_another_thread_still_stops_the_server() -> None:
+    """The main thread notices a SIGTERM that another thread took (a main
+    thread blocked on ``threading.Event.wait()`` never did: a CI run saw a
+    ``wuliang ps`` that ignored SIGTERM until it was killed)."""
+    child = processes.spawn(
+        [sys.executable, "-c", SIGNAL_ON_ANOTHER_THREAD],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert processes.read_line(child) == "waiting\n"
+        child.send_signal(signal.SIGTERM)  # the process, not its main thread
+        try:
+            out, err = child.communicate(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"SIGTERM taken by another thread: no stop {STOP_TIMEOUT:g} s later")
+    finally:
+        processes.stop_each([child])
+    assert (child.returncode, out) == (0, "SIGTERM\n"), err
 
 
 # -- security ---------------------------------------------------------------------------------

@@ -9,20 +9,22 @@ with ``--tls-cert`` and ``--tls-key`` it speaks TLS. Without ``--port`` it
 serves at its own address in ``TF_CONFIG`` (``wuliang.ps_server.cluster``).
 With ``--restore DIR`` it first takes back its part of the newest checkpoint
 of DIR (``wuliang.ps_server.remote.recover``): a server that comes back.
+With ``--parent-pid P`` it also stops, as on SIGTERM, once process P is no
+longer its parent (P exited): test harnesses start servers that way, so
+that none outlives a harness that was killed.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import logging
-import signal
 import sys
-import threading
 from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 from wuliang.ps_server.cluster import Cluster
+from wuliang.ps_server.rpc.signals import StopSignals
 
 __all__ = ["PsOptions", "listen_address", "place", "run", "start"]
 
@@ -43,6 +45,7 @@ class PsOptions:
     restore: Path | None = None  # a model directory: restore this server's part at start
     server_index: int | None = None  # with restore: which server of num_servers this is
     num_servers: int | None = None
+    parent_pid: int | None = None  # stop once this process is no longer the parent
 
 
 def place(options: PsOptions, environ: Mapping[str, str] | None = None) -> tuple[int, int]:
@@ -90,6 +93,8 @@ def check_options(options: PsOptions) -> None:
     """ValueError for options that do not go together (usage errors)."""
     if (options.tls_cert is None) != (options.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
+    if options.parent_pid is not None and options.parent_pid < 1:
+        raise ValueError(f"--parent-pid must be a process id >= 1, got {options.parent_pid}")
     if options.restore is not None:
         place(options)
 
@@ -132,11 +137,12 @@ def start(options: PsOptions):
 
 
 def run(options: PsOptions) -> int:
-    """Serves until SIGTERM or SIGINT; prints the address once listening."""
+    """Serves until SIGTERM or SIGINT (or, with ``parent_pid``, until that
+    process is no longer the parent); prints the address once listening."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # before the line that says it runs
-        signal.signal(sig, lambda *_: done.set())
+    # before the line that says it runs; waits in short sleeps, not on an Event:
+    # a signal taken by another thread does not wake a main thread blocked on one
+    stop = StopSignals(options.parent_pid)
     server = start(options)
     scheme = "grpc+tls" if options.tls_cert is not None else "grpc"
     print(
@@ -144,10 +150,10 @@ def run(options: PsOptions) -> int:
         f"({options.threads} shard threads)",
         flush=True,
     )
-    done.wait()
+    reason = stop.wait()
     # A stop that hangs says where: every thread's stack on stderr after 15 s.
     faulthandler.dump_traceback_later(15.0, exit=False)
     server.stop(grace=5.0)
     faulthandler.cancel_dump_traceback_later()
-    print("parameter server stopped", file=sys.stderr, flush=True)
+    print(f"parameter server stopped ({reason})", file=sys.stderr, flush=True)
     return 0

@@ -267,6 +267,7 @@ def _ps_options(args: argparse.Namespace) -> Any:
         restore=None if args.restore is None else location(args.restore),
         server_index=args.server_index,
         num_servers=args.num_servers,
+        parent_pid=args.parent_pid,
     )
 
 
@@ -534,6 +535,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-servers",
         type=bounded_int(1),
         help="with --restore: how many servers the job has (default: TF_CONFIG's ps tasks)",
+    )
+    ps.add_argument(
+        "--parent-pid",
+        type=bounded_int(1),
+        metavar="PID",
+        help="also stop (as on SIGTERM) once process PID is no longer this server's parent, "
+        "i.e. it exited: for test harnesses and supervisors that must not leave servers behind",
     )
 
     launch = command(
