@@ -29,6 +29,7 @@ Semantics in one place:
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -70,13 +71,30 @@ class Engine(ParameterServer):
     Args:
         num_shards: worker threads; each owns 1/num_shards of every table's
             keys. Use about the number of cores left over by the trainer.
+        disk_dir: a directory on a local disk for the disk tier
+            (docs/disk_tier.md): rows beyond ``memory_bytes`` live in row
+            files there (scratch: made afresh, deleted on close), each
+            keeping a 19-byte locator in RAM. None: every row in RAM.
+        memory_bytes: with ``disk_dir``, the RAM for rows of all tables
+            (serving tables excepted), split evenly among the shards;
+            0: 1 GiB.
     """
 
-    def __init__(self, num_shards: int = 2) -> None:
+    def __init__(
+        self, num_shards: int = 2, *, disk_dir: str | os.PathLike[str] | None = None,
+        memory_bytes: int = 0,
+    ) -> None:  # fmt: skip
         super().__init__()
         if not isinstance(num_shards, int) or not 1 <= num_shards <= 1024:
             raise ValueError(f"num_shards must be an int in [1, 1024], got {num_shards!r}")
-        self._native: _engine.Engine | None = _engine.Engine(num_shards)
+        if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or memory_bytes < 0:
+            raise ValueError(f"memory_bytes must be an int >= 0, got {memory_bytes!r}")
+        if memory_bytes and disk_dir is None:
+            raise ValueError("memory_bytes is the disk tier's budget: it needs disk_dir")
+        self.disk_dir = None if disk_dir is None else os.fspath(disk_dir)
+        self._native: _engine.Engine | None = _engine.Engine(
+            num_shards, self.disk_dir or "", memory_bytes
+        )
         # name -> (native id, spec), replaced whole, so that one lookup gives
         # an id and the spec of the same table. Native ids are never reused
         # for another table (the engine raises on a dropped table's id).

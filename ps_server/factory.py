@@ -16,6 +16,10 @@ parameter server:
   ``&``: ``policy=stats|lru``, ``half_life=<batches>``,
   ``xp=auto|numpy|cupy`` (e.g. ``"embedded?gpu_cache_rows=1000000"``,
   ``"h1:7001,h2:7002?gpu_cache_rows=1000000&policy=lru"``);
+* ``"embedded?disk_dir=D&memory_gb=G"``: the engine with its disk tier
+  (``Engine(disk_dir=, memory_bytes=)``, docs/disk_tier.md): rows beyond
+  G GiB of RAM live in row files under D; the cache's options may follow
+  (``"embedded?disk_dir=/ssd&memory_gb=4&gpu_cache_rows=100000"``);
 * more kinds register with ``register_backend``.
 
 A backend is a function ``(address, num_shards) -> ParameterServer``. An
@@ -43,6 +47,7 @@ FORMS = {
     "cached": '"<address>?gpu_cache_rows=N" (a GPU hot cache in front of either)',
 }
 CACHE_OPTIONS = ("gpu_cache_rows", "policy", "half_life", "xp")
+ENGINE_OPTIONS = ("disk_dir", "memory_gb")  # an embedded engine's, after "?"
 
 
 def register_backend(kind: str, backend: Backend) -> None:
@@ -85,6 +90,14 @@ def address_kind(address: object) -> str:
     if address == "embedded":
         return "embedded"
     if isinstance(address, str) and "?" in address:
+        base, engine, cache = _split_options(address)
+        if engine and base != "embedded":
+            raise ValueError(
+                f"ps={address!r}: {', '.join(engine)} are an embedded engine's options "
+                "(remote servers take wuliang ps --disk-dir / --memory-gb)"
+            )
+        if not cache:
+            return "embedded"
         address_kind(cache_address(address)[0])
         return "cached"
     if isinstance(address, str) and ":" in address:
@@ -103,19 +116,55 @@ def address_kind(address: object) -> str:
     )
 
 
-def cache_address(address: str) -> tuple[str, dict[str, Any]]:
-    """``"<address>?gpu_cache_rows=N&..."`` split into the inner address and
-    ``CachedServer``'s keyword arguments (``rows``, ``policy``, ...);
-    ValueError naming a bad option."""
-    inner, _, query = address.partition("?")
-    options: dict[str, Any] = {}
+def _split_options(address: str) -> tuple[str, dict[str, str], dict[str, str]]:
+    """(the address before "?", its engine options, its cache options);
+    ValueError naming an unknown one."""
+    base, _, query = address.partition("?")
+    engine: dict[str, str] = {}
+    cache: dict[str, str] = {}
     for item in filter(None, query.split("&")):
         name, sep, value = item.partition("=")
-        if not sep or name not in CACHE_OPTIONS:
-            raise ValueError(
-                f"ps={address!r}: {item!r} is not a cache option "
-                f"(options: {', '.join(f'{o}=...' for o in CACHE_OPTIONS)})"
-            )
+        if sep and name in ENGINE_OPTIONS:
+            engine[name] = value
+        elif sep and name in CACHE_OPTIONS:
+            cache[name] = value
+        else:
+            known = ", ".join(f"{o}=..." for o in ENGINE_OPTIONS + CACHE_OPTIONS)
+            raise ValueError(f"ps={address!r}: {item!r} is not an option (options: {known})")
+    return base, engine, cache
+
+
+def engine_options(address: str) -> dict[str, Any]:
+    """``Engine``'s keyword arguments from ``"embedded?disk_dir=D&memory_gb=G"``
+    (``disk_dir``, ``memory_bytes``); ValueError naming a bad value."""
+    _, engine, _ = _split_options(address)
+    options: dict[str, Any] = {}
+    if "memory_gb" in engine:
+        try:
+            gb = float(engine["memory_gb"])
+        except ValueError:
+            gb = -1.0
+        if not 0 < gb < float("inf"):
+            raise ValueError(f"ps={address!r}: memory_gb must be a number > 0, got "
+                             f"{engine['memory_gb']!r}")  # fmt: skip
+        options["memory_bytes"] = int(gb * (1 << 30))
+    if "disk_dir" in engine:
+        if not engine["disk_dir"]:
+            raise ValueError(f"ps={address!r}: disk_dir is empty")
+        options["disk_dir"] = engine["disk_dir"]
+    elif options:
+        raise ValueError(f"ps={address!r}: memory_gb is the disk tier's budget: it needs disk_dir")
+    return options
+
+
+def cache_address(address: str) -> tuple[str, dict[str, Any]]:
+    """``"<address>?gpu_cache_rows=N&..."`` split into the inner address
+    (with its engine options, if any) and ``CachedServer``'s keyword
+    arguments (``rows``, ``policy``, ...); ValueError naming a bad option."""
+    base, engine, cache = _split_options(address)
+    inner = base + ("?" + "&".join(f"{k}={v}" for k, v in engine.items()) if engine else "")
+    options: dict[str, Any] = {}
+    for name, value in cache.items():
         try:
             if name == "gpu_cache_rows":
                 options["rows"] = int(value)
@@ -136,7 +185,8 @@ def _valid_host_port(text: str) -> bool:
 
 
 def _embedded(address: Any, num_shards: int | None) -> ParameterServer:
-    return Engine(num_shards if num_shards is not None else default_shards())
+    options = engine_options(address) if isinstance(address, str) and "?" in address else {}
+    return Engine(num_shards if num_shards is not None else default_shards(), **options)
 
 
 def _remote(address: Any, num_shards: int | None) -> ParameterServer:

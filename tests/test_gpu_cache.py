@@ -726,7 +726,7 @@ def test_cached_addresses_and_the_context() -> None:
         assert ps.cache_stats("t")["rows"] == 2
     for bad, match in [
         ("embedded?gpu_cache_rows=x", "gpu_cache_rows must be a number"),
-        ("embedded?rows=3", "not a cache option"),
+        ("embedded?rows=3", "is not an option"),
         ("embedded?policy=lru", "needs gpu_cache_rows"),
         ("nowhere?gpu_cache_rows=3", "not a parameter-server address"),
         ("embedded?gpu_cache_rows=3&policy=mru", "policy"),

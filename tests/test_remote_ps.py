@@ -661,3 +661,36 @@ def test_another_spec_for_an_existing_table_is_refused(
     assert "SGD" in str(refused.value) and "Adagrad" in str(refused.value)
     with RemoteServer([ps.address], timeout=CALL_TIMEOUT) as fresh:
         assert fresh.spec("emb") == SPEC
+
+
+def test_a_server_with_a_disk_tier(
+    start_ps: StartPs, clients: Callable[..., RemoteServer], tmp_path: Path
+) -> None:
+    """``wuliang ps --disk-dir D --memory-gb G``: rows beyond the budget go to
+    row files under D, the answers are the embedded engine's, and the files
+    go with the server."""
+    disk = tmp_path / "disk"
+    server = start_ps("--threads", "1", "--disk-dir", str(disk), "--memory-gb", "0.0001")
+    remote = clients([server.address])
+    with Engine(1) as engine:
+        for ps in (remote, engine):
+            ps.create_table(SPEC)
+        rng = np.random.default_rng(3)
+        for step in range(1, 6):
+            keys = rng.integers(1, 20_000, 4000, dtype=np.uint64)
+            np.testing.assert_array_equal(
+                remote.pull("emb", keys, step=step), engine.pull("emb", keys, step=step)
+            )
+            grads = rng.standard_normal((len(keys), SPEC.dim)).astype(np.float32)
+            remote.push("emb", keys, grads, step=step)
+            engine.push("emb", keys, grads, step=step)
+        stats = remote.stats("emb")
+        assert stats["cold_rows"] > 0 and stats["rows"] == engine.stats("emb")["rows"], stats
+        assert any(disk.rglob("*.rows"))
+        every = np.arange(1, 20_000, dtype=np.uint64)
+        np.testing.assert_array_equal(
+            remote.pull("emb", every, train=False), engine.pull("emb", every, train=False)
+        )
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=60) == 0
+    assert not any(disk.rglob("*.rows"))

@@ -123,7 +123,11 @@ py::dict StatsDict(const TableStats& t) {
                   "pending_forgotten"_a = t.pending_forgotten, "erased"_a = t.erased,
                   "evicted_ttl"_a = t.evicted_ttl, "evicted_min_count"_a = t.evicted_min_count,
                   "evicted_lfu"_a = t.evicted_lfu, "rows_moved"_a = t.rows_moved,
-                  "chunks_released"_a = t.chunks_released);
+                  "chunks_released"_a = t.chunks_released, "cold_rows"_a = t.cold_rows,
+                  "cold_index_bytes"_a = t.cold_index_bytes, "disk_bytes"_a = t.disk_bytes,
+                  "cold_reads"_a = t.cold_reads, "demoted"_a = t.demoted,
+                  "demoted_written"_a = t.demoted_written, "files_compacted"_a = t.files_compacted,
+                  "disk_error"_a = t.disk_error);
 }
 
 py::array_t<float> PullInto(int dim, size_t n, const py::object& out) {
@@ -325,12 +329,14 @@ void BindEngine(py::module_& m) {
 
   using Release = py::call_guard<py::gil_scoped_release>;
   py::class_<Engine>(m, "Engine")
-      .def(py::init([](int num_shards) {
+      .def(py::init([](int num_shards, const std::string& disk_dir, uint64_t memory_bytes) {
              EngineOptions options;
              options.num_shards = num_shards;
+             options.disk_dir = disk_dir;
+             options.memory_bytes = memory_bytes;
              return std::make_unique<Engine>(options);
            }),
-           "num_shards"_a)
+           "num_shards"_a, "disk_dir"_a = "", "memory_bytes"_a = 0)
       .def_property_readonly("num_shards", &Engine::num_shards)
       .def("worker_thread_ids", &Engine::WorkerThreadIds, Release())
       .def("create_table", &Engine::CreateTable, "spec"_a, Release())

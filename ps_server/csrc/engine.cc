@@ -1,11 +1,16 @@
 #include "wuliang/ps/engine.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <ctime>
 #include <exception>
+#include <filesystem>
 #include <latch>
 #include <sstream>
 #include <stdexcept>
@@ -91,6 +96,14 @@ TableStats& TableStats::operator+=(const TableStats& o) {
   evicted_lfu += o.evicted_lfu;
   rows_moved += o.rows_moved;
   chunks_released += o.chunks_released;
+  cold_rows += o.cold_rows;
+  cold_index_bytes += o.cold_index_bytes;
+  disk_bytes += o.disk_bytes;
+  cold_reads += o.cold_reads;
+  demoted += o.demoted;
+  demoted_written += o.demoted_written;
+  files_compacted += o.files_compacted;
+  if (disk_error.empty()) disk_error = o.disk_error;
   return *this;
 }
 
@@ -215,14 +228,16 @@ void FreeTable(TableDef* def) {
 
 // A table's definition and its shards, built on the calling thread (nothing
 // reserved: no memory to fault in on the owners).
-std::unique_ptr<TableDef> NewDef(const TableSpec& spec, int num_shards) {
+std::unique_ptr<TableDef> NewDef(const TableSpec& spec, int num_shards,
+                                 const details::TierConfig& tier = {}) {
   auto def = std::make_unique<TableDef>();
   def->spec = spec;
   def->layout =
       details::RowLayout(spec.dim, StateDim(spec.optimizer.kind, spec.dim), spec.precision);
+  def->tier = tier;
   def->shards.assign(num_shards, nullptr);
   try {
-    for (int s = 0; s < num_shards; ++s) def->shards[s] = new TableShard(*def, 0);
+    for (int s = 0; s < num_shards; ++s) def->shards[s] = new TableShard(*def, 0, s);
   } catch (...) {
     for (TableShard*& shard : def->shards) delete std::exchange(shard, nullptr);
     throw;
@@ -256,6 +271,7 @@ Engine::Engine(const EngineOptions& options)
   workers_.reserve(num_shards_);
   for (int s = 0; s < num_shards_; ++s)
     workers_.push_back(std::make_unique<details::ShardWorker>());
+  if (!options.disk_dir.empty()) OpenDiskTier(options);
 }
 
 Engine::~Engine() {
@@ -263,6 +279,57 @@ Engine::~Engine() {
   for (int slot = 0; slot < num_slots_.load(); ++slot) {
     if (TableDef* def = tables_[slot].load()) FreeTable(def);
   }
+  if (!disk_dir_.empty()) {
+    std::error_code ignored;
+    std::filesystem::remove_all(disk_dir_, ignored);
+  }
+}
+
+// The engine's folder of row files: <disk_dir>/wuliang-rows-<pid>-<n>, made
+// afresh; folders that processes no longer running left behind go first.
+void Engine::OpenDiskTier(const EngineOptions& options) {
+  namespace fs = std::filesystem;
+  const fs::path base(options.disk_dir);
+  std::error_code error;
+  fs::create_directories(base, error);
+  if (error) {
+    throw std::invalid_argument("disk_dir " + options.disk_dir +
+                                " cannot be made: " + error.message());
+  }
+  for (const auto& entry : fs::directory_iterator(base, error)) {
+    const std::string name = entry.path().filename().string();
+    const std::string prefix = "wuliang-rows-";
+    if (name.rfind(prefix, 0) != 0) continue;
+    const long pid = std::strtol(name.c_str() + prefix.size(), nullptr, 10);
+    if (pid > 0 && pid != static_cast<long>(::getpid()) &&
+        ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      fs::remove_all(entry.path(), error);
+    }
+  }
+  static std::atomic<uint64_t> engines{0};
+  disk_dir_ = (base / ("wuliang-rows-" + std::to_string(::getpid()) + "-" +
+                       std::to_string(engines.fetch_add(1))))
+                  .string();
+  fs::remove_all(disk_dir_, error);
+  fs::create_directories(disk_dir_, error);
+  if (error) throw std::invalid_argument("disk_dir " + disk_dir_ + ": " + error.message());
+  io_ = std::make_unique<details::IoPool>(std::max(options.io_threads - 1, 0));
+  const uint64_t total = options.memory_bytes != 0 ? options.memory_bytes : uint64_t{1} << 30;
+  for (int s = 0; s < num_shards_; ++s) {
+    budgets_.push_back(std::make_unique<details::ShardBudget>());
+    budgets_.back()->limit = total / static_cast<uint64_t>(num_shards_);
+  }
+}
+
+details::TierConfig Engine::TierOf(const TableSpec& spec) {
+  details::TierConfig tier;
+  if (disk_dir_.empty() || spec.serving) return tier;
+  std::string name;
+  for (char c : spec.name) name += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+  tier.dir = disk_dir_ + "/" + std::to_string(tier_tables_.fetch_add(1)) + "-" + name.substr(0, 64);
+  tier.io = io_.get();
+  for (auto& budget : budgets_) tier.budgets.push_back(budget.get());
+  return tier;
 }
 
 void Engine::RunOnShards(const std::function<void(int)>& fn, const Plan* plan) {
@@ -444,18 +511,19 @@ int Engine::CreateTable(const TableSpec& spec) {
   if (spec.reserve_rows == 0) {
     // Nothing to fault in: the shards are built here, without a hand-off
     // to the workers (whose tasks reach them only after the publication).
-    def = NewDef(spec, num_shards_);
+    def = NewDef(spec, num_shards_, TierOf(spec));
   } else {
     def = std::make_unique<TableDef>();
     def->spec = spec;
     def->layout =
         details::RowLayout(spec.dim, StateDim(spec.optimizer.kind, spec.dim), spec.precision);
+    def->tier = TierOf(spec);
     CheckReserve(spec, def->layout);
     def->shards.assign(num_shards_, nullptr);
     try {
       // Each owner thread builds its shard and faults in its reserved memory.
       const uint64_t shard_reserve = (spec.reserve_rows + num_shards_ - 1) / num_shards_;
-      RunOnShards([&](int s) { def->shards[s] = new TableShard(*def, shard_reserve); });
+      RunOnShards([&](int s) { def->shards[s] = new TableShard(*def, shard_reserve, s); });
     } catch (...) {
       for (TableShard*& shard : def->shards) delete std::exchange(shard, nullptr);
       throw;

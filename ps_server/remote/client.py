@@ -1452,11 +1452,16 @@ def _rows_at(chunk: RowChunk, where: slice | np.ndarray) -> RowChunk:
 
 
 def _merge_stats(stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Counters summed, floors as their maxima."""
+    """Counters summed, floors as their maxima, texts (a disk's error) the
+    first one given, prefixed with its server."""
     out: dict[str, Any] = {}
     for name in stats[0]:
         values = [s[name] for s in stats]
-        out[name] = max(values) if name in FLOORS else sum(values)
+        if isinstance(values[0], str):
+            given = [f"server {i}: {v}" for i, v in enumerate(values) if v]
+            out[name] = given[0] if given else ""
+        else:
+            out[name] = max(values) if name in FLOORS else sum(values)
     return out
 
 

@@ -9,7 +9,9 @@ with ``--tls-cert`` and ``--tls-key`` it speaks TLS. Without ``--port`` it
 serves at its own address in ``TF_CONFIG`` (``wuliang.ps_server.cluster``).
 With ``--restore DIR`` it first takes back its part of the newest checkpoint
 of DIR (``wuliang.ps_server.remote.recover``): a server that comes back.
-With ``--parent-pid P`` it also stops, as on SIGTERM, once process P is no
+With ``--disk-dir D [--memory-gb G]`` rows beyond G GiB of RAM live in
+row files under D (the engine's disk tier, docs/disk_tier.md). With
+``--parent-pid P`` it also stops, as on SIGTERM, once process P is no
 longer its parent (P exited): test harnesses start servers that way, so
 that none outlives a harness that was killed.
 """
@@ -46,6 +48,8 @@ class PsOptions:
     server_index: int | None = None  # with restore: which server of num_servers this is
     num_servers: int | None = None
     parent_pid: int | None = None  # stop once this process is no longer the parent
+    disk_dir: Path | None = None  # the engine's disk tier (docs/disk_tier.md)
+    memory_gb: float | None = None  # its RAM for rows (default 1)
 
 
 def place(options: PsOptions, environ: Mapping[str, str] | None = None) -> tuple[int, int]:
@@ -93,6 +97,10 @@ def check_options(options: PsOptions) -> None:
     """ValueError for options that do not go together (usage errors)."""
     if (options.tls_cert is None) != (options.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
+    if options.memory_gb is not None and options.disk_dir is None:
+        raise ValueError("--memory-gb is the disk tier's budget: it needs --disk-dir")
+    if options.memory_gb is not None and not options.memory_gb > 0:
+        raise ValueError(f"--memory-gb must be > 0, got {options.memory_gb}")
     if options.parent_pid is not None and options.parent_pid < 1:
         raise ValueError(f"--parent-pid must be a process id >= 1, got {options.parent_pid}")
     if options.restore is not None:
@@ -111,7 +119,11 @@ def start(options: PsOptions):
     tls = None
     if options.tls_cert is not None and options.tls_key is not None:
         tls = ServerTls.from_files(options.tls_cert, options.tls_key)
-    engine = Engine(options.threads)
+    engine = Engine(
+        options.threads,
+        disk_dir=options.disk_dir,
+        memory_bytes=int((options.memory_gb or 0) * (1 << 30)),
+    )
     try:
         part = None
         if options.restore is not None:  # before listening: no client sees it half restored

@@ -268,6 +268,8 @@ def _ps_options(args: argparse.Namespace) -> Any:
         server_index=args.server_index,
         num_servers=args.num_servers,
         parent_pid=args.parent_pid,
+        disk_dir=None if args.disk_dir is None else Path(args.disk_dir),
+        memory_gb=args.memory_gb,
     )
 
 
@@ -535,6 +537,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-servers",
         type=bounded_int(1),
         help="with --restore: how many servers the job has (default: TF_CONFIG's ps tasks)",
+    )
+    ps.add_argument(
+        "--disk-dir",
+        metavar="DIR",
+        help="the disk tier: rows beyond --memory-gb of RAM live in row files in DIR, a "
+        "directory on a local disk (docs/disk_tier.md; scratch: made afresh, deleted at exit)",
+    )
+    ps.add_argument(
+        "--memory-gb",
+        type=float,
+        metavar="G",
+        help="with --disk-dir: GiB of RAM for the rows of all tables (default 1)",
     )
     ps.add_argument(
         "--parent-pid",

@@ -9,6 +9,7 @@ train side by side without interfering.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -78,6 +79,11 @@ class Context:
             of a cluster, ``wuliang.ps_server.cluster``), else embedded.
         num_shards: shard threads of an embedded engine (default: the number
             of CPUs, at most 16).
+        disk_dir: the embedded engine's disk tier (docs/disk_tier.md): rows
+            beyond ``memory_gb`` GiB of RAM live in row files in this
+            directory on a local disk; None (the default): all in RAM.
+            Remote servers take ``wuliang ps --disk-dir``.
+        memory_gb: the disk tier's RAM for rows (default 1).
         gpu_cache_rows: rows of each table to keep in a GPU hot cache in
             front of the parameter server (``wuliang.ps_server.cache.
             CachedServer``: cupy where a GPU is present, else numpy); None
@@ -116,6 +122,8 @@ class Context:
         ps: str | Sequence[str] | ParameterServer | None = None,
         *,
         num_shards: int | None = None,
+        disk_dir: str | os.PathLike[str] | None = None,
+        memory_gb: float | None = None,
         gpu_cache_rows: int | None = None,
         staleness: int = 0,
         prefetch: int = 2,
@@ -154,9 +162,10 @@ class Context:
             or gpu_cache_rows < 1
         ):
             raise ValueError(f"gpu_cache_rows must be an int >= 1 or None, got {gpu_cache_rows!r}")
-        self.ps: ParameterServer = (
-            ps if isinstance(ps, ParameterServer) else parameter_server(ps, num_shards)
-        )
+        if disk_dir is not None or memory_gb is not None:
+            self.ps: ParameterServer = _tiered_engine(ps, num_shards, disk_dir, memory_gb)
+        else:
+            self.ps = ps if isinstance(ps, ParameterServer) else parameter_server(ps, num_shards)
         if gpu_cache_rows is not None:
             from wuliang.ps_server.cache import CachedServer
 
@@ -290,6 +299,29 @@ class Context:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _tiered_engine(
+    ps: object, num_shards: int | None, disk_dir: object, memory_gb: float | None
+) -> ParameterServer:
+    """The embedded engine with a disk tier; ValueError naming what is wrong."""
+    from wuliang.ps_server import Engine
+    from wuliang.ps_server.factory import default_shards
+
+    if ps != "embedded":
+        raise ValueError(
+            f"disk_dir / memory_gb are the embedded engine's (ps={ps!r}): remote servers "
+            "take wuliang ps --disk-dir / --memory-gb"
+        )
+    if disk_dir is None:
+        raise ValueError("memory_gb is the disk tier's budget: it needs disk_dir")
+    if memory_gb is not None and (
+        isinstance(memory_gb, bool) or not isinstance(memory_gb, int | float) or not memory_gb > 0
+    ):
+        raise ValueError(f"memory_gb must be a number > 0, got {memory_gb!r}")
+    memory = int(memory_gb * (1 << 30)) if memory_gb is not None else 0
+    shards = num_shards if num_shards is not None else default_shards()
+    return Engine(shards, disk_dir=os.fspath(disk_dir), memory_bytes=memory)  # type: ignore[arg-type]
 
 
 def _warn_without_gpus(array_module: str) -> None:

@@ -286,35 +286,36 @@ int64_t RowFile::CompactionCandidate() const {
   return best;
 }
 
-void RowFile::ReadFile(uint32_t f, const std::function<void(uint32_t, const char*)>& fn) const {
+uint32_t RowFile::ReadFile(uint32_t f, uint32_t first,
+                           const std::function<bool(uint32_t, const char*)>& fn) const {
   const File& file = files_[f];
-  char* chunk = AlignedAlloc(kBufferBytes);
-  try {
-    const size_t records_per_chunk = (kBufferBytes / kBlockBytes) * per_block_;
-    for (uint32_t first = 0; first < file.written; first += records_per_chunk) {
-      const size_t start = OffsetOf(first);
-      size_t got = 0;
-      while (got < kBufferBytes) {
-        const ssize_t n =
-            ::pread(file.fd, chunk + got, kBufferBytes - got, static_cast<off_t>(start + got));
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0) Fail("cannot read " + PathOf(f), errno);
-        if (n == 0) break;
-        got += static_cast<size_t>(n);
-      }
-      if (static_cast<int64_t>(f) == current_ && start == buffer_start_) {
-        std::memcpy(chunk, buffer_, kBufferBytes);  // the tail, not written yet
-      }
-      const uint32_t last = std::min<uint32_t>(file.written, first + records_per_chunk);
-      for (uint32_t slot = first; slot < last; ++slot) {
-        fn(f * records_per_file_ + slot, chunk + (OffsetOf(slot) - start));
-      }
+  const uint32_t written = file.written;
+  const int fd = file.fd;
+  const uint32_t records_per_chunk =
+      static_cast<uint32_t>((kBufferBytes / kBlockBytes) * per_block_);
+  std::unique_ptr<char, decltype(&std::free)> chunk(AlignedAlloc(kBufferBytes), &std::free);
+  uint32_t slot = first;
+  while (slot < written) {
+    const uint32_t chunk_first = slot - slot % records_per_chunk;
+    const size_t start = OffsetOf(chunk_first);
+    size_t got = 0;
+    while (got < kBufferBytes) {
+      const ssize_t n =
+          ::pread(fd, chunk.get() + got, kBufferBytes - got, static_cast<off_t>(start + got));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) Fail("cannot read " + PathOf(f), errno);
+      if (n == 0) break;
+      got += static_cast<size_t>(n);
     }
-  } catch (...) {
-    std::free(chunk);
-    throw;
+    if (static_cast<int64_t>(f) == current_ && start == buffer_start_) {
+      std::memcpy(chunk.get(), buffer_, kBufferBytes);  // the tail, not written yet
+    }
+    const uint32_t last = std::min<uint32_t>(written, chunk_first + records_per_chunk);
+    for (; slot < last; ++slot) {
+      if (!fn(f * records_per_file_ + slot, chunk.get() + (OffsetOf(slot) - start))) return slot;
+    }
   }
-  std::free(chunk);
+  return slot;
 }
 
 void RowFile::DropFile(uint32_t f) {

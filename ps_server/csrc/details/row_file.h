@@ -101,9 +101,15 @@ class RowFile {
   // A file whose stale records are at least a third of those written and
   // which is not the one being appended to, the most stale first; -1: none.
   int64_t CompactionCandidate() const;
-  // Calls fn(locator, record) for every record written to file f, reading
-  // it in 1 MiB sequential chunks.
-  void ReadFile(uint32_t f, const std::function<void(uint32_t, const char*)>& fn) const;
+  // Numbers below this may name files (has_file says which).
+  uint32_t file_numbers() const { return static_cast<uint32_t>(files_.size()); }
+  bool has_file(uint32_t f) const { return f < files_.size() && files_[f].fd >= 0; }
+  uint32_t records_in(uint32_t f) const { return files_[f].written; }
+  // Calls fn(locator, record) for the records of file f from slot `first`
+  // on, reading it in 1 MiB sequential chunks, until fn returns false;
+  // returns the first slot not visited.
+  uint32_t ReadFile(uint32_t f, uint32_t first,
+                    const std::function<bool(uint32_t, const char*)>& fn) const;
   // Deletes file f (its live records were appended again); its number is
   // reused.
   void DropFile(uint32_t f);

@@ -35,6 +35,12 @@ struct RowMeta {
   static constexpr uint64_t kAdmittedBit = uint64_t{1} << 63;
   uint64_t step() const { return update_step & ~kAdmittedBit; }
   bool admitted_unpushed() const { return (update_step & kAdmittedBit) != 0; }
+  // The top bit of version marks a row of a disk-tiered table that is
+  // identical to its record on disk (promoted, unchanged since). Every
+  // change assigns version, which clears it (docs/disk_tier.md).
+  static constexpr uint64_t kBackedBit = uint64_t{1} << 63;
+  uint64_t real_version() const { return version & ~kBackedBit; }
+  bool backed() const { return (version & kBackedBit) != 0; }
 };
 static_assert(sizeof(RowMeta) == 32);
 

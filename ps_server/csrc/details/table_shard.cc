@@ -94,11 +94,17 @@ void WithPrecision(Precision precision, Fn&& fn) {
 
 }  // namespace
 
-TableShard::TableShard(const TableDef& def, size_t reserve_rows)
+TableShard::TableShard(const TableDef& def, size_t reserve_rows, int shard)
     : spec_(def.spec),
       layout_(def.layout),
       pool_(def.layout.hot_stride, def.layout.cold_stride),
       pending_(def.spec.admission.pending_capacity) {
+  if (!def.tier.dir.empty()) {
+    tier_ = std::make_unique<Tier>();
+    tier_->file = std::make_unique<RowFile>(def.tier.dir + "/" + std::to_string(shard),
+                                            RecordBytes(), def.tier.io);
+    tier_->budget = def.tier.budgets[static_cast<size_t>(shard)];
+  }
   if (reserve_rows > 0) {
     pool_.Reserve(reserve_rows);
     index_.Reserve(reserve_rows);
@@ -106,7 +112,9 @@ TableShard::TableShard(const TableDef& def, size_t reserve_rows)
   }
 }
 
-TableShard::~TableShard() = default;
+TableShard::~TableShard() {
+  if (tier_ && tier_->budget != nullptr) tier_->budget->used -= tier_->accounted;
+}
 
 Slice TableShard::Select(const ShardBatch& b) {
   if (!b.filter) {
@@ -158,6 +166,7 @@ char* TableShard::CreateRow(uint64_t key, uint64_t hash, const Clock& clock, uin
     pool_.Free(row);
     throw;
   }
+  if (HasCold(key, hash)) ++tier_->both;  // its record on disk is now stale
   ++counters_.inserted;
   if (blank) return row;
   if (defer_init_) {  // weights in the next FlushInit
@@ -198,13 +207,23 @@ char* TableShard::Admit(uint64_t key, uint64_t hash, const Clock& clock) {
   return row;
 }
 
-void TableShard::RemoveRow(uint64_t key, uint64_t hash, const Clock& clock) {
+bool TableShard::RemoveRow(uint64_t key, uint64_t hash, const Clock& clock) {
   char* row = index_.Erase(key, hash);
-  if (row == nullptr) return;
-  pool_.Free(row);
+  bool had = row != nullptr;
+  if (row != nullptr) pool_.Free(row);
+  if (tier_) {
+    const uint32_t loc = tier_->cold.Erase(key, hash);
+    if (loc != ColdIndex::kEmpty) {
+      tier_->file->Release(loc);
+      if (had) --tier_->both;
+      had = true;
+    }
+  }
+  if (!had) return false;
   removed_.Record(key, clock.version);
   BoundLog(&removed_);
   BoundLog(&changes_);
+  return true;
 }
 
 char* TableShard::ResolveMissing(const Slice& s, size_t k, Create create, const Clock& clock) {
@@ -301,6 +320,7 @@ void TableShard::RequireFp32(const char* what) const {
 
 void TableShard::Pull(const ShardBatch& batch, float* out, bool train, const Clock& clock) {
   const Slice s = Select(batch);
+  Promote(s);
   const int dim = layout_.dim;
   uint64_t misses = 0;
   // Read-only for existing rows (counts advance on push), so pulled rows
@@ -320,6 +340,7 @@ void TableShard::Pull(const ShardBatch& batch, float* out, bool train, const Clo
   });
   counters_.pulled_keys += s.size();
   counters_.pull_misses += misses;
+  AfterCall(clock.step);
 }
 
 const std::vector<int32_t>& TableShard::GroupDuplicates(const Slice& s, const float* grads,
@@ -383,6 +404,7 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
                       const float* shows, const float* clicks) {
   RequireFp32("a push");
   Slice s = Select(batch);
+  Promote(s);
   if (only != 0) {  // keep the keys asked for (hashes_ compacted alike)
     only_.resize(s.size());
     size_t m = 0;
@@ -484,9 +506,9 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
       meta->clicks += add_clicks;
       meta->update_step = clock.step;
       meta->update_time = clock.now;
-      if (meta->version != clock.version) {
+      if (meta->version != clock.version) {  // a backed row's differs too: it changes now
+        if (meta->real_version() != clock.version) LogChange(s.key(k), clock.version);
         meta->version = clock.version;
-        LogChange(s.key(k), clock.version);
       }
       BumpCount(meta);
       ++applied;
@@ -499,16 +521,16 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
   counters_.pushed_keys += s.size();
   counters_.dropped_pending += dropped_pending;
   counters_.dropped_nan += dropped_nan;
+  AfterCall(clock.step);
 }
 
 uint64_t TableShard::Erase(const ShardBatch& batch, const Clock& clock) {
   const Slice s = Select(batch);
-  const uint64_t before = index_.size();
+  uint64_t erased = 0;
   for (size_t k = 0; k < s.size(); ++k) {
-    RemoveRow(s.key(k), hashes_[k], clock);
+    erased += RemoveRow(s.key(k), hashes_[k], clock) ? 1 : 0;
     if (spec_.admission.min_count > 1) pending_.Forget(s.key(k), hashes_[k]);
   }
-  const uint64_t erased = before - index_.size();
   counters_.erased += erased;
   return erased;
 }
@@ -523,7 +545,7 @@ void TableShard::Contains(const ShardBatch& batch, uint8_t* out, const Overlay* 
     } else if (overlay != nullptr && overlay->Removes(key)) {
       found = false;
     } else {
-      found = index_.Find(key, hashes_[k]) != nullptr;
+      found = index_.Find(key, hashes_[k]) != nullptr || HasCold(key, hashes_[k]);
     }
     out[s.pos(k)] = found ? 1 : 0;
   }
@@ -532,6 +554,7 @@ void TableShard::Contains(const ShardBatch& batch, uint8_t* out, const Overlay* 
 void TableShard::Lookup(const ShardBatch& batch, float* out, uint8_t* found, bool init_missing,
                         const Overlay* overlay) {
   const Slice s = Select(batch);
+  Promote(s);
   const int dim = layout_.dim;
   const auto missing = [&](size_t k, float* dst) {
     if (init_missing) {
@@ -565,6 +588,7 @@ void TableShard::Lookup(const ShardBatch& batch, float* out, uint8_t* found, boo
       if (found != nullptr) found[s.pos(k)] = 1;
     }
   });
+  AfterCall(0);
 }
 
 bool TableShard::ReadRow(uint64_t key, uint64_t hash, float* dst, bool init_missing) const {
@@ -613,10 +637,12 @@ void TableShard::Merge(const Overlay& overlay, const Clock& clock) {
   for (uint64_t key : overlay.removed) {
     if (!from.index_.Find(key, Mix64(key))) RemoveRow(key, Mix64(key), clock);
   }
+  AfterCall(clock.step);
 }
 
 void TableShard::Load(const ShardBatch& batch, const RowColumns& cols, const Clock& clock) {
   const Slice s = Select(batch);
+  Promote(s);
   const int dim = layout_.dim;
   const int state_dim = layout_.state_dim;
   uint64_t newest = 0;
@@ -641,16 +667,17 @@ void TableShard::Load(const ShardBatch& batch, const RowColumns& cols, const Clo
     meta->shows = cols.shows != nullptr ? cols.shows[p] : 0.0f;
     meta->clicks = cols.clicks != nullptr ? cols.clicks[p] : 0.0f;
     if (cols.versions != nullptr) {
-      meta->version = cols.versions[p];
+      meta->version = cols.versions[p] & ~RowMeta::kBackedBit;
       newest = std::max(newest, meta->version);
     } else if (meta->version != clock.version) {
+      if (meta->real_version() != clock.version) LogChange(s.key(k), clock.version);
       meta->version = clock.version;
-      LogChange(s.key(k), clock.version);
     }
   });
   // Rows loaded with their own (older) versions are not in the change log:
   // it no longer lists every change up to the newest of them.
   changes_.Forget(newest);
+  AfterCall(clock.step);
 }
 
 void TableShard::EvictByAge(const Clock& clock, EvictResult* result) {
@@ -658,6 +685,18 @@ void TableShard::EvictByAge(const Clock& clock, EvictResult* result) {
   std::vector<uint64_t> expired, rare;
   index_.ForEach([&](uint64_t key, char* row) {
     const RowMeta* m = RowLayout::Meta(pool_.Cold(row));
+    const bool old_by_steps =
+        e.ttl_steps != 0 && clock.step > m->step() && clock.step - m->step() > e.ttl_steps;
+    const bool old_by_time = e.ttl_seconds != 0 && clock.now > m->update_time &&
+                             clock.now - m->update_time > e.ttl_seconds;
+    if (old_by_steps || old_by_time) {
+      expired.push_back(key);
+    } else if (e.min_count != 0 && m->count < e.min_count && m->step() < prev_evict_step_) {
+      rare.push_back(key);
+    }
+  });
+  ForEachColdOnly([&](uint64_t key, const char*, const char* cold) {
+    const RowMeta* m = RowLayout::Meta(const_cast<char*>(cold));
     const bool old_by_steps =
         e.ttl_steps != 0 && clock.step > m->step() && clock.step - m->step() > e.ttl_steps;
     const bool old_by_time = e.ttl_seconds != 0 && clock.now > m->update_time &&
@@ -682,30 +721,43 @@ void TableShard::CountHistogram(std::vector<uint64_t>* histogram) const {
     const uint32_t count = RowLayout::Meta(pool_.Cold(row))->count;
     ++(*histogram)[std::min<size_t>(count, kHistogramBuckets - 1)];
   });
+  ForEachColdOnly([&](uint64_t, const char*, const char* cold) {
+    const uint32_t count = RowLayout::Meta(const_cast<char*>(cold))->count;
+    ++(*histogram)[std::min<size_t>(count, kHistogramBuckets - 1)];
+  });
 }
 
 void TableShard::StepsAtCount(uint32_t bucket, std::vector<uint64_t>* steps) const {
-  index_.ForEach([&](uint64_t, char* row) {
-    const RowMeta* m = RowLayout::Meta(pool_.Cold(row));
+  const auto visit = [&](const RowMeta* m) {
     if (std::min<size_t>(m->count, kHistogramBuckets - 1) == bucket) {
       steps->push_back(m->step());
     }
+  };
+  index_.ForEach([&](uint64_t, char* row) { visit(RowLayout::Meta(pool_.Cold(row))); });
+  ForEachColdOnly([&](uint64_t, const char*, const char* cold) {
+    visit(RowLayout::Meta(const_cast<char*>(cold)));
   });
 }
 
 void TableShard::EvictLeastFrequent(uint32_t threshold, uint64_t cutoff, uint64_t quota,
                                     const Clock& clock, EvictResult* result) {
-  std::vector<uint64_t> victims;
-  index_.ForEach([&](uint64_t key, char* row) {
-    const RowMeta* m = RowLayout::Meta(pool_.Cold(row));
+  std::vector<uint64_t> victims, ties;
+  const auto visit = [&](uint64_t key, const RowMeta* m) {
     const size_t bucket = std::min<size_t>(m->count, kHistogramBuckets - 1);
-    const bool at_cutoff = bucket == threshold && m->step() == cutoff;
-    if (bucket < threshold || (bucket == threshold && m->step() < cutoff) ||
-        (at_cutoff && quota > 0)) {
+    if (bucket == threshold && m->step() == cutoff) {
+      ties.push_back(key);
+    } else if (bucket < threshold || (bucket == threshold && m->step() < cutoff)) {
       victims.push_back(key);
-      if (at_cutoff) --quota;
     }
+  };
+  index_.ForEach([&](uint64_t key, char* row) { visit(key, RowLayout::Meta(pool_.Cold(row))); });
+  ForEachColdOnly([&](uint64_t key, const char*, const char* cold) {
+    visit(key, RowLayout::Meta(const_cast<char*>(cold)));
   });
+  // Ties at the cutoff: the smallest keys, whatever order the rows are in.
+  const size_t take = std::min<size_t>(quota, ties.size());
+  std::nth_element(ties.begin(), ties.begin() + static_cast<ptrdiff_t>(take), ties.end());
+  victims.insert(victims.end(), ties.begin(), ties.begin() + static_cast<ptrdiff_t>(take));
   for (uint64_t key : victims) RemoveRow(key, Mix64(key), clock);
   result->lfu += victims.size();
   counters_.evicted_lfu += victims.size();
@@ -724,15 +776,16 @@ void TableShard::Compact() {
   index_.MaybeShrink();
 }
 
-void TableShard::WriteRow(uint64_t key, char* row, const RowColumns& out, size_t o) const {
+void TableShard::WriteParts(uint64_t key, const char* row, const char* cold_part,
+                            const RowColumns& out, size_t o) const {
   const int dim = layout_.dim;
   const int state_dim = layout_.state_dim;
-  char* cold = pool_.Cold(row);
+  char* cold = const_cast<char*>(cold_part);
   const RowMeta* meta = RowLayout::Meta(cold);
   if (out.keys != nullptr) out.keys[o] = key;
   if (out.weights != nullptr) {
     if (layout_.precision == Precision::kFp32) {
-      CopyFloats(out.weights + o * dim, RowLayout::Weights(row), dim);
+      CopyFloats(out.weights + o * dim, reinterpret_cast<const float*>(row), dim);
     } else {
       DecodeRow(layout_.precision, row, dim, out.weights + o * dim);
     }
@@ -742,25 +795,29 @@ void TableShard::WriteRow(uint64_t key, char* row, const RowColumns& out, size_t
   if (out.counts != nullptr) out.counts[o] = meta->count;
   if (out.steps != nullptr) out.steps[o] = meta->step();
   if (out.times != nullptr) out.times[o] = meta->update_time;
-  if (out.versions != nullptr) out.versions[o] = meta->version;
+  if (out.versions != nullptr) out.versions[o] = meta->real_version();
   if (out.shows != nullptr) out.shows[o] = meta->shows;
   if (out.clicks != nullptr) out.clicks[o] = meta->clicks;
 }
 
 void TableShard::ReadRows(const ShardBatch& batch, const RowColumns& out, uint8_t* found) {
   const Slice s = Select(batch);
+  Promote(s);
   // kCold: the cold part (state, metadata) is read too, so it is prefetched.
   Pipeline</*kCold=*/true>(s, Create::kNever, Clock{}, [&](size_t k, char* row) {
     const size_t pos = s.pos(k);
     found[pos] = row != nullptr ? 1 : 0;
     if (row != nullptr) WriteRow(s.key(k), row, out, pos);
   });
+  AfterCall(0);
 }
 
 void TableShard::BeginExport(uint64_t since, ExportCursor* cursor) const {
   cursor->slot = 0;
   cursor->keys.clear();
   cursor->by_key = since > 0 && changes_.Covers(since);
+  cursor->cold = false;
+  cursor->cold_file = cursor->cold_slot = 0;
   if (cursor->by_key) {
     changes_.KeysSince(since, &cursor->keys);
   } else {
@@ -772,20 +829,36 @@ size_t TableShard::Export(uint64_t since, size_t max_rows, ExportCursor* cursor,
                           const RowColumns& out, size_t offset, bool* done) const {
   size_t written = 0;
   const auto emit = [&](uint64_t key, char* row) {
-    if (RowLayout::Meta(pool_.Cold(row))->version <= since) return;
+    if (RowLayout::Meta(pool_.Cold(row))->real_version() <= since) return;
     WriteRow(key, row, out, offset + written);
+    ++written;
+  };
+  RecordParts parts(*this);
+  const auto emit_record = [&](uint64_t key, const char* record) {
+    parts.From(record);
+    if (parts.meta()->real_version() <= since) return;
+    WriteParts(key, parts.hot(), parts.cold(), out, offset + written);
     ++written;
   };
   size_t i = cursor->slot;
   if (cursor->by_key) {  // the keys the change log lists; removed ones are skipped
     const std::vector<uint64_t>& keys = cursor->keys;
+    std::vector<char> record(tier_ ? RecordBytes() : 0);
     for (; i < keys.size() && written < max_rows; ++i) {
       if (i + kSlotsAhead < keys.size()) index_.Prefetch(Mix64(keys[i + kSlotsAhead]));
-      char* const* found = index_.Find(keys[i], Mix64(keys[i]));
-      if (found != nullptr) emit(keys[i], *found);
+      const uint64_t hash = Mix64(keys[i]);
+      char* const* found = index_.Find(keys[i], hash);
+      if (found != nullptr) {
+        emit(keys[i], *found);
+      } else if (tier_) {
+        const uint32_t loc = tier_->cold.Find(keys[i], hash);
+        if (loc == ColdIndex::kEmpty) continue;
+        tier_->file->Read(loc, record.data());
+        emit_record(keys[i], record.data());
+      }
     }
     *done = i >= keys.size();
-  } else {
+  } else if (!cursor->cold) {
     const size_t capacity = index_.capacity();
     for (; i < capacity && written < max_rows; ++i) {
       if (i + kRowsAhead < capacity) {
@@ -796,11 +869,46 @@ size_t TableShard::Export(uint64_t since, size_t max_rows, ExportCursor* cursor,
         }
       }
       const auto& entry = index_.slot(ScanSlot(i, capacity));
-      if (index_.Occupied(entry)) emit(entry.key, entry.value);
+      // a row with a record on disk goes out with the records, below
+      if (index_.Occupied(entry) && !HasCold(entry.key, Mix64(entry.key))) {
+        emit(entry.key, entry.value);
+      }
     }
     *done = i >= capacity;
+    if (*done && tier_) {  // then the keys of the row files, file by file
+      cursor->cold = true;
+      *done = false;
+    }
   }
   cursor->slot = i;
+  if (cursor->cold) {
+    const RowFile& file = *tier_->file;
+    while (written < max_rows && cursor->cold_file < file.file_numbers()) {
+      const auto f = static_cast<uint32_t>(cursor->cold_file);
+      if (file.has_file(f)) {
+        cursor->cold_slot = file.ReadFile(f, static_cast<uint32_t>(cursor->cold_slot),
+                                          [&](uint32_t loc, const char* record) {
+                                            if (written == max_rows) return false;
+                                            uint64_t key;
+                                            std::memcpy(&key, record, sizeof(key));
+                                            const uint64_t hash = Mix64(key);
+                                            if (tier_->cold.Find(key, hash) != loc)
+                                              return true;  // stale
+                                            char* const* row = index_.Find(key, hash);
+                                            if (row != nullptr) {
+                                              emit(key, *row);  // the row in RAM is the newest
+                                            } else {
+                                              emit_record(key, record);
+                                            }
+                                            return true;
+                                          });
+        if (cursor->cold_slot < file.records_in(f)) break;
+      }
+      ++cursor->cold_file;
+      cursor->cold_slot = 0;
+    }
+    *done = cursor->cold_file >= file.file_numbers();
+  }
   return written;
 }
 
@@ -819,14 +927,27 @@ void TableShard::LoadPending(const uint64_t* keys, const uint32_t* counts, size_
   if (spec_.admission.min_count <= 1) return;  // every key is admitted at once
   for (size_t i = 0; i < n; ++i) {
     const uint64_t hash = Mix64(keys[i]);
-    if (index_.Find(keys[i], hash) == nullptr) pending_.Set(keys[i], hash, counts[i]);
+    if (index_.Find(keys[i], hash) == nullptr && !HasCold(keys[i], hash)) {
+      pending_.Set(keys[i], hash, counts[i]);
+    }
   }
 }
 
 TableStats TableShard::Snapshot() const {
   TableStats t = counters_;
-  t.rows = index_.size();
+  t.rows = rows();
   t.row_bytes = pool_.bytes();
+  if (tier_) {
+    const RowFileStats f = tier_->file->Stats();
+    t.cold_rows = ColdOnlyRows();
+    t.cold_index_bytes = tier_->cold.bytes();
+    t.disk_bytes = f.bytes_on_disk;
+    t.cold_reads = tier_->reads;
+    t.demoted = tier_->demoted;
+    t.demoted_written = tier_->demoted_written;
+    t.files_compacted = f.files_compacted;
+    t.disk_error = tier_->error;
+  }
   t.index_bytes = index_.bytes();
   t.pending_keys = pending_.size();
   t.pending_bytes = pending_.bytes();
@@ -837,6 +958,199 @@ TableStats TableShard::Snapshot() const {
   t.pending_forgotten = pending_.forgotten();
   t.chunks_released = pool_.chunks_released();
   return t;
+}
+
+// -- the disk tier -------------------------------------------------------------
+
+void TableShard::Promote(const Slice& s) {
+  if (!tier_ || tier_->cold.size() == tier_->both) return;  // nothing on disk only
+  Tier& t = *tier_;
+  t.locs.clear();
+  t.wanted.clear();
+  for (size_t k = 0; k < s.size(); ++k) {
+    if (index_.Find(s.key(k), hashes_[k]) != nullptr) continue;
+    const uint32_t loc = t.cold.Find(s.key(k), hashes_[k]);
+    if (loc == ColdIndex::kEmpty) continue;
+    t.locs.push_back(loc);
+    t.wanted.push_back(static_cast<uint32_t>(k));
+  }
+  if (t.locs.empty()) return;
+  const size_t bytes = RecordBytes();
+  t.scratch.resize(t.locs.size() * bytes);
+  t.file->ReadMany(t.locs.data(), t.locs.size(), t.scratch.data());  // throws before any change
+  for (size_t i = 0; i < t.wanted.size(); ++i) {
+    const size_t k = t.wanted[i];
+    if (index_.Find(s.key(k), hashes_[k]) != nullptr) continue;  // a repeated key
+    Install(s.key(k), hashes_[k], t.scratch.data() + i * bytes);
+  }
+  t.reads += t.locs.size();
+}
+
+void TableShard::Install(uint64_t key, uint64_t hash, const char* record) {
+  char* row = pool_.Allocate();
+  std::memcpy(row, record + sizeof(uint64_t), layout_.hot_bytes);
+  char* cold = pool_.Cold(row);
+  std::memcpy(cold, record + sizeof(uint64_t) + layout_.hot_bytes,
+              sizeof(RowMeta) + sizeof(float) * static_cast<size_t>(layout_.state_dim));
+  RowLayout::Meta(cold)->version |= RowMeta::kBackedBit;
+  try {
+    *index_.InsertNew(key, hash) = row;
+  } catch (...) {
+    pool_.Free(row);
+    throw;
+  }
+  ++tier_->both;
+}
+
+void TableShard::AfterCall(uint64_t step) {
+  if (!tier_) return;
+  Tier& t = *tier_;
+  const auto sync = [&] {
+    const auto mine = static_cast<int64_t>(pool_.rows() * RowBytes());
+    t.budget->used += mine - t.accounted;
+    t.accounted = mine;
+  };
+  sync();
+  const auto limit = static_cast<int64_t>(t.budget->limit);
+  const int64_t used = t.budget->used.load();
+  if (used > limit) {  // down to 90% of the budget: headroom for the next calls
+    const int64_t excess = used - limit / 10 * 9;
+    Demote(std::min<size_t>(static_cast<size_t>(excess) / RowBytes() + 1, pool_.rows()), step);
+    sync();
+  }
+  CompactSome(size_t{1} << 14);
+}
+
+void TableShard::Demote(size_t want, uint64_t step) {
+  Tier& t = *tier_;
+  const size_t capacity = index_.capacity();
+  if (want == 0 || capacity == 0) return;
+  struct Candidate {
+    float shows;  // decayed to `step`
+    uint32_t count;
+    uint64_t step;
+    uint64_t key;
+    char* row;
+  };
+  // A sample of the rows from where the last one ended, the least shown
+  // (then least counted, then oldest) of it demoted: approximately the
+  // least shown of all, at a cost that follows what is demoted.
+  const size_t goal = std::min(index_.size(), std::max<size_t>(4 * want, 4096));
+  std::vector<Candidate> sample;
+  sample.reserve(goal);
+  const double half_life = spec_.stats_half_life;
+  size_t i = t.demote_cursor % capacity;
+  for (size_t visited = 0; sample.size() < goal && visited < capacity; ++visited) {
+    const auto& slot = index_.slot(i);
+    if (index_.Occupied(slot)) {
+      const RowMeta* m = RowLayout::Meta(pool_.Cold(slot.value));
+      const auto shows = static_cast<float>(m->shows * StatsDecay(m->step(), step, half_life));
+      sample.push_back({shows, m->count, m->step(), slot.key, slot.value});
+    }
+    i = i + 1 == capacity ? 0 : i + 1;
+  }
+  t.demote_cursor = i;
+  want = std::min(want, sample.size());
+  const auto less = [](const Candidate& a, const Candidate& b) {
+    if (a.shows != b.shows) return a.shows < b.shows;
+    if (a.count != b.count) return a.count < b.count;
+    return a.step < b.step;
+  };
+  std::nth_element(sample.begin(), sample.begin() + static_cast<ptrdiff_t>(want), sample.end(),
+                   less);
+  const size_t bytes = RecordBytes();
+  t.scratch.resize(bytes);
+  for (size_t v = 0; v < want; ++v) {
+    const Candidate& c = sample[v];
+    const uint64_t hash = Mix64(c.key);
+    char* cold = pool_.Cold(c.row);
+    if (RowLayout::Meta(cold)->backed()) {
+      --t.both;  // unchanged since it came from disk: its record stands
+    } else {
+      char* record = t.scratch.data();
+      std::memcpy(record, &c.key, sizeof(c.key));
+      std::memcpy(record + sizeof(uint64_t), c.row, layout_.hot_bytes);
+      std::memcpy(record + sizeof(uint64_t) + layout_.hot_bytes, cold,
+                  bytes - sizeof(uint64_t) - layout_.hot_bytes);
+      uint32_t loc;
+      try {
+        loc = t.file->Append(record);
+      } catch (const std::exception& e) {  // the rows stay in RAM, over budget
+        t.error = e.what();
+        return;
+      }
+      const uint32_t old = t.cold.Set(c.key, hash, loc);
+      if (old != ColdIndex::kEmpty) {
+        t.file->Release(old);
+        --t.both;
+      }
+      ++t.demoted_written;
+    }
+    index_.Erase(c.key, hash);
+    pool_.Free(c.row);
+    ++t.demoted;
+  }
+  t.error.clear();
+}
+
+void TableShard::CompactSome(size_t records) {
+  Tier& t = *tier_;
+  if (t.compact_file < 0) {
+    t.compact_file = t.file->CompactionCandidate();
+    t.compact_slot = 0;
+    if (t.compact_file < 0) return;
+  }
+  const auto f = static_cast<uint32_t>(t.compact_file);
+  const size_t bytes = RecordBytes();
+  std::vector<char> live;  // appended after the read: appends may open files
+  std::vector<uint32_t> old;
+  size_t visited = 0;
+  try {
+    t.compact_slot = t.file->ReadFile(f, t.compact_slot, [&](uint32_t loc, const char* record) {
+      if (visited == records) return false;
+      ++visited;
+      uint64_t key;
+      std::memcpy(&key, record, sizeof(key));
+      if (t.cold.Find(key, Mix64(key)) == loc) {
+        live.insert(live.end(), record, record + bytes);
+        old.push_back(loc);
+      }
+      return true;
+    });
+    for (size_t r = 0; r < old.size(); ++r) {
+      const char* record = live.data() + r * bytes;
+      uint64_t key;
+      std::memcpy(&key, record, sizeof(key));
+      t.cold.Set(key, Mix64(key), t.file->Append(record));
+    }
+  } catch (const std::exception& e) {  // records not moved keep their old places
+    t.error = e.what();
+    return;
+  }
+  if (t.compact_slot >= t.file->records_in(f)) {
+    t.file->DropFile(f);
+    t.compact_file = -1;
+  }
+}
+
+template <class Fn>
+void TableShard::ForEachColdOnly(Fn&& fn) const {
+  if (!tier_ || tier_->cold.size() == tier_->both) return;
+  const Tier& t = *tier_;
+  RecordParts parts(*this);
+  for (uint32_t f = 0; f < t.file->file_numbers(); ++f) {
+    if (!t.file->has_file(f)) continue;
+    t.file->ReadFile(f, 0, [&](uint32_t loc, const char* record) {
+      uint64_t key;
+      std::memcpy(&key, record, sizeof(key));
+      const uint64_t hash = Mix64(key);
+      if (t.cold.Find(key, hash) == loc && index_.Find(key, hash) == nullptr) {
+        parts.From(record);
+        fn(key, parts.hot(), parts.cold());
+      }
+      return true;
+    });
+  }
 }
 
 }  // namespace wuliang::ps::details

@@ -4,15 +4,21 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "details/change_log.h"
+#include "details/cold_index.h"
 #include "details/hash_map.h"
 #include "details/memory_pool.h"
 #include "details/pending_counter.h"
+#include "details/row_file.h"
 #include "details/row_layout.h"
 #include "wuliang/ps/engine.h"
 #include "wuliang/ps/table_spec.h"
@@ -70,9 +76,26 @@ struct Overlay {
   }
 };
 
+// One shard's memory budget for the rows of its disk-tiered tables
+// (docs/disk_tier.md); `used` changes on the shard's worker, and when a
+// table is freed.
+struct ShardBudget {
+  uint64_t limit = 0;
+  std::atomic<int64_t> used{0};
+};
+
+// A table's disk tier: where its shards keep their row files, their reads
+// in flight and each shard's budget (none when tier_dir is empty).
+struct TierConfig {
+  std::string dir;  // <disk_dir>/<n>-<table>; shard s under <dir>/<s>
+  IoPool* io = nullptr;
+  std::vector<ShardBudget*> budgets;
+};
+
 struct TableDef {
   TableSpec spec;
   RowLayout layout;
+  TierConfig tier;
   int id = -1;
   std::vector<TableShard*> shards;  // (S,) built at creation, freed with the def
   // A layered def (a delta being switched in): reads overlays[s] before
@@ -92,8 +115,9 @@ constexpr size_t kHistogramBuckets = 1 << 16;
 // pair of lines that the adjacent-line prefetcher moves together.
 class alignas(128) TableShard {
  public:
-  // reserve_rows: this shard's part of the table's reserve_rows.
-  TableShard(const TableDef& def, size_t reserve_rows);
+  // reserve_rows: this shard's part of the table's reserve_rows; shard:
+  // which one this is (its disk tier's folder and budget).
+  TableShard(const TableDef& def, size_t reserve_rows, int shard = 0);
   ~TableShard();
   TableShard(const TableShard&) = delete;
   TableShard& operator=(const TableShard&) = delete;
@@ -176,12 +200,76 @@ class alignas(128) TableShard {
   void LoadPending(const uint64_t* keys, const uint32_t* counts, size_t n);
 
   TableStats Snapshot() const;
-  size_t rows() const { return index_.size(); }
+  size_t rows() const { return index_.size() + ColdOnlyRows(); }
 
  private:
   // Writes every column of one row (key, its hot part `row`) at index o of
   // out (null columns skipped): what Export and ReadRows give of a row.
-  void WriteRow(uint64_t key, char* row, const RowColumns& out, size_t o) const;
+  void WriteRow(uint64_t key, char* row, const RowColumns& out, size_t o) const {
+    WriteParts(key, row, pool_.Cold(row), out, o);
+  }
+  void WriteParts(uint64_t key, const char* hot, const char* cold, const RowColumns& out,
+                  size_t o) const;
+
+  // -- the disk tier (docs/disk_tier.md); all no-ops without one --
+  struct Tier {
+    ColdIndex cold;                 // keys with a record on disk
+    std::unique_ptr<RowFile> file;  // the records
+    ShardBudget* budget = nullptr;
+    int64_t accounted = 0;      // bytes of rows this shard counts in budget->used
+    uint64_t both = 0;          // keys in the index and in cold
+    size_t demote_cursor = 0;   // where the next demotion's sample starts
+    int64_t compact_file = -1;  // the file being compacted, and its next record
+    uint32_t compact_slot = 0;
+    uint64_t reads = 0, demoted = 0, demoted_written = 0;
+    std::string error;          // the disk's last refusal
+    std::vector<char> scratch;  // records in and out
+    std::vector<uint32_t> locs;
+    std::vector<uint32_t> wanted;  // slice positions of the keys read
+  };
+  size_t RowBytes() const { return layout_.hot_stride + layout_.cold_stride; }
+  size_t RecordBytes() const {
+    return sizeof(uint64_t) + layout_.hot_bytes + sizeof(RowMeta) +
+           sizeof(float) * static_cast<size_t>(layout_.state_dim);
+  }
+  uint64_t ColdOnlyRows() const { return tier_ ? tier_->cold.size() - tier_->both : 0; }
+  bool HasCold(uint64_t key, uint64_t hash) const {
+    return tier_ && tier_->cold.Find(key, hash) != ColdIndex::kEmpty;
+  }
+  // The slice's keys that are on disk only become rows in RAM (backed).
+  void Promote(const Slice& s);
+  // A record read back: a row in RAM, identical to it (backed).
+  void Install(uint64_t key, uint64_t hash, const char* record);
+  // After a call: the budget learns this shard's rows; over budget, the
+  // least shown rows go to disk, and a row file is compacted a little.
+  void AfterCall(uint64_t step);
+  void Demote(size_t rows, uint64_t step);
+  void CompactSome(size_t records);
+  // fn(key, hot, cold) for every row on disk only, reading the files in order.
+  template <class Fn>
+  void ForEachColdOnly(Fn&& fn) const;
+  std::unique_ptr<Tier> tier_;
+  // A record's parts (key | hot | meta and state), copied where they are
+  // aligned.
+  class RecordParts {
+   public:
+    explicit RecordParts(const TableShard& t)
+        : hot_bytes_(t.layout_.hot_bytes),
+          cold_bytes_(sizeof(RowMeta) + sizeof(float) * static_cast<size_t>(t.layout_.state_dim)),
+          hot_((hot_bytes_ + 7) / 8),
+          cold_((cold_bytes_ + 7) / 8) {}
+    void From(const char* record) {
+      std::memcpy(hot_.data(), record + sizeof(uint64_t), hot_bytes_);
+      std::memcpy(cold_.data(), record + sizeof(uint64_t) + hot_bytes_, cold_bytes_);
+    }
+    const char* hot() const { return reinterpret_cast<const char*>(hot_.data()); }
+    const char* cold() const { return reinterpret_cast<const char*>(cold_.data()); }
+    const RowMeta* meta() const { return reinterpret_cast<const RowMeta*>(cold_.data()); }
+
+   private:
+    size_t hot_bytes_, cold_bytes_;
+    std::vector<uint64_t> hot_, cold_;
+  };
   // Throws std::invalid_argument unless the table stores float32 weights.
   void RequireFp32(const char* what) const;
   char* CreateRow(uint64_t key, uint64_t hash, const Clock& clock, uint32_t count,
@@ -190,7 +278,8 @@ class alignas(128) TableShard {
   void LogChange(uint64_t key, uint64_t version);
   void BoundLog(ChangeLog* log) const;
   char* Admit(uint64_t key, uint64_t hash, const Clock& clock);
-  void RemoveRow(uint64_t key, uint64_t hash, const Clock& clock);
+  // Removes the key's row from RAM and disk; false if it had none.
+  bool RemoveRow(uint64_t key, uint64_t hash, const Clock& clock);
   // This shard's keys of the batch; fills hashes_ (and order_ if filtering).
   Slice Select(const ShardBatch& batch);
   // kBlank: a row for Load to fill (no initializer, not logged).

@@ -122,23 +122,30 @@ void TestRowFileRoundTrip() {
     for (uint32_t s = 0; s < per / 3 + 1; ++s) file.Release(locs[per + s]);
     CHECK(file.CompactionCandidate() == 1);
     uint32_t visited = 0;
-    file.ReadFile(1, [&](uint32_t loc, const char* record) {
+    CHECK(file.ReadFile(1, 0, [&](uint32_t loc, const char* record) {
       CHECK(loc == locs[per + visited]);
       CHECK(std::memcmp(record, RecordOf(per + visited, kBytes).data(), kBytes) == 0);
+      return ++visited < per / 2;  // stops half-way
+    }) == per / 2 - 1);
+    CHECK(file.ReadFile(1, per / 2 - 1, [&](uint32_t loc, const char*) {
+      CHECK(loc == locs[per + visited - 1]);
       ++visited;
-    });
-    CHECK(visited == per);
+      return true;
+    }) == per);  // resumed where it stopped
+    CHECK(visited == per + 1 && file.records_in(1) == per);
     // The current file's tail is read from the buffer.
     uint32_t tail = 0;
-    file.ReadFile(3, [&](uint32_t, const char* record) {
+    file.ReadFile(3, 0, [&](uint32_t, const char* record) {
       CHECK(std::memcmp(record, RecordOf(3 * per + tail, kBytes).data(), kBytes) == 0);
       ++tail;
+      return true;
     });
     CHECK(tail == 1000);
     file.DropFile(1);
     stats = file.Stats();
     CHECK(stats.files == 3 && stats.files_compacted == 1);
-    CHECK(!std::filesystem::exists(dir + "/00000001.rows"));
+    CHECK(!std::filesystem::exists(dir + "/00000001.rows") && !file.has_file(1));
+    CHECK(file.file_numbers() == 4 && file.has_file(3));
     // Appends fill the current file, then reuse number 1.
     std::vector<uint32_t> more;
     for (size_t k = 0; k < per; ++k) more.push_back(file.Append(RecordOf(n + k, kBytes).data()));

@@ -68,6 +68,9 @@
 namespace wuliang::ps {
 
 namespace details {
+class IoPool;
+struct ShardBudget;
+struct TierConfig;
 class ShardWorker;
 class GracePeriod;
 struct Staging;
@@ -84,6 +87,12 @@ class UnknownTableError : public std::out_of_range {
 
 struct EngineOptions {
   int num_shards = 2;  // worker threads; shard count of every table
+  // The disk tier (docs/disk_tier.md): with a directory, the rows of every
+  // table (serving tables excepted) beyond memory_bytes (all tables, split
+  // evenly among the shards; 0: 1 GiB) live in row files there.
+  std::string disk_dir;
+  uint64_t memory_bytes = 0;
+  int io_threads = 32;  // disk reads in flight
 };
 
 // Column buffers of n rows, used by Export (written) and Load (read).
@@ -143,6 +152,18 @@ struct TableStats {
   uint64_t evicted_lfu = 0;
   uint64_t rows_moved = 0;  // by memory compaction
   uint64_t chunks_released = 0;
+  // The disk tier (zero without one): rows on disk only, RAM of their
+  // locators, bytes of the row files, records read back into RAM, rows
+  // demoted (and of those, written: the others were unchanged on disk),
+  // row files compacted, and the last error of the disk ("" if none).
+  uint64_t cold_rows = 0;
+  uint64_t cold_index_bytes = 0;
+  uint64_t disk_bytes = 0;
+  uint64_t cold_reads = 0;
+  uint64_t demoted = 0;
+  uint64_t demoted_written = 0;
+  uint64_t files_compacted = 0;
+  std::string disk_error;
 
   TableStats& operator+=(const TableStats& other);
 };
@@ -156,6 +177,9 @@ struct ExportCursor {
   uint64_t generation = 0;  // of the shard's index when a scan started
   bool by_key = false;      // visiting the change log's keys, not scanning
   std::vector<uint64_t> keys;
+  bool cold = false;       // the disk tier's records (after the index's rows)
+  uint64_t cold_file = 0;  // row file, and record in it, to resume from
+  uint64_t cold_slot = 0;
   bool done = false;
 };
 
@@ -403,9 +427,17 @@ class Engine {
                                   uint64_t ties) const;
   // The clock of a data call: its own step, or kCurrentStep for step().
   details::Clock ClockAt(uint64_t step) const;
+  void OpenDiskTier(const EngineOptions& options);
+  details::TierConfig TierOf(const TableSpec& spec);
 
   int num_shards_;
   std::vector<std::unique_ptr<details::ShardWorker>> workers_;
+  // The disk tier: its directory ("" none), reads in flight, each shard's
+  // memory budget, and a counter naming the tables' row-file folders.
+  std::string disk_dir_;
+  std::unique_ptr<details::IoPool> io_;
+  std::vector<std::unique_ptr<details::ShardBudget>> budgets_;
+  std::atomic<uint64_t> tier_tables_{0};
   // Live tables by slot; they own their defs. Slots [0, num_slots_) were
   // ever used.
   std::array<std::atomic<details::TableDef*>, kMaxTables> tables_{};
