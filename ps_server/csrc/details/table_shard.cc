@@ -326,6 +326,11 @@ void TableShard::Pull(const ShardBatch& batch, float* out, bool train, const Clo
   // Read-only for existing rows (counts advance on push), so pulled rows
   // stay clean in cache and cost no write-back.
   if (train) RequireFp32("a training pull");
+  if (train && tier_) {
+    std::vector<uint64_t>& pinned = tier_->pinned[tier_->pin_turn ^= 1];
+    pinned.resize(s.size());
+    for (size_t k = 0; k < s.size(); ++k) pinned[k] = s.key(k);
+  }
   WithPrecision(layout_.precision, [&](auto precision) {
     Pipeline</*kCold=*/false>(
         s, train ? Create::kAdmit : Create::kNever, clock, [&](size_t k, char* row) {
@@ -1050,17 +1055,34 @@ void TableShard::Demote(size_t want, uint64_t step) {
     i = i + 1 == capacity ? 0 : i + 1;
   }
   t.demote_cursor = i;
-  want = std::min(want, sample.size());
   const auto less = [](const Candidate& a, const Candidate& b) {
     if (a.shows != b.shows) return a.shows < b.shows;
     if (a.count != b.count) return a.count < b.count;
     return a.step < b.step;
   };
-  std::nth_element(sample.begin(), sample.begin() + static_cast<ptrdiff_t>(want), sample.end(),
-                   less);
+  // Twice as many candidates as rows wanted (the least shown of the sample,
+  // in no order): the rows of the last two training pulls among them stay
+  // (their pushes are coming).
+  const size_t candidates = std::min(2 * want, sample.size());
+  std::nth_element(sample.begin(), sample.begin() + static_cast<ptrdiff_t>(candidates),
+                   sample.end(), less);
+  OpenHashMap<uint32_t> position;  // candidate key -> its position + 1
+  position.Reserve(candidates);
+  for (size_t v = 0; v < candidates; ++v) {
+    *position.InsertNew(sample[v].key, Mix64(sample[v].key)) = static_cast<uint32_t>(v + 1);
+  }
+  std::vector<bool> keep(candidates, false);
+  for (const std::vector<uint64_t>& pinned : t.pinned) {
+    for (uint64_t key : pinned) {
+      if (const uint32_t* v = position.Find(key, Mix64(key))) keep[*v - 1] = true;
+    }
+  }
   const size_t bytes = RecordBytes();
   t.scratch.resize(bytes);
-  for (size_t v = 0; v < want; ++v) {
+  size_t demoted = 0;
+  for (size_t v = 0; v < candidates && demoted < want; ++v) {
+    if (keep[v]) continue;
+    ++demoted;
     const Candidate& c = sample[v];
     const uint64_t hash = Mix64(c.key);
     char* cold = pool_.Cold(c.row);

@@ -226,6 +226,10 @@ class alignas(128) TableShard {
     std::vector<char> scratch;  // records in and out
     std::vector<uint32_t> locs;
     std::vector<uint32_t> wanted;  // slice positions of the keys read
+    // The keys of the last two training pulls: their pushes will need the
+    // rows, so they are not demoted meanwhile.
+    std::vector<uint64_t> pinned[2];
+    int pin_turn = 0;
   };
   size_t RowBytes() const { return layout_.hot_stride + layout_.cold_stride; }
   size_t RecordBytes() const {
