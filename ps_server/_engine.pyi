@@ -115,6 +115,7 @@ class Engine:
     def pull_many(
         self, parts: list[tuple], train: bool = True, step: int | None = None
     ) -> None: ...
+    def prefetch_many(self, parts: list[tuple]) -> int: ...
     def push_many(
         self,
         # (table, keys, grads, shard_offsets, updated, updated_rows, shows, clicks)

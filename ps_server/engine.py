@@ -32,6 +32,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -234,6 +235,20 @@ class Engine(ParameterServer):
                 raise ValueError(f"pull_many: the part for table {part.table!r} has no out")
             args.append(self._pull_args(part))
         self.native.pull_many(args, train, check_step(step))
+
+    @property
+    def prefetches(self) -> bool:
+        return self.disk_dir is not None
+
+    def prefetch_many(self, parts: Sequence[PullPart]) -> int:
+        """With a disk tier, reads the cold rows of the parts' keys into RAM
+        now (``out`` is not used), ahead of their pull, and keeps them there
+        until two more training pulls; returns the rows read. Without one,
+        nothing to do (0)."""
+        if self.disk_dir is None:
+            return 0
+        args = [self._pull_args(replace(part, out=None)) for part in parts]
+        return self.native.prefetch_many(args)
 
     def push(
         self,

@@ -275,6 +275,24 @@ class ParameterServer(abc.ABC):
         ``wait()`` on the handle for the rows."""
         return self._start("pull", lambda: self.pull_many(parts, train=train, step=step))
 
+    @property
+    def prefetches(self) -> bool:
+        """Whether ``prefetch_many`` brings rows in (a disk tier): a trainer
+        calls it ahead of its pulls only then."""
+        return False
+
+    def prefetch_many(self, parts: Sequence[PullPart]) -> int:
+        """Brings the rows of the parts' keys (their ``out`` is not used)
+        into memory ahead of their pull: a server with a disk tier reads
+        the cold ones now (docs/disk_tier.md). Changes no row; returns the
+        rows read (0 here: nothing to bring)."""
+        return 0
+
+    def prefetch_many_async(self, parts: Sequence[PullPart]) -> Handle[int]:
+        """``prefetch_many`` on the pulls' thread, after the pulls started
+        before it and before those started after it."""
+        return self._start("pull", lambda: self.prefetch_many(parts))
+
     def push_many_async(
         self,
         parts: Sequence[PushPart],

@@ -159,3 +159,30 @@ def test_a_full_disk_keeps_rows_in_memory_and_says_so(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("ok")
+
+
+def test_prefetch_reads_a_batch_ahead_of_its_pull(tmp_path: Path) -> None:
+    """``prefetch_many`` reads the cold rows of its keys (and keeps them
+    through the next pulls), so their pull reads nothing; servers without a
+    tier read nothing."""
+    from wuliang.ps_server import PullPart
+
+    with Engine(1, disk_dir=tmp_path, memory_bytes=64 << 10) as ps:
+        ps.create_table(SPEC)
+        keys = np.arange(1, 20_001, dtype=np.uint64)
+        ps.push("t", keys, np.ones((len(keys), 8), np.float32))
+        assert ps.prefetches and ps.stats("t")["cold_rows"] > 15_000
+        batch = keys[::10]
+        before = ps.stats("t")
+        read = ps.prefetch_many([PullPart("t", batch)])
+        after = ps.stats("t")
+        assert read > 0 and after["cold_prefetched"] - before["cold_prefetched"] == read
+        ps.pull("t", [1], step=5)  # another call: the prefetched rows stay
+        rows = ps.pull("t", batch, step=6)
+        assert ps.stats("t")["cold_reads"] == after["cold_reads"]  # nothing read by the pull
+        assert ps.prefetch_many_async([PullPart("t", batch)]).wait() == 0  # all in RAM now
+    with Engine(1) as plain:
+        plain.create_table(SPEC)
+        assert not plain.prefetches and plain.prefetch_many([PullPart("t", [1, 2])]) == 0
+        plain.push("t", keys, np.ones((len(keys), 8), np.float32))
+        np.testing.assert_array_equal(rows, plain.pull("t", batch, step=6))

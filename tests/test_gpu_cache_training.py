@@ -1,8 +1,10 @@
-"""Training MovieLens through the GPU hot cache (numpy here, cupy on a GPU)
-gives what training without it gives: the same loss at every step, and
-checkpoints and exports (a full version, then a delta) with the same rows
-in every column, show and click statistics included. The cache is small
-(rows come and go every step), so every path of it is taken."""
+"""Training MovieLens through the GPU hot cache (numpy here, cupy on a GPU),
+or with the engine's disk tier, gives what training without them gives: the
+same loss at every step, and checkpoints and exports (a full version, then a
+delta) with the same rows in every column, show and click statistics
+included. The cache is small (rows come and go every step) and the disk
+tier's budget tiny (rows go to disk after every call and come back ahead of
+their pull), so every path of them is taken."""
 
 from __future__ import annotations
 
@@ -54,7 +56,9 @@ def days(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return out
 
 
-def train(days: list[Path], folder: Path, cache_rows: int | None) -> dict[str, Any]:
+def train(
+    days: list[Path], folder: Path, cache_rows: int | None, disk_dir: Path | None = None
+) -> dict[str, Any]:
     """Two days of training, each followed by a checkpoint and an export."""
     keras.utils.set_random_seed(7)
     tables = {
@@ -72,7 +76,8 @@ def train(days: list[Path], folder: Path, cache_rows: int | None) -> dict[str, A
     def tower(embeddings: dict[str, Any], dense: dict[str, Any]) -> Any:
         return mlp(wl.embedding.concat([embeddings[name] for name in FEATURES]))
 
-    context = wl.Context(num_shards=2, gpu_cache_rows=cache_rows)
+    disk = {} if disk_dir is None else {"disk_dir": disk_dir, "memory_gb": 1e-6}  # ~1 KiB
+    context = wl.Context(num_shards=2, gpu_cache_rows=cache_rows, **disk)
     session = wl.Session(tower, features, context)
     losses = Losses()
     try:
@@ -82,10 +87,11 @@ def train(days: list[Path], folder: Path, cache_rows: int | None) -> dict[str, A
             session.save_checkpoint(folder / "model")
             session.export(folder / "exports")
         cache = context.ps.cache_stats() if cache_rows else {}
+        stats = context.ps.stats()
     finally:
         session.close()
         context.close()
-    return {"losses": losses.values, "cache": cache}
+    return {"losses": losses.values, "cache": cache, "stats": stats}
 
 
 def rows_of(version: Path) -> dict[str, dict[str, np.ndarray]]:
@@ -109,23 +115,39 @@ def test_training_through_the_cache_is_training_without_it(
 ) -> None:
     alone = train(days, tmp_path / "alone", None)
     cached = train(days, tmp_path / "cached", 96)
-    assert len(alone["losses"]) == len(cached["losses"]) == sum(-(-n // BATCH) for n in RATINGS)
-    np.testing.assert_allclose(cached["losses"], alone["losses"], rtol=0, atol=1e-6)
-
     # the cache took part: hits, rows coming and going, write-backs
     movie = cached["cache"]["movie"]
     assert movie["hits"] > 0 and movie["evicted"] > 0 and movie["written_back"] > 0
     assert movie["updated"] > 0 and movie["rows"] == 96
+    assert_same_training(alone, cached, tmp_path / "alone", tmp_path / "cached")
 
+
+def test_training_with_a_disk_tier_is_training_without_it(days: list[Path], tmp_path: Path) -> None:
+    alone = train(days, tmp_path / "alone", None)
+    tiered = train(days, tmp_path / "tiered", None, disk_dir=tmp_path / "disk")
+    # the disk took part: rows went out, came back ahead of their pulls
+    movie = tiered["stats"]["movie"]
+    assert movie["demoted"] > 0 and movie["cold_prefetched"] > 0, movie
+    assert movie["rows"] == alone["stats"]["movie"]["rows"] and movie["disk_error"] == ""
+    assert_same_training(alone, tiered, tmp_path / "alone", tmp_path / "tiered")
+    assert not any((tmp_path / "disk").rglob("*.rows"))
+
+
+def assert_same_training(
+    alone: dict[str, Any], other: dict[str, Any], alone_dir: Path, other_dir: Path
+) -> None:
+    """The same losses, and the same checkpoints and exports, row by row."""
+    assert len(alone["losses"]) == len(other["losses"]) == sum(-(-n // BATCH) for n in RATINGS)
+    np.testing.assert_allclose(other["losses"], alone["losses"], rtol=0, atol=1e-6)
     versions = []
     for kind in ("model", "exports"):
-        names = sorted(p.name for p in (tmp_path / "alone" / kind).iterdir() if p.is_dir())
-        assert names == sorted(p.name for p in (tmp_path / "cached" / kind).iterdir() if p.is_dir())
+        names = sorted(p.name for p in (alone_dir / kind).iterdir() if p.is_dir())
+        assert names == sorted(p.name for p in (other_dir / kind).iterdir() if p.is_dir())
         versions += [(kind, name) for name in names]
     assert len(versions) == 4  # two checkpoints, a full export and a delta
     for kind, name in versions:
-        a = rows_of(tmp_path / "alone" / kind / name)
-        b = rows_of(tmp_path / "cached" / kind / name)
+        a = rows_of(alone_dir / kind / name)
+        b = rows_of(other_dir / kind / name)
         assert a.keys() == b.keys()
         for table in a:
             for column in a[table]:
@@ -134,4 +156,4 @@ def test_training_through_the_cache_is_training_without_it(
                 )
         movies = a["movie"]
         assert len(movies["keys"]) > 96 and movies["shows"].max() > 0 and movies["clicks"].max() > 0
-    assert Version(tmp_path / "cached" / "exports" / "2").kind == "delta"
+    assert Version(other_dir / "exports" / "2").kind == "delta"

@@ -1028,6 +1028,14 @@ class CachedServer(ParameterServer):
             self.inner.drop_table(name)
             self._drop(name)
 
+    @property
+    def prefetches(self) -> bool:
+        return self._inner.prefetches
+
+    def prefetch_many(self, parts: Sequence[PullPart]) -> int:
+        """The inner server's: its cold rows into its memory, for the misses."""
+        return self.inner.prefetch_many(parts)
+
     def tables(self) -> list[str]:
         return self.inner.tables()
 

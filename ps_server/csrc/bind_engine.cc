@@ -125,9 +125,9 @@ py::dict StatsDict(const TableStats& t) {
                   "evicted_lfu"_a = t.evicted_lfu, "rows_moved"_a = t.rows_moved,
                   "chunks_released"_a = t.chunks_released, "cold_rows"_a = t.cold_rows,
                   "cold_index_bytes"_a = t.cold_index_bytes, "disk_bytes"_a = t.disk_bytes,
-                  "cold_reads"_a = t.cold_reads, "demoted"_a = t.demoted,
-                  "demoted_written"_a = t.demoted_written, "files_compacted"_a = t.files_compacted,
-                  "disk_error"_a = t.disk_error);
+                  "cold_reads"_a = t.cold_reads, "cold_prefetched"_a = t.cold_prefetched,
+                  "demoted"_a = t.demoted, "demoted_written"_a = t.demoted_written,
+                  "files_compacted"_a = t.files_compacted, "disk_error"_a = t.disk_error);
 }
 
 py::array_t<float> PullInto(int dim, size_t n, const py::object& out) {
@@ -390,6 +390,15 @@ void BindEngine(py::module_& m) {
             e.PullMany(many, train, StepOr(step));
           },
           "parts"_a, "train"_a = true, "step"_a = py::none())
+      .def(
+          "prefetch_many",
+          [](Engine& e, const py::list& parts) {
+            // parts: [(table, keys, _, shard_offsets)], as pull_many's.
+            const auto many = PartsOf(e, parts, 4, "prefetch_many", [](auto&, int, auto&) {});
+            py::gil_scoped_release release;
+            return e.PrefetchMany(many);
+          },
+          "parts"_a)
       .def(
           "push_many",
           [](Engine& e, const py::list& parts, bool unique, int only,

@@ -100,6 +100,7 @@ TableStats& TableStats::operator+=(const TableStats& o) {
   cold_index_bytes += o.cold_index_bytes;
   disk_bytes += o.disk_bytes;
   cold_reads += o.cold_reads;
+  cold_prefetched += o.cold_prefetched;
   demoted += o.demoted;
   demoted_written += o.demoted_written;
   files_compacted += o.files_compacted;
@@ -670,6 +671,27 @@ void Engine::PullMany(const std::vector<TablePart>& parts, bool train, uint64_t 
       }
     }
   });
+}
+
+uint64_t Engine::PrefetchMany(const std::vector<TablePart>& parts) {
+  if (disk_dir_.empty()) return 0;
+  const GracePeriod::ReadScope scope(*grace_);
+  std::vector<TableDef*> defs;
+  defs.reserve(parts.size());
+  for (const TablePart& p : parts) defs.push_back(Def(p.table));
+  std::vector<Plan> plans;
+  const std::vector<int> active = PlanParts(parts, &plans);
+  std::vector<uint64_t> read(num_shards_, 0);
+  RunOn(active, [&](int s) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      if (parts[i].n != 0 && !defs[i]->layered()) {
+        read[s] += defs[i]->shards[s]->Prefetch(plans[i].For(s));
+      }
+    }
+  });
+  uint64_t total = 0;
+  for (uint64_t r : read) total += r;
+  return total;
 }
 
 void Engine::CheckFinite(const TableDef& def, const TablePart& part) const {

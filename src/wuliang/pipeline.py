@@ -120,6 +120,11 @@ class StepSource(Protocol):
         """Starts pulling the rows of global step ``step`` into ``rows``."""
         ...
 
+    def prefetch(self, prepared: PreparedKeys) -> None:
+        """Starts bringing the step's rows into the parameter server's
+        memory (a disk tier), before the pull waits for earlier pushes."""
+        ...
+
     def link(self, previous: PreparedKeys, prepared: PreparedKeys, rows: list[np.ndarray]) -> Any:
         """Where the previous step's push writes the rows this step shares."""
         ...
@@ -316,6 +321,7 @@ class Pipeline:
                 prepared_at = time.perf_counter()
                 self.trace.record("prepare", number, read, prepared_at)
                 step = Step(seq, number, batch, prepared, inputs, rows)
+                self.source.prefetch(prepared)  # the disk, while earlier steps train
                 previous = steps[-1] if steps else None
                 if previous is not None and previous.sync and not self._until(previous.released):
                     return

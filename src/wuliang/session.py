@@ -553,6 +553,19 @@ class Session:
                 )
         return self.context.ps.pull_many_async(parts, train=train, step=step)
 
+    def _prefetch(self, prepared: PreparedKeys) -> None:
+        """With a disk tier, starts reading the batch's cold rows into the
+        server's memory (on the pulls' thread, before the batch's pull). Its
+        error, if any, is the pull's: that pull reads the rows again."""
+        ps = self.context.ps
+        if not ps.prefetches:
+            return
+        parts = [
+            PullPart(table, keys.uniques, None, keys.shard_offsets)
+            for table, keys in prepared.tables.items()
+        ]
+        ps.prefetch_many_async(parts)
+
     def _occurrences(self, prepared: PreparedKeys) -> dict[str, np.ndarray]:
         """Per table, each unique key's occurrences in the batch (float32)."""
         counts: dict[str, np.ndarray] = {}
@@ -792,6 +805,9 @@ class _Steps:
 
     def pull(self, prepared: PreparedKeys, rows: list[np.ndarray], step: int | None) -> Handle:
         return self.session._pull(prepared, rows, self.train, step if self.train else None)
+
+    def prefetch(self, prepared: PreparedKeys) -> None:
+        self.session._prefetch(prepared)
 
     def link(self, previous: PreparedKeys, prepared: PreparedKeys, rows: list[np.ndarray]) -> Any:
         return self.session._link(previous, prepared, rows)

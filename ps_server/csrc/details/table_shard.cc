@@ -948,6 +948,7 @@ TableStats TableShard::Snapshot() const {
     t.cold_index_bytes = tier_->cold.bytes();
     t.disk_bytes = f.bytes_on_disk;
     t.cold_reads = tier_->reads;
+    t.cold_prefetched = tier_->prefetched_reads;
     t.demoted = tier_->demoted;
     t.demoted_written = tier_->demoted_written;
     t.files_compacted = f.files_compacted;
@@ -967,8 +968,21 @@ TableStats TableShard::Snapshot() const {
 
 // -- the disk tier -------------------------------------------------------------
 
-void TableShard::Promote(const Slice& s) {
-  if (!tier_ || tier_->cold.size() == tier_->both) return;  // nothing on disk only
+uint64_t TableShard::Prefetch(const ShardBatch& batch) {
+  if (!tier_) return 0;
+  const Slice s = Select(batch);
+  std::vector<uint64_t>& kept = tier_->prefetched;
+  kept.resize(s.size());
+  for (size_t k = 0; k < s.size(); ++k) kept[k] = s.key(k);
+  const size_t read = Promote(s);
+  tier_->reads -= read;  // counted as read ahead, not by a call that waited
+  tier_->prefetched_reads += read;
+  AfterCall(Clock{}.step);
+  return read;
+}
+
+size_t TableShard::Promote(const Slice& s) {
+  if (!tier_ || tier_->cold.size() == tier_->both) return 0;  // nothing on disk only
   Tier& t = *tier_;
   t.locs.clear();
   t.wanted.clear();
@@ -979,7 +993,7 @@ void TableShard::Promote(const Slice& s) {
     t.locs.push_back(loc);
     t.wanted.push_back(static_cast<uint32_t>(k));
   }
-  if (t.locs.empty()) return;
+  if (t.locs.empty()) return 0;
   const size_t bytes = RecordBytes();
   t.scratch.resize(t.locs.size() * bytes);
   t.file->ReadMany(t.locs.data(), t.locs.size(), t.scratch.data());  // throws before any change
@@ -989,6 +1003,7 @@ void TableShard::Promote(const Slice& s) {
     Install(s.key(k), hashes_[k], t.scratch.data() + i * bytes);
   }
   t.reads += t.locs.size();
+  return t.locs.size();
 }
 
 void TableShard::Install(uint64_t key, uint64_t hash, const char* record) {
@@ -1072,8 +1087,8 @@ void TableShard::Demote(size_t want, uint64_t step) {
     *position.InsertNew(sample[v].key, Mix64(sample[v].key)) = static_cast<uint32_t>(v + 1);
   }
   std::vector<bool> keep(candidates, false);
-  for (const std::vector<uint64_t>& pinned : t.pinned) {
-    for (uint64_t key : pinned) {
+  for (const std::vector<uint64_t>* pinned : {&t.pinned[0], &t.pinned[1], &t.prefetched}) {
+    for (uint64_t key : *pinned) {
       if (const uint32_t* v = position.Find(key, Mix64(key))) keep[*v - 1] = true;
     }
   }

@@ -126,6 +126,9 @@ class alignas(128) TableShard {
   // Push, rows created with initial weights) needs Precision::kFp32: the
   // engine refuses it on compressed tables first; here it throws too.
   void Pull(const ShardBatch& batch, float* out, bool train, const Clock& clock);
+  // The disk tier: the batch's cold rows into RAM, kept there (not
+  // demoted) until two more training pulls; returns the rows read.
+  uint64_t Prefetch(const ShardBatch& batch);
   // updated (optional): each key's weights after the push, at row pos, or
   // at row updated_rows[pos] when given (none where -1). only (Engine::Only):
   // 0 all keys, 1 those with updated_rows[pos] >= 0, 2 the others.
@@ -230,6 +233,8 @@ class alignas(128) TableShard {
     // rows, so they are not demoted meanwhile.
     std::vector<uint64_t> pinned[2];
     int pin_turn = 0;
+    std::vector<uint64_t> prefetched;  // the keys of the last Prefetch, kept too
+    uint64_t prefetched_reads = 0;
   };
   size_t RowBytes() const { return layout_.hot_stride + layout_.cold_stride; }
   size_t RecordBytes() const {
@@ -241,7 +246,8 @@ class alignas(128) TableShard {
     return tier_ && tier_->cold.Find(key, hash) != ColdIndex::kEmpty;
   }
   // The slice's keys that are on disk only become rows in RAM (backed).
-  void Promote(const Slice& s);
+  // Returns the rows read.
+  size_t Promote(const Slice& s);
   // A record read back: a row in RAM, identical to it (backed).
   void Install(uint64_t key, uint64_t hash, const char* record);
   // After a call: the budget learns this shard's rows; over budget, the

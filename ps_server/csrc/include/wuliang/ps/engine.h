@@ -159,7 +159,8 @@ struct TableStats {
   uint64_t cold_rows = 0;
   uint64_t cold_index_bytes = 0;
   uint64_t disk_bytes = 0;
-  uint64_t cold_reads = 0;
+  uint64_t cold_reads = 0;       // by the calls that needed the rows
+  uint64_t cold_prefetched = 0;  // by PrefetchMany, ahead of them
   uint64_t demoted = 0;
   uint64_t demoted_written = 0;
   uint64_t files_compacted = 0;
@@ -260,6 +261,11 @@ class Engine {
   enum class Only { kAll, kUpdated, kRest };
   static constexpr uint64_t kCurrentStep = UINT64_MAX;
   void PullMany(const std::vector<TablePart>& parts, bool train, uint64_t step = kCurrentStep);
+  // The disk tier: reads the cold rows of the parts' keys into RAM now,
+  // ahead of their pull, and keeps them there until that pull's push
+  // (docs/disk_tier.md). Changes no row; returns the rows read (0 without
+  // a disk tier).
+  uint64_t PrefetchMany(const std::vector<TablePart>& parts);
   PushResult PushMany(const std::vector<TablePart>& parts, bool keys_unique = false,
                       Only only = Only::kAll, uint64_t step = kCurrentStep);
   // Removes rows; returns how many existed.
