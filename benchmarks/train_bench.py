@@ -93,7 +93,20 @@ front of the embedded engine: cupy where a GPU is present, numpy in host
 memory otherwise), taking its turn with the others. Its result adds
 ``wuliang_cached_samples_per_s``, ``cache_on_vs_off`` (its samples/s over
 wuliang's without the cache), the cache's hit rate per key occurrence and
-its stage timings. The last line printed is one JSON object:
+its stage timings.
+
+``--disk DIR`` adds ``wuliang_disk``: the same ``Session.train`` with the
+engine's disk tier (``Context(disk_dir=DIR, memory_gb=...)``, row files
+under DIR) and a budget of a quarter (``--disk-budget-share``) of the rows
+the tables end with (the data's distinct keys per field, 160 bytes a
+row), taking its turn with the others. In the same run the disk's own
+random-read rate is measured at the tier's depth (512-byte and 4 KiB
+reads, 32 in flight, 3 s each, the better taken). Its result adds
+``wuliang_disk_samples_per_s``, ``disk_vs_ram`` (its samples/s over
+wuliang's in RAM), the cold rows it read per step (ahead of the pulls and
+in them), ``disk_ms_per_step`` (those reads at the disk's rate) and
+``step_vs_bound``: its step time over max(the in-RAM step, the disk time
+of its cold reads). The last line printed is one JSON object:
 ``{"adagrad": {...}, "adam": {...}}``.
 
     python benchmarks/train_bench.py          # 200 timed steps, 4 rounds (TF-native Adam: 50)
@@ -385,6 +398,7 @@ class WuliangLoop:
         plan: list[tuple[int, int]],
         ps: list[Any] | None = None,
         gpu_cache_rows: int | None = None,
+        disk: tuple[Path, float] | None = None,
     ) -> None:
         from wuliang import Context, DenseFeature, EmbeddingTable, Session, SparseFeature
         from wuliang.embedding import concat
@@ -401,6 +415,8 @@ class WuliangLoop:
             settings["ps"] = [server.address for server in ps]
         if gpu_cache_rows:
             settings["gpu_cache_rows"] = gpu_cache_rows
+        if disk is not None:
+            settings["disk_dir"], settings["memory_gb"] = disk
         self.context = Context(**settings)
         emb_opt = Adagrad(0.05) if kind == "adagrad" else Adam(1e-3)
         tables = {
@@ -415,7 +431,12 @@ class WuliangLoop:
             return model(concat(inputs))
 
         self.session = Session(tower, features, self.context, optimizer=tower_optimizer(kind))
-        self.name = "wuliang_remote" if ps else "wuliang_cached" if gpu_cache_rows else "wuliang"
+        self.name = (
+            "wuliang_remote" if ps
+            else "wuliang_cached" if gpu_cache_rows
+            else "wuliang_disk" if disk is not None
+            else "wuliang"
+        )  # fmt: skip
         self.kind, self.data, self.args = kind, data, args
         self.server_cpu_s = 0.0  # of the rounds with timed steps, their untimed steps included
         self.server_steps = 0
@@ -511,6 +532,16 @@ class WuliangLoop:
             occurrences = max(1, sum(c["occurrences"] for c in counted))
             extra["cache_hit_rate"] = round(hits / occurrences, 4)
             extra["cache_device"] = self.context.ps.kernels.device
+        if self.context.ps.prefetches:  # the disk tier
+            stats = self.context.engine.stats().values()
+            extra["cold_reads_per_step"] = round(
+                sum(t["cold_reads"] + t["cold_prefetched"] for t in stats) / len(self.losses)
+            )
+            extra["cold_reads_waited_per_step"] = round(
+                sum(t["cold_reads"] for t in stats) / len(self.losses)
+            )
+            extra["cold_rows"] = sum(t["cold_rows"] for t in stats)
+            extra["disk_error"] = next((t["disk_error"] for t in stats if t["disk_error"]), "")
         return self.timed.run(self.name, batch, self.losses, extra)
 
     def close(self) -> None:
@@ -579,6 +610,19 @@ def split(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
+DISK_ROW_BYTES = 64 + 96  # a dim-16 row with Adagrad's or Adam's state in the engine's pool
+
+
+def disk_read_rate(folder: Path) -> float:
+    """The disk's best random-read rate under ``folder`` at the tier's
+    depth: 512-byte and 4 KiB reads with O_DIRECT, 32 in flight."""
+    from wuliang.ps_server import _engine
+
+    return max(
+        _engine.disk_random_reads(str(folder), 256 << 20, size, 32, 3.0)[0] for size in (512, 4096)
+    )
+
+
 def vocabulary(data: Batches) -> dict[str, int]:
     """Distinct keys per field in the batches the run reads."""
     keys = np.concatenate(data.keys)
@@ -606,6 +650,7 @@ def bench_optimizer(
         "wuliang": split(args.steps, args.rounds),
         "wuliang_remote": split(args.steps, args.rounds),
         "wuliang_cached": split(args.steps, args.rounds),
+        "wuliang_disk": split(args.steps, args.rounds),
     }
     plan = [(args.warmup, 0), *((1, n) for n in timed["wuliang"])]  # as played below
     start = time.perf_counter()
@@ -624,6 +669,14 @@ def bench_optimizer(
                 tf, kind, files, data, args, reserve, plan, gpu_cache_rows=args.gpu_cache_rows
             )
             contenders.append(cached)
+        disk_budget_gb = 0.0
+        if args.disk:
+            rows = sum(vocabulary(data).values())
+            disk_budget_gb = rows * DISK_ROW_BYTES * args.disk_budget_share / (1 << 30)
+            tiered = WuliangLoop(
+                tf, kind, files, data, args, reserve, plan, disk=(args.disk, disk_budget_gb)
+            )
+            contenders.append(tiered)
         for c in contenders:
             c.play(args.warmup, 0)
             gc.collect()
@@ -650,7 +703,13 @@ def bench_optimizer(
         f"pull {stages['pull_ms']:.0f}, prepare {stages['prepare_ms']:.0f} (ahead)",
     )
     for other in others:
-        if other.name == "wuliang_cached":
+        if other.name == "wuliang_disk":
+            note = (
+                f"; {other.extra['cold_reads_per_step']} cold rows read per step "
+                f"({other.extra['cold_reads_waited_per_step']} waited for); = "
+                f"{other.samples_per_s / ours.samples_per_s:.2f} of all in RAM"
+            )
+        elif other.name == "wuliang_cached":
             note = (
                 f"; cache hit rate {other.extra['cache_hit_rate']} on "
                 f"{other.extra['cache_device']}; = {other.samples_per_s / ours.samples_per_s:.2f}"
@@ -706,7 +765,26 @@ def bench_optimizer(
         "tf_version": tf.__version__,
     }
     for other in others:
-        if other.name == "wuliang_cached":
+        if other.name == "wuliang_disk":
+            rate = disk_read_rate(args.disk)
+            disk_ms = 1e3 * other.extra["cold_reads_per_step"] / rate
+            ram_ms = stages["step_ms"]
+            step_ms = other.extra["stages"]["step_ms"]
+            result.update(
+                wuliang_disk_samples_per_s=round(other.samples_per_s),
+                disk_vs_ram=ratio(other.samples_per_s, ours.samples_per_s),
+                disk_budget_gb=round(disk_budget_gb, 4),
+                disk_budget_share=args.disk_budget_share,
+                disk_cold_rows=other.extra["cold_rows"],
+                cold_reads_per_step=other.extra["cold_reads_per_step"],
+                cold_reads_waited_per_step=other.extra["cold_reads_waited_per_step"],
+                disk_reads_per_s=round(rate),
+                disk_ms_per_step=round(disk_ms, 2),
+                step_vs_bound=round(step_ms / max(ram_ms, disk_ms), 3),
+                disk_error=other.extra["disk_error"],
+                disk_stages_ms=other.extra["stages"],
+            )
+        elif other.name == "wuliang_cached":
             result.update(
                 wuliang_cached_samples_per_s=round(other.samples_per_s),
                 cache_on_vs_off=ratio(other.samples_per_s, ours.samples_per_s),
@@ -781,6 +859,14 @@ def main() -> None:
         "gpu_cache_rows=N): cupy where a GPU is present, numpy otherwise), alternated with the "
         "others; the result's cache_on_vs_off is its samples/s over wuliang's without",
     )
+    parser.add_argument(
+        "--disk",
+        type=Path,
+        metavar="DIR",
+        help="also train wuliang with the engine's disk tier, row files under DIR (a directory "
+        "on a local disk) and a budget of --disk-budget-share of the tables' rows",
+    )
+    parser.add_argument("--disk-budget-share", type=float, default=0.25, help="with --disk")
     parser.add_argument(
         "--reserve",
         choices=["vocabulary", "none"],
