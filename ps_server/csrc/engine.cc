@@ -681,16 +681,46 @@ uint64_t Engine::PrefetchMany(const std::vector<TablePart>& parts) {
   for (const TablePart& p : parts) defs.push_back(Def(p.table));
   std::vector<Plan> plans;
   const std::vector<int> active = PlanParts(parts, &plans);
-  std::vector<uint64_t> read(num_shards_, 0);
+  // Each shard plans its reads; this thread reads them all (32 in flight)
+  // while the workers go on with other calls; each shard installs its own.
+  using Reads = details::TableShard::PrefetchReads;
+  std::vector<std::vector<Reads>> reads(num_shards_, std::vector<Reads>(parts.size()));
   RunOn(active, [&](int s) {
     for (size_t i = 0; i < parts.size(); ++i) {
       if (parts[i].n != 0 && !defs[i]->layered()) {
-        read[s] += defs[i]->shards[s]->Prefetch(plans[i].For(s));
+        defs[i]->shards[s]->PlanPrefetch(plans[i].For(s), &reads[s][i]);
       }
     }
   });
+  std::vector<std::pair<Reads*, size_t>> work;
+  for (auto& shard : reads) {
+    for (Reads& r : shard) {
+      for (size_t j = 0; j < r.places.size(); ++j) work.emplace_back(&r, j);
+    }
+  }
+  std::atomic<bool> failed{false};
+  std::string error;
+  std::mutex error_mutex;
+  io_->ParallelFor(work.size(), [&](size_t w) {
+    if (failed.load(std::memory_order_relaxed)) return;
+    try {
+      work[w].first->Read(work[w].second);
+    } catch (const std::exception& e) {
+      const std::lock_guard<std::mutex> lock(error_mutex);
+      if (!failed.exchange(true)) error = e.what();
+    }
+  });
+  std::vector<uint64_t> installed(num_shards_, 0);
+  RunOn(active, [&](int s) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      if (parts[i].n == 0 || defs[i]->layered()) continue;
+      if (failed) reads[s][i].keys.clear();  // nothing installed: the pulls read themselves
+      installed[s] += defs[i]->shards[s]->FinishPrefetch(&reads[s][i]);
+    }
+  });
+  if (failed) throw std::runtime_error(error);
   uint64_t total = 0;
-  for (uint64_t r : read) total += r;
+  for (uint64_t r : installed) total += r;
   return total;
 }
 

@@ -246,6 +246,24 @@ void RowFile::Read(uint32_t loc, char* out) const {
   records_read_.fetch_add(1, std::memory_order_relaxed);
 }
 
+bool RowFile::Detach(uint32_t loc, char* out, Place* place) {
+  const uint32_t f = loc / records_per_file_;
+  const size_t offset = OffsetOf(loc % records_per_file_);
+  if (static_cast<int64_t>(f) == current_ && offset >= buffer_start_) {
+    std::memcpy(out, buffer_ + (offset - buffer_start_), record_bytes_);
+    records_read_.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  *place = Place{files_[f].fd, offset};
+  ++detached_;
+  return true;
+}
+
+void RowFile::ReadDetached(const Place& place, char* out) const {
+  ReadAt(place.fd, place.offset, out);
+  records_read_.fetch_add(1, std::memory_order_relaxed);
+}
+
 void RowFile::ReadMany(const uint32_t* locs, size_t n, char* out) const {
   if (pool_ == nullptr || n < 2) {
     for (size_t i = 0; i < n; ++i) Read(locs[i], out + i * record_bytes_);

@@ -93,6 +93,20 @@ class RowFile {
   uint32_t Append(const char* record);
   // The record at loc into out (record_bytes).
   void Read(uint32_t loc, char* out) const;
+
+  // A read done away from the owner (Engine::PrefetchMany): Detach, on the
+  // owner, copies the record at once if it is still in the write buffer
+  // (returns false), else gives where it is on disk (returns true) and
+  // keeps every file open until Reattach; ReadDetached then reads it on
+  // any thread. Files are not dropped while reads are detached.
+  struct Place {
+    int fd;
+    size_t offset;
+  };
+  bool Detach(uint32_t loc, char* out, Place* place);
+  void ReadDetached(const Place& place, char* out) const;
+  void Reattach(size_t reads) { detached_ -= reads; }
+  size_t detached() const { return detached_; }
   // Records locs[i] into out + i * record_bytes, reads in flight on the pool.
   void ReadMany(const uint32_t* locs, size_t n, char* out) const;
   // The record at loc is no longer pointed to.
@@ -149,6 +163,7 @@ class RowFile {
   uint64_t bytes_written_ = 0;
   mutable std::atomic<uint64_t> records_read_{0};
   uint64_t files_compacted_ = 0;
+  size_t detached_ = 0;  // reads given away and not yet reattached
 };
 
 // The disk's own random-read rate, as fio measures it: `depth` threads each

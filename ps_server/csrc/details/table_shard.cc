@@ -968,17 +968,50 @@ TableStats TableShard::Snapshot() const {
 
 // -- the disk tier -------------------------------------------------------------
 
-uint64_t TableShard::Prefetch(const ShardBatch& batch) {
-  if (!tier_) return 0;
+void TableShard::PlanPrefetch(const ShardBatch& batch, PrefetchReads* reads) {
+  if (!tier_) return;
+  Tier& t = *tier_;
   const Slice s = Select(batch);
-  std::vector<uint64_t>& kept = tier_->prefetched;
+  std::vector<uint64_t>& kept = t.prefetched;  // kept in RAM once they are there
   kept.resize(s.size());
   for (size_t k = 0; k < s.size(); ++k) kept[k] = s.key(k);
-  const size_t read = Promote(s);
-  tier_->reads -= read;  // counted as read ahead, not by a call that waited
-  tier_->prefetched_reads += read;
-  AfterCall(Clock{}.step);
-  return read;
+  if (t.cold.size() == t.both) return;  // nothing on disk only
+  const size_t bytes = RecordBytes();
+  reads->file = t.file.get();
+  reads->record_bytes = bytes;
+  for (size_t k = 0; k < s.size(); ++k) {
+    if (index_.Find(s.key(k), hashes_[k]) != nullptr) continue;
+    const uint32_t loc = t.cold.Find(s.key(k), hashes_[k]);
+    if (loc == ColdIndex::kEmpty) continue;
+    reads->keys.push_back(s.key(k));
+    reads->locs.push_back(loc);
+  }
+  reads->records.resize(reads->keys.size() * bytes);
+  for (size_t i = 0; i < reads->keys.size(); ++i) {
+    RowFile::Place place;
+    if (t.file->Detach(reads->locs[i], reads->records.data() + i * bytes, &place)) {
+      reads->places.push_back(place);
+      reads->away.push_back(static_cast<uint32_t>(i));
+    }
+  }
+}
+
+uint64_t TableShard::FinishPrefetch(PrefetchReads* reads) {
+  if (!tier_) return 0;
+  Tier& t = *tier_;
+  t.file->Reattach(reads->places.size());
+  uint64_t installed = 0;
+  for (size_t i = 0; i < reads->keys.size(); ++i) {
+    const uint64_t key = reads->keys[i];
+    const uint64_t hash = Mix64(key);
+    // Since the plan, a call may have read it in, or it moved or went.
+    if (index_.Find(key, hash) != nullptr || t.cold.Find(key, hash) != reads->locs[i]) continue;
+    Install(key, hash, reads->records.data() + i * reads->record_bytes);
+    ++installed;
+  }
+  t.prefetched_reads += installed;
+  AfterCall(0);
+  return installed;
 }
 
 size_t TableShard::Promote(const Slice& s) {
@@ -1164,8 +1197,8 @@ void TableShard::CompactSome(size_t records) {
     t.error = e.what();
     return;
   }
-  if (t.compact_slot >= t.file->records_in(f)) {
-    t.file->DropFile(f);
+  if (t.compact_slot >= t.file->records_in(f) && t.file->detached() == 0) {
+    t.file->DropFile(f);  // not while reads of it may be in flight (a prefetch)
     t.compact_file = -1;
   }
 }

@@ -126,9 +126,24 @@ class alignas(128) TableShard {
   // Push, rows created with initial weights) needs Precision::kFp32: the
   // engine refuses it on compressed tables first; here it throws too.
   void Pull(const ShardBatch& batch, float* out, bool train, const Clock& clock);
-  // The disk tier: the batch's cold rows into RAM, kept there (not
-  // demoted) until two more training pulls; returns the rows read.
-  uint64_t Prefetch(const ShardBatch& batch);
+  // The disk tier, ahead of a pull, in three steps so that the worker is
+  // free while the disk works (Engine::PrefetchMany): PlanPrefetch (owner)
+  // finds the batch's keys on disk only and where their records are;
+  // anyone reads them (PrefetchReads::Read); FinishPrefetch (owner)
+  // installs those whose records are still current, keeps the batch's rows
+  // in RAM until two more training pulls, and returns the rows installed.
+  struct PrefetchReads {
+    std::vector<uint64_t> keys;
+    std::vector<uint32_t> locs;
+    std::vector<RowFile::Place> places;  // of the records read away
+    std::vector<uint32_t> away;          // positions in keys of those
+    std::vector<char> records;           // keys.size() records
+    const RowFile* file = nullptr;
+    size_t record_bytes = 0;
+    void Read(size_t i) { file->ReadDetached(places[i], records.data() + away[i] * record_bytes); }
+  };
+  void PlanPrefetch(const ShardBatch& batch, PrefetchReads* reads);
+  uint64_t FinishPrefetch(PrefetchReads* reads);
   // updated (optional): each key's weights after the push, at row pos, or
   // at row updated_rows[pos] when given (none where -1). only (Engine::Only):
   // 0 all keys, 1 those with updated_rows[pos] >= 0, 2 the others.
