@@ -114,6 +114,15 @@ void TestRowFileRoundTrip() {
     for (size_t k = 0; k < n; ++k) {
       CHECK(std::memcmp(many.data() + k * kBytes, RecordOf(k, kBytes).data(), kBytes) == 0);
     }
+    // Reads done away from the owner: one on disk, one still in the buffer.
+    RowFile::Place place{};
+    CHECK(file.Detach(locs[5], out.data(), &place) && file.detached() == 1);
+    std::vector<char> away(kBytes);
+    file.ReadDetached(place, away.data());
+    CHECK(away == RecordOf(5, kBytes));
+    CHECK(!file.Detach(locs[n - 1], out.data(), &place) && out == RecordOf(n - 1, kBytes));
+    file.Reattach(1);
+    CHECK(file.detached() == 0);
     details::RowFileStats stats = file.Stats();
     CHECK(stats.files == 4 && stats.live == n && stats.stale == 0);
     CHECK(file.CompactionCandidate() == -1);
