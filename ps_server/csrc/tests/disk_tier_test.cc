@@ -5,6 +5,8 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -12,12 +14,14 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "check.h"
 #include "details/cold_index.h"
 #include "details/row_file.h"
+#include "wuliang/ps/engine.h"
 #include "wuliang/ps/hash.h"
 
 using namespace wuliang::ps;
@@ -217,6 +221,73 @@ void TestIoPoolRunsEveryItemOnce() {
   CHECK(total.load() == 4 * 50 * 64);
 }
 
+// An engine whose rows mostly live on disk, under concurrent calls: a
+// trainer's prefetches and pulls on one thread (the prefetch's reads on it
+// while the workers run), its pushes on another; then every row is there.
+void TestEngineTierUnderConcurrentCalls() {
+  const std::string dir = TempDir("engine-tier");
+  {
+    EngineOptions options;
+    options.num_shards = 2;
+    options.disk_dir = dir;
+    options.memory_bytes = 64 << 10;
+    options.io_threads = 8;
+    Engine engine(options);
+    TableSpec spec;
+    spec.name = "t";
+    spec.dim = 4;
+    spec.optimizer.kind = OptimizerKind::kAdagrad;
+    const int table = engine.CreateTable(spec);
+    constexpr int kSteps = 60;
+    constexpr size_t kKeys = 2000;
+    std::vector<std::vector<uint64_t>> batches(kSteps);
+    std::mt19937_64 rng(5);
+    for (auto& b : batches) {
+      for (size_t i = 0; i < kKeys; ++i) b.push_back(rng() % 30000);
+      std::sort(b.begin(), b.end());
+      b.erase(std::unique(b.begin(), b.end()), b.end());
+    }
+    std::atomic<int> pulled{-1};
+    std::thread pusher([&] {
+      std::vector<float> grads(kKeys * 4, 0.01f);
+      for (int step = 0; step < kSteps; ++step) {
+        while (pulled.load() < step) std::this_thread::yield();
+        Engine::TablePart part;
+        part.table = table;
+        part.keys = batches[step].data();
+        part.n = batches[step].size();
+        part.grads = grads.data();
+        engine.PushMany({part}, true, Engine::Only::kAll, step);
+      }
+    });
+    std::vector<float> out(kKeys * 4);
+    for (int step = 0; step < kSteps; ++step) {
+      Engine::TablePart part;
+      part.table = table;
+      part.keys = batches[step].data();
+      part.n = batches[step].size();
+      engine.PrefetchMany({part});
+      part.out = out.data();
+      engine.PullMany({part}, true, step);
+      pulled.store(step);
+    }
+    pusher.join();
+    std::vector<uint64_t> all;
+    for (const auto& b : batches) all.insert(all.end(), b.begin(), b.end());
+    std::sort(all.begin(), all.end());
+    all.erase(std::unique(all.begin(), all.end()), all.end());
+    const TableStats stats = engine.Stats(table);
+    std::printf("engine tier: %llu rows, %llu on disk, %llu prefetched, %llu read in calls\n",
+                static_cast<unsigned long long>(stats.rows),
+                static_cast<unsigned long long>(stats.cold_rows),
+                static_cast<unsigned long long>(stats.cold_prefetched),
+                static_cast<unsigned long long>(stats.cold_reads));
+    CHECK(stats.rows == all.size() && stats.cold_rows > all.size() / 2);
+    CHECK(stats.cold_prefetched > 0 && stats.disk_error.empty());
+  }
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 
 int main() {
@@ -225,6 +296,7 @@ int main() {
   TestIoPoolRunsEveryItemOnce();
   TestRowFileRoundTrip();
   TestRowFileRefusedWrite();
+  TestEngineTierUnderConcurrentCalls();
   std::printf("disk_tier_test: ok\n");
   return 0;
 }
