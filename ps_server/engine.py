@@ -79,11 +79,14 @@ class Engine(ParameterServer):
         memory_bytes: with ``disk_dir``, the RAM for rows of all tables
             (serving tables excepted), split evenly among the shards;
             0: 1 GiB.
+        row_file_bytes: with ``disk_dir``, the size a row file grows to
+            before the next one starts (default 64 MiB; at least 1 MiB;
+            small ones compact sooner: tests).
     """
 
     def __init__(
         self, num_shards: int = 2, *, disk_dir: str | os.PathLike[str] | None = None,
-        memory_bytes: int = 0,
+        memory_bytes: int = 0, row_file_bytes: int = 64 << 20,
     ) -> None:  # fmt: skip
         super().__init__()
         if not isinstance(num_shards, int) or not 1 <= num_shards <= 1024:
@@ -92,9 +95,11 @@ class Engine(ParameterServer):
             raise ValueError(f"memory_bytes must be an int >= 0, got {memory_bytes!r}")
         if memory_bytes and disk_dir is None:
             raise ValueError("memory_bytes is the disk tier's budget: it needs disk_dir")
+        if not isinstance(row_file_bytes, int) or row_file_bytes < 1 << 20:
+            raise ValueError(f"row_file_bytes must be an int >= 1 MiB, got {row_file_bytes!r}")
         self.disk_dir = None if disk_dir is None else os.fspath(disk_dir)
         self._native: _engine.Engine | None = _engine.Engine(
-            num_shards, self.disk_dir or "", memory_bytes
+            num_shards, self.disk_dir or "", memory_bytes, row_file_bytes
         )
         # name -> (native id, spec), replaced whole, so that one lookup gives
         # an id and the spec of the same table. Native ids are never reused

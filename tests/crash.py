@@ -101,9 +101,10 @@ def crash_at(
     return seen
 
 
-def two_table_session() -> Any:
+def two_table_session(ps: Any = None) -> Any:
     """A session with tables "a" (dim 4, Adagrad) and "b" (dim 3, SGD) and
-    a one-layer tower; the same variables in every process."""
+    a one-layer tower; the same variables in every process. ``ps``: its
+    parameter server (default: an embedded engine)."""
     import keras
 
     import wuliang as wl
@@ -114,7 +115,7 @@ def two_table_session() -> Any:
     dense = keras.layers.Dense(1)
     features = [wl.SparseFeature("a", a), wl.SparseFeature("b", b)]
     return wl.Session(
-        lambda e, d: dense(wl.embedding.concat([e["a"], e["b"]])), features, wl.Context()
+        lambda e, d: dense(wl.embedding.concat([e["a"], e["b"]])), features, wl.Context(ps)
     )
 
 

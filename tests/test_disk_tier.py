@@ -186,3 +186,69 @@ def test_prefetch_reads_a_batch_ahead_of_its_pull(tmp_path: Path) -> None:
         assert not plain.prefetches and plain.prefetch_many([PullPart("t", [1, 2])]) == 0
         plain.push("t", keys, np.ones((len(keys), 8), np.float32))
         np.testing.assert_array_equal(rows, plain.pull("t", batch, step=6))
+
+
+# -- a kill anywhere in the tier ----------------------------------------------------
+
+TIER_CHILD = """
+import os, sys
+from pathlib import Path
+from crash import CRASH_ENV, set_rows, two_table_session
+from wuliang.checkpoint import latest_checkpoint
+from wuliang.ps_server import Engine
+
+model_dir, disk = Path(sys.argv[1]), sys.argv[2]
+
+def tiered():
+    return Engine(1, disk_dir=disk, memory_bytes=1, row_file_bytes=1 << 20)
+
+point = os.environ.pop(CRASH_ENV)  # not while the first checkpoint is written
+session = two_table_session(tiered())
+set_rows(session, 1)
+session.save_checkpoint(model_dir, keep=2)
+session.context.close()
+os.environ[CRASH_ENV] = point  # armed for the next engine: killed somewhere below
+session = two_table_session(tiered())
+session.restore_checkpoint(latest_checkpoint(model_dir))
+for step in range(2, 40):
+    set_rows(session, step)  # every row to disk and back, files going stale
+    session.save_checkpoint(model_dir, keep=2)
+"""
+
+
+@pytest.mark.parametrize("point", ["tier-demote", "tier-promote", "tier-compact:3"])
+def test_a_kill_in_the_tier_leaves_checkpoints_whole(tmp_path: Path, point: str) -> None:
+    """A trainer whose rows live on disk (a one-byte budget) is SIGKILLed
+    while demoting, promoting or compacting; its checkpoints verify and
+    hold their rows, a restore into an engine with a disk tier rebuilds the
+    tiers with every row, and its row files are cleared by the next engine
+    on that directory."""
+    from crash import crash_at, expected_rows, sorted_rows, two_table_session
+
+    from wuliang.checkpoint import checkpoints
+    from wuliang.ps_server.storage import Version
+
+    model_dir, disk = tmp_path / "model", tmp_path / "disk"
+    crash_at(TIER_CHILD, [str(model_dir), str(disk)], point, tmp_path, tmp_path / "child.log")
+    assert any(disk.rglob("*.rows"))  # the killed engine's, left behind
+    saved = checkpoints(model_dir)
+    assert saved and saved[0][0] >= 1
+    for step, path in saved:
+        version = Version(path)
+        version.verify()
+        session = two_table_session(Engine(1, disk_dir=disk, memory_bytes=1))
+        try:
+            session.restore_checkpoint(path)
+            engine = session.context.engine
+            for table in ("a", "b"):
+                rows = sorted_rows(version.read_rows(table))
+                keys, weights = expected_rows(step, table)
+                np.testing.assert_array_equal(rows["keys"], keys)
+                np.testing.assert_array_equal(rows["weights"], weights)
+                restored = sorted_rows(engine.export(table))
+                for column, values in rows.items():
+                    np.testing.assert_array_equal(restored[column], values, err_msg=column)
+                assert engine.stats(table)["cold_rows"] == len(keys)  # on disk again
+        finally:
+            session.context.close()
+    assert not any(disk.rglob("*.rows"))  # the dead process's folder went too

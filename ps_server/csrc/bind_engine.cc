@@ -329,14 +329,16 @@ void BindEngine(py::module_& m) {
 
   using Release = py::call_guard<py::gil_scoped_release>;
   py::class_<Engine>(m, "Engine")
-      .def(py::init([](int num_shards, const std::string& disk_dir, uint64_t memory_bytes) {
+      .def(py::init([](int num_shards, const std::string& disk_dir, uint64_t memory_bytes,
+                       uint64_t row_file_bytes) {
              EngineOptions options;
              options.num_shards = num_shards;
              options.disk_dir = disk_dir;
              options.memory_bytes = memory_bytes;
+             if (row_file_bytes != 0) options.row_file_bytes = row_file_bytes;
              return std::make_unique<Engine>(options);
            }),
-           "num_shards"_a, "disk_dir"_a = "", "memory_bytes"_a = 0)
+           "num_shards"_a, "disk_dir"_a = "", "memory_bytes"_a = 0, "row_file_bytes"_a = 0)
       .def_property_readonly("num_shards", &Engine::num_shards)
       .def("worker_thread_ids", &Engine::WorkerThreadIds, Release())
       .def("create_table", &Engine::CreateTable, "spec"_a, Release())

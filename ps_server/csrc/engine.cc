@@ -315,6 +315,8 @@ void Engine::OpenDiskTier(const EngineOptions& options) {
   fs::create_directories(disk_dir_, error);
   if (error) throw std::invalid_argument("disk_dir " + disk_dir_ + ": " + error.message());
   io_ = std::make_unique<details::IoPool>(std::max(options.io_threads - 1, 0));
+  row_file_bytes_ = options.row_file_bytes;
+  details::ArmTierCrash();
   const uint64_t total = options.memory_bytes != 0 ? options.memory_bytes : uint64_t{1} << 30;
   for (int s = 0; s < num_shards_; ++s) {
     budgets_.push_back(std::make_unique<details::ShardBudget>());
@@ -329,6 +331,7 @@ details::TierConfig Engine::TierOf(const TableSpec& spec) {
   for (char c : spec.name) name += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
   tier.dir = disk_dir_ + "/" + std::to_string(tier_tables_.fetch_add(1)) + "-" + name.substr(0, 64);
   tier.io = io_.get();
+  tier.file_bytes = row_file_bytes_;
   for (auto& budget : budgets_) tier.budgets.push_back(budget.get());
   return tier;
 }

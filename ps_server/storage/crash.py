@@ -21,6 +21,14 @@ in the order a write reaches them:
 * ``latest-temp`` (``wuliang.export``): the new ``LATEST`` is written to its
   temporary file, not yet renamed over ``LATEST`` (not in an object store,
   where ``LATEST`` is uploaded whole).
+
+The engine's disk tier (C++, docs/disk_tier.md) has points of its own, read
+from the same variable by each engine with a disk tier when it starts:
+
+* ``tier-demote``: a demoted row's record is appended, its locator not set;
+* ``tier-promote``: a call's cold records are read, not installed in RAM;
+* ``tier-compact``: a file's live records are appended again, the file not
+  dropped.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ CRASH_POINTS = (
     "checkpoint-rotate",
     "latest-temp",
 )
+TIER_POINTS = ("tier-demote", "tier-promote", "tier-compact")  # the engine's (C++)
 BLOCK_S = 600.0  # a crashed-on-purpose process nobody kills exits after this
 
 
@@ -47,10 +56,10 @@ def _crash_at(value: str | None) -> tuple[str, int] | None:
     if not value:
         return None
     point, _, n = value.partition(":")
-    if point not in CRASH_POINTS or (n and (not n.isdigit() or int(n) < 1)):
+    if point not in CRASH_POINTS + TIER_POINTS or (n and (not n.isdigit() or int(n) < 1)):
         raise ValueError(
             f"{CRASH_ENV}={value!r}: expected <point>[:<n>], n >= 1, "
-            f"point one of {', '.join(CRASH_POINTS)}"
+            f"point one of {', '.join(CRASH_POINTS + TIER_POINTS)}"
         )
     return point, int(n or 1)
 

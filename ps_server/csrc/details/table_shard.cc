@@ -1,10 +1,16 @@
 #include "details/table_shard.h"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <type_traits>
 
 #include "details/initializer.h"
@@ -102,7 +108,7 @@ TableShard::TableShard(const TableDef& def, size_t reserve_rows, int shard)
   if (!def.tier.dir.empty()) {
     tier_ = std::make_unique<Tier>();
     tier_->file = std::make_unique<RowFile>(def.tier.dir + "/" + std::to_string(shard),
-                                            RecordBytes(), def.tier.io);
+                                            RecordBytes(), def.tier.io, def.tier.file_bytes);
     tier_->budget = def.tier.budgets[static_cast<size_t>(shard)];
   }
   if (reserve_rows > 0) {
@@ -968,6 +974,39 @@ TableStats TableShard::Snapshot() const {
 
 // -- the disk tier -------------------------------------------------------------
 
+namespace {
+std::mutex crash_mutex;
+std::atomic<bool> crash_armed{false};
+std::string crash_point_name;  // written once, before crash_armed
+uint64_t crash_point_hit = 0;
+std::atomic<uint64_t> crash_point_hits{0};
+}  // namespace
+
+void ArmTierCrash() {
+  const std::lock_guard<std::mutex> lock(crash_mutex);
+  const char* value = std::getenv("WULIANG_TEST_CRASH_AT");
+  if (crash_armed.load() || value == nullptr) return;  // the first engine that sees it
+  const std::string text(value);
+  const std::string point = text.substr(0, text.find(':'));
+  if (point.rfind("tier-", 0) != 0) return;
+  crash_point_name = point;
+  crash_point_hit = text.find(':') == std::string::npos
+                        ? 1
+                        : std::strtoull(text.c_str() + text.find(':') + 1, nullptr, 10);
+  crash_armed.store(true);
+}
+
+void TierCrashPoint(const char* point) {
+  if (!crash_armed.load(std::memory_order_acquire) || crash_point_name != point) return;
+  const uint64_t hit = crash_point_hits.fetch_add(1) + 1;
+  if (hit != crash_point_hit) return;
+  std::printf("WULIANG_TEST_CRASH_AT reached %s:%llu\n", point,
+              static_cast<unsigned long long>(hit));
+  std::fflush(stdout);
+  std::this_thread::sleep_for(std::chrono::seconds(600));  // the test SIGKILLs us here
+  std::_Exit(70);                                          // never go on after a crash point
+}
+
 void TableShard::PlanPrefetch(const ShardBatch& batch, PrefetchReads* reads) {
   if (!tier_) return;
   Tier& t = *tier_;
@@ -1030,6 +1069,7 @@ size_t TableShard::Promote(const Slice& s) {
   const size_t bytes = RecordBytes();
   t.scratch.resize(t.locs.size() * bytes);
   t.file->ReadMany(t.locs.data(), t.locs.size(), t.scratch.data());  // throws before any change
+  TierCrashPoint("tier-promote");
   for (size_t i = 0; i < t.wanted.size(); ++i) {
     const size_t k = t.wanted[i];
     if (index_.Find(s.key(k), hashes_[k]) != nullptr) continue;  // a repeated key
@@ -1149,6 +1189,7 @@ void TableShard::Demote(size_t want, uint64_t step) {
         t.error = e.what();
         return;
       }
+      TierCrashPoint("tier-demote");
       const uint32_t old = t.cold.Set(c.key, hash, loc);
       if (old != ColdIndex::kEmpty) {
         t.file->Release(old);
@@ -1197,6 +1238,7 @@ void TableShard::CompactSome(size_t records) {
     t.error = e.what();
     return;
   }
+  if (!old.empty()) TierCrashPoint("tier-compact");
   if (t.compact_slot >= t.file->records_in(f) && t.file->detached() == 0) {
     t.file->DropFile(f);  // not while reads of it may be in flight (a prefetch)
     t.compact_file = -1;

@@ -90,7 +90,16 @@ struct TierConfig {
   std::string dir;  // <disk_dir>/<n>-<table>; shard s under <dir>/<s>
   IoPool* io = nullptr;
   std::vector<ShardBudget*> budgets;
+  uint64_t file_bytes = uint64_t{64} << 20;
 };
+
+// Test-only crash points of the disk tier (WULIANG_TEST_CRASH_AT=<point>[:n],
+// as wuliang.ps_server.storage.crash): the n-th time a tier reaches the
+// point it prints "WULIANG_TEST_CRASH_AT reached <point>:<n>" and blocks
+// for the test to SIGKILL it. ArmTierCrash reads the variable (an engine
+// with a disk tier, when it starts).
+void ArmTierCrash();
+void TierCrashPoint(const char* point);
 
 struct TableDef {
   TableSpec spec;

@@ -92,7 +92,8 @@ struct EngineOptions {
   // evenly among the shards; 0: 1 GiB) live in row files there.
   std::string disk_dir;
   uint64_t memory_bytes = 0;
-  int io_threads = 32;  // disk reads in flight
+  int io_threads = 32;                           // disk reads in flight
+  uint64_t row_file_bytes = uint64_t{64} << 20;  // the largest row file (small: tests)
 };
 
 // Column buffers of n rows, used by Export (written) and Load (read).
@@ -444,6 +445,7 @@ class Engine {
   std::unique_ptr<details::IoPool> io_;
   std::vector<std::unique_ptr<details::ShardBudget>> budgets_;
   std::atomic<uint64_t> tier_tables_{0};
+  uint64_t row_file_bytes_ = 0;
   // Live tables by slot; they own their defs. Slots [0, num_slots_) were
   // ever used.
   std::array<std::atomic<details::TableDef*>, kMaxTables> tables_{};
