@@ -1122,6 +1122,7 @@ void TableShard::Demote(size_t want, uint64_t step) {
     float shows;  // decayed to `step`
     uint32_t count;
     uint64_t step;
+    uint32_t tie;  // hash bits the index's slots do not use: ties go at random
     uint64_t key;
     char* row;
   };
@@ -1138,7 +1139,8 @@ void TableShard::Demote(size_t want, uint64_t step) {
     if (index_.Occupied(slot)) {
       const RowMeta* m = RowLayout::Meta(pool_.Cold(slot.value));
       const auto shows = static_cast<float>(m->shows * StatsDecay(m->step(), step, half_life));
-      sample.push_back({shows, m->count, m->step(), slot.key, slot.value});
+      const auto tie = static_cast<uint32_t>(Mix64(slot.key) >> 16);
+      sample.push_back({shows, m->count, m->step(), tie, slot.key, slot.value});
     }
     i = i + 1 == capacity ? 0 : i + 1;
   }
@@ -1146,14 +1148,20 @@ void TableShard::Demote(size_t want, uint64_t step) {
   const auto less = [](const Candidate& a, const Candidate& b) {
     if (a.shows != b.shows) return a.shows < b.shows;
     if (a.count != b.count) return a.count < b.count;
-    return a.step < b.step;
+    if (a.step != b.step) return a.step < b.step;
+    // Not the sample's order (the index's slot order): demoting a run of
+    // slots would leave the rest of the index packed into long runs.
+    return a.tie < b.tie;
   };
-  // Twice as many candidates as rows wanted (the least shown of the sample,
-  // in no order): the rows of the last two training pulls among them stay
+  // Twice as many candidates as rows wanted (the least shown of the
+  // sample): the rows of the last two training pulls among them stay
   // (their pushes are coming).
   const size_t candidates = std::min(2 * want, sample.size());
   std::nth_element(sample.begin(), sample.begin() + static_cast<ptrdiff_t>(candidates),
                    sample.end(), less);
+  // Best first: what nth_element leaves before the cut is near the sample's
+  // order, and demoting a prefix of that is demoting a run of slots.
+  std::sort(sample.begin(), sample.begin() + static_cast<ptrdiff_t>(candidates), less);
   OpenHashMap<uint32_t> position;  // candidate key -> its position + 1
   position.Reserve(candidates);
   for (size_t v = 0; v < candidates; ++v) {
