@@ -701,18 +701,12 @@ uint64_t Engine::PrefetchMany(const std::vector<TablePart>& parts) {
       for (size_t j = 0; j < r.places.size(); ++j) work.emplace_back(&r, j);
     }
   }
-  std::atomic<bool> failed{false};
-  std::string error;
-  std::mutex error_mutex;
-  io_->ParallelFor(work.size(), [&](size_t w) {
-    if (failed.load(std::memory_order_relaxed)) return;
-    try {
-      work[w].first->Read(work[w].second);
-    } catch (const std::exception& e) {
-      const std::lock_guard<std::mutex> lock(error_mutex);
-      if (!failed.exchange(true)) error = e.what();
-    }
-  });
+  std::exception_ptr failed;  // rethrown once every shard has its files back
+  try {
+    io_->ParallelFor(work.size(), [&](size_t w) { work[w].first->Read(work[w].second); });
+  } catch (...) {
+    failed = std::current_exception();
+  }
   std::vector<uint64_t> installed(num_shards_, 0);
   RunOn(active, [&](int s) {
     for (size_t i = 0; i < parts.size(); ++i) {
@@ -721,7 +715,7 @@ uint64_t Engine::PrefetchMany(const std::vector<TablePart>& parts) {
       installed[s] += defs[i]->shards[s]->FinishPrefetch(&reads[s][i]);
     }
   });
-  if (failed) throw std::runtime_error(error);
+  if (failed) std::rethrow_exception(failed);
   uint64_t total = 0;
   for (uint64_t r : installed) total += r;
   return total;

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <random>
 #include <stdexcept>
@@ -45,6 +46,9 @@ struct IoPool::Job {
   size_t n;
   std::atomic<size_t> next{0};
   std::atomic<size_t> done{0};
+  std::atomic<bool> failed{false};  // the items after a failure are skipped
+  std::mutex error_mutex;
+  std::exception_ptr error;  // the first one, rethrown to the caller
 };
 
 IoPool::IoPool(int threads) {
@@ -64,8 +68,14 @@ IoPool::~IoPool() {
 void IoPool::Work(Job* job) {
   size_t finished = 0;
   for (size_t i = job->next.fetch_add(1); i < job->n; i = job->next.fetch_add(1)) {
-    (*job->fn)(i);
     ++finished;
+    if (job->failed.load(std::memory_order_relaxed)) continue;
+    try {
+      (*job->fn)(i);
+    } catch (...) {
+      const std::lock_guard<std::mutex> lock(job->error_mutex);
+      if (!job->failed.exchange(true)) job->error = std::current_exception();
+    }
   }
   if (finished != 0 && job->done.fetch_add(finished) + finished == job->n) job->done.notify_all();
 }
@@ -110,6 +120,7 @@ void IoPool::ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
     auto it = std::find(jobs_.begin(), jobs_.end(), job);
     if (it != jobs_.end()) jobs_.erase(it);
   }
+  if (job->error) std::rethrow_exception(job->error);
 }
 
 // -- RowFile -------------------------------------------------------------------
@@ -269,19 +280,7 @@ void RowFile::ReadMany(const uint32_t* locs, size_t n, char* out) const {
     for (size_t i = 0; i < n; ++i) Read(locs[i], out + i * record_bytes_);
     return;
   }
-  std::atomic<bool> failed{false};
-  std::string message;
-  std::mutex message_mutex;
-  pool_->ParallelFor(n, [&](size_t i) {
-    if (failed.load(std::memory_order_relaxed)) return;
-    try {
-      Read(locs[i], out + i * record_bytes_);
-    } catch (const std::exception& e) {
-      std::lock_guard<std::mutex> lock(message_mutex);
-      if (!failed.exchange(true)) message = e.what();
-    }
-  });
-  if (failed.load()) throw std::runtime_error(message);
+  pool_->ParallelFor(n, [&](size_t i) { Read(locs[i], out + i * record_bytes_); });
 }
 
 void RowFile::Release(uint32_t loc) {

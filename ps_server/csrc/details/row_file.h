@@ -44,7 +44,8 @@ class IoPool {
 
   int threads() const { return static_cast<int>(threads_.size()); }
   // Runs fn(i) for every i in [0, n) on the pool's threads and the caller;
-  // returns when all have run. fn must not throw.
+  // returns when all have run. If fn throws, the items not yet started are
+  // skipped and the first exception is rethrown here.
   void ParallelFor(size_t n, const std::function<void(size_t)>& fn);
 
  private:

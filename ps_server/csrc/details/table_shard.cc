@@ -694,20 +694,7 @@ void TableShard::Load(const ShardBatch& batch, const RowColumns& cols, const Clo
 void TableShard::EvictByAge(const Clock& clock, EvictResult* result) {
   const EvictionSpec& e = spec_.eviction;
   std::vector<uint64_t> expired, rare;
-  index_.ForEach([&](uint64_t key, char* row) {
-    const RowMeta* m = RowLayout::Meta(pool_.Cold(row));
-    const bool old_by_steps =
-        e.ttl_steps != 0 && clock.step > m->step() && clock.step - m->step() > e.ttl_steps;
-    const bool old_by_time = e.ttl_seconds != 0 && clock.now > m->update_time &&
-                             clock.now - m->update_time > e.ttl_seconds;
-    if (old_by_steps || old_by_time) {
-      expired.push_back(key);
-    } else if (e.min_count != 0 && m->count < e.min_count && m->step() < prev_evict_step_) {
-      rare.push_back(key);
-    }
-  });
-  ForEachColdOnly([&](uint64_t key, const char*, const char* cold) {
-    const RowMeta* m = RowLayout::Meta(const_cast<char*>(cold));
+  ForEachMeta([&](uint64_t key, const RowMeta* m) {
     const bool old_by_steps =
         e.ttl_steps != 0 && clock.step > m->step() && clock.step - m->step() > e.ttl_steps;
     const bool old_by_time = e.ttl_seconds != 0 && clock.now > m->update_time &&
@@ -728,42 +715,29 @@ void TableShard::EvictByAge(const Clock& clock, EvictResult* result) {
 }
 
 void TableShard::CountHistogram(std::vector<uint64_t>* histogram) const {
-  index_.ForEach([&](uint64_t, char* row) {
-    const uint32_t count = RowLayout::Meta(pool_.Cold(row))->count;
-    ++(*histogram)[std::min<size_t>(count, kHistogramBuckets - 1)];
-  });
-  ForEachColdOnly([&](uint64_t, const char*, const char* cold) {
-    const uint32_t count = RowLayout::Meta(const_cast<char*>(cold))->count;
-    ++(*histogram)[std::min<size_t>(count, kHistogramBuckets - 1)];
+  ForEachMeta([&](uint64_t, const RowMeta* m) {
+    ++(*histogram)[std::min<size_t>(m->count, kHistogramBuckets - 1)];
   });
 }
 
 void TableShard::StepsAtCount(uint32_t bucket, std::vector<uint64_t>* steps) const {
-  const auto visit = [&](const RowMeta* m) {
+  ForEachMeta([&](uint64_t, const RowMeta* m) {
     if (std::min<size_t>(m->count, kHistogramBuckets - 1) == bucket) {
       steps->push_back(m->step());
     }
-  };
-  index_.ForEach([&](uint64_t, char* row) { visit(RowLayout::Meta(pool_.Cold(row))); });
-  ForEachColdOnly([&](uint64_t, const char*, const char* cold) {
-    visit(RowLayout::Meta(const_cast<char*>(cold)));
   });
 }
 
 void TableShard::EvictLeastFrequent(uint32_t threshold, uint64_t cutoff, uint64_t quota,
                                     const Clock& clock, EvictResult* result) {
   std::vector<uint64_t> victims, ties;
-  const auto visit = [&](uint64_t key, const RowMeta* m) {
+  ForEachMeta([&](uint64_t key, const RowMeta* m) {
     const size_t bucket = std::min<size_t>(m->count, kHistogramBuckets - 1);
     if (bucket == threshold && m->step() == cutoff) {
       ties.push_back(key);
     } else if (bucket < threshold || (bucket == threshold && m->step() < cutoff)) {
       victims.push_back(key);
     }
-  };
-  index_.ForEach([&](uint64_t key, char* row) { visit(key, RowLayout::Meta(pool_.Cold(row))); });
-  ForEachColdOnly([&](uint64_t key, const char*, const char* cold) {
-    visit(key, RowLayout::Meta(const_cast<char*>(cold)));
   });
   // Ties at the cutoff: the smallest keys, whatever order the rows are in.
   const size_t take = std::min<size_t>(quota, ties.size());
@@ -1254,10 +1228,12 @@ void TableShard::CompactSome(size_t records) {
 }
 
 template <class Fn>
-void TableShard::ForEachColdOnly(Fn&& fn) const {
-  if (!tier_ || tier_->cold.size() == tier_->both) return;
+void TableShard::ForEachMeta(Fn&& fn) const {
+  index_.ForEach([&](uint64_t key, char* row) { fn(key, RowLayout::Meta(pool_.Cold(row))); });
+  if (!tier_ || tier_->cold.size() == tier_->both) return;  // nothing on disk only
   const Tier& t = *tier_;
-  RecordParts parts(*this);
+  RowMeta meta;  // copied out of the record: aligned
+  const size_t at = sizeof(uint64_t) + layout_.hot_bytes;
   for (uint32_t f = 0; f < t.file->file_numbers(); ++f) {
     if (!t.file->has_file(f)) continue;
     t.file->ReadFile(f, 0, [&](uint32_t loc, const char* record) {
@@ -1265,8 +1241,8 @@ void TableShard::ForEachColdOnly(Fn&& fn) const {
       std::memcpy(&key, record, sizeof(key));
       const uint64_t hash = Mix64(key);
       if (t.cold.Find(key, hash) == loc && index_.Find(key, hash) == nullptr) {
-        parts.From(record);
-        fn(key, parts.hot(), parts.cold());
+        std::memcpy(&meta, record + at, sizeof(meta));
+        fn(key, static_cast<const RowMeta*>(&meta));
       }
       return true;
     });

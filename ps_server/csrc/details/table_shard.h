@@ -279,9 +279,10 @@ class alignas(128) TableShard {
   void AfterCall(uint64_t step);
   void Demote(size_t rows, uint64_t step);
   void CompactSome(size_t records);
-  // fn(key, hot, cold) for every row on disk only, reading the files in order.
+  // fn(key, const RowMeta*) for every row: those in RAM, then those on disk
+  // only (the row files read in order).
   template <class Fn>
-  void ForEachColdOnly(Fn&& fn) const;
+  void ForEachMeta(Fn&& fn) const;
   std::unique_ptr<Tier> tier_;
   // A record's parts (key | hot | meta and state), copied where they are
   // aligned.
