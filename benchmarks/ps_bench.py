@@ -21,6 +21,8 @@ whole machine. The last line printed is one JSON object.
     python benchmarks/ps_bench.py --rows 50000000 --skip-naive
     python benchmarks/ps_bench.py --remote   # remote servers (ps_remote.py)
     python benchmarks/ps_bench.py --disk     # the disk tier's parts (ps_disk.py)
+    python benchmarks/ps_bench.py --growth   # 64M rows against 16M (ps_growth.py)
+    python benchmarks/ps_bench.py --scaling  # 2 to 16 shard threads (ps_scaling.py)
 """
 
 from __future__ import annotations
@@ -36,12 +38,11 @@ from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
+from ps_streams import DIM, make_streams, table_keys, time_calls
 
 from wuliang.ps_server import Adagrad, Engine, TableSpec
 
-DIM = 16
 META_BYTES = 24  # count, last-update step and time, version
-GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 def naive_module() -> ModuleType | None:
@@ -72,43 +73,6 @@ def machine_row_reads_per_s(rng: np.random.Generator) -> float:
     t0 = time.perf_counter()
     table.take(index, axis=0)
     return len(index) / (time.perf_counter() - t0)
-
-
-def table_keys(index: np.ndarray) -> np.ndarray:
-    """Key of row i: an odd-multiplier scramble, so keys look like hashes."""
-    return index.astype(np.uint64) * GOLDEN
-
-
-def zipf_indices(rng: np.random.Generator, n: int, rows: int, alpha: float) -> np.ndarray:
-    out = np.empty(0, dtype=np.int64)
-    while len(out) < n:
-        draw = rng.zipf(alpha, size=2 * n)
-        out = np.concatenate([out, draw[draw <= rows] - 1])
-    return out[:n]
-
-
-def make_streams(rows: int, batch: int, batches: int, seed: int) -> dict[str, list[np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    uniform = rng.integers(0, rows, size=batch * batches)
-    zipf = rng.permutation(rows)[zipf_indices(rng, batch * batches, rows, 1.1)]
-    return {
-        name: [table_keys(idx[i * batch : (i + 1) * batch]) for i in range(batches)]
-        for name, idx in (("uniform", uniform), ("zipf", zipf))
-    }
-
-
-def time_calls(
-    fn: Callable[[np.ndarray], object], batches: list[np.ndarray], repeats: int
-) -> float:
-    """Best keys/s over `repeats` passes through the batches."""
-    best = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for keys in batches:
-            fn(keys)
-        elapsed = time.perf_counter() - t0
-        best = max(best, sum(len(k) for k in batches) / elapsed)
-    return best
 
 
 def run_engine(
@@ -189,8 +153,24 @@ def main() -> None:
         help="the disk tier: the disk's random-read rate, row-file reads and the cold "
         "index's RAM per key (benchmarks/ps_disk.py)",
     )
+    parser.add_argument(
+        "--growth",
+        action="store_true",
+        help="a 64M-row table's pulls against a 16M-row one's, beside the machine's own "
+        "random reads at both sizes (benchmarks/ps_growth.py)",
+    )
+    parser.add_argument(
+        "--scaling",
+        action="store_true",
+        help="pulls and pushes at 2, 4, 8 and 16 shard threads, with the CPU of the caller "
+        "and of the shards per key (benchmarks/ps_scaling.py)",
+    )
     ps_disk.add_arguments(parser)
     args = parser.parse_args()
+    if args.growth or args.scaling:
+        module = importlib.import_module("ps_growth" if args.growth else "ps_scaling")
+        print(json.dumps(module.main(args)))
+        return
     if args.disk:
         ps_disk.main(args)
         return

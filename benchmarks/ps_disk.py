@@ -43,24 +43,17 @@ import time
 from pathlib import Path
 
 import numpy as np
+from ps_streams import table_keys, zipf_indices
 
 from wuliang.ps_server import Adagrad, Engine, TableSpec, _engine
 
 RECORD_BYTES = 8 + 32 + 4 * 16 + 4 * 16  # key | meta | weights | Adagrad state, dim 16
-GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 ROW_BYTES = 64 + 96  # a dim-16 Adagrad row in the engine's pool: weights | meta and state
 
 
-def keys_of(ranks: np.ndarray) -> np.ndarray:
-    return ranks.astype(np.uint64) * GOLDEN  # look like hashes
-
-
 def zipf_batches(rng: np.random.Generator, alpha: float, rows: int, batch: int, n: int) -> list:
-    out = np.empty(0, np.int64)
-    while len(out) < batch * n:
-        draw = rng.zipf(alpha, size=2 * batch * n)
-        out = np.concatenate([out, draw[draw <= rows] - 1])
-    return [keys_of(out[i * batch : (i + 1) * batch]) for i in range(n)]
+    ranks = zipf_indices(rng, batch * n, rows, alpha)
+    return [table_keys(ranks[i * batch : (i + 1) * batch]) for i in range(n)]
 
 
 def fill(engine: Engine, rows: int, chunk: int = 1 << 20) -> float:
@@ -71,7 +64,7 @@ def fill(engine: Engine, rows: int, chunk: int = 1 << 20) -> float:
     start = time.perf_counter()
     for first in range(0, rows, chunk):
         n = min(chunk, rows - first)
-        engine.load("t", keys_of(np.arange(first, first + n)), weights[:n], state[:n])
+        engine.load("t", table_keys(np.arange(first, first + n)), weights[:n], state[:n])
     return rows / (time.perf_counter() - start)
 
 

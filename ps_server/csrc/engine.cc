@@ -30,6 +30,18 @@ using details::ShardBatch;
 using details::TableDef;
 using details::TableShard;
 
+namespace {
+
+// Batches that SplitBlocks splits: enough shards that each scanning the
+// whole batch would cost more than a round of its own, enough keys.
+constexpr uint32_t kSplitMinShards = 4;
+constexpr size_t kSplitMinKeys = 16384;
+
+// The keys of block b of n keys split in num_blocks: [BlockBegin(b), BlockBegin(b + 1)).
+size_t BlockBegin(size_t n, size_t b, size_t num_blocks) { return n * b / num_blocks; }
+
+}  // namespace
+
 namespace details {
 
 // How a batch's keys split over shards.
@@ -37,16 +49,21 @@ struct Plan {
   const uint64_t* keys = nullptr;
   size_t n = 0;
   bool filter = false;                  // each shard selects its own keys
+  bool split = false;                   // the shards split the keys in blocks (SplitBlocks)
   bool check_shards = false;            // keys came grouped by the caller: verify
   const uint32_t* order = nullptr;      // else: positions grouped by shard (null = identity)
   std::vector<uint32_t> order_storage;  // what order points into when the plan split the keys
   std::vector<size_t> offsets;          // (S + 1,) shard s owns order[offsets[s], offsets[s+1])
+  // split: (S, S + 1); block b's keys of shard s are order[b * (S + 1) + s, ... + s + 1)
+  std::vector<size_t> block_offsets;
 
   ShardBatch For(int s) const {
     const auto num_shards = static_cast<uint32_t>(offsets.size() - 1);
-    return ShardBatch{keys,           n,      order,        offsets[s],
-                      offsets[s + 1], filter, check_shards, static_cast<uint32_t>(s),
-                      num_shards};
+    return ShardBatch{keys,           n,
+                      order,          offsets[s],
+                      offsets[s + 1], filter,
+                      check_shards,   static_cast<uint32_t>(s),
+                      num_shards,     split ? block_offsets.data() : nullptr};
   }
 };
 
@@ -339,7 +356,7 @@ details::TierConfig Engine::TierOf(const TableSpec& spec) {
 void Engine::RunOnShards(const std::function<void(int)>& fn, const Plan* plan) {
   std::vector<int> active;
   for (int s = 0; s < num_shards_; ++s) {
-    if (plan == nullptr || plan->filter || plan->offsets[s + 1] > plan->offsets[s]) {
+    if (plan == nullptr || plan->filter || plan->split || plan->offsets[s + 1] > plan->offsets[s]) {
       active.push_back(s);
     }
   }
@@ -392,8 +409,18 @@ void Engine::PlanBatch(const uint64_t* keys, size_t n, Plan* plan) const {
     std::fill(plan->offsets.begin() + 1, plan->offsets.end(), n);
     return;
   }
-  // While every shard has a core, shards filtering the whole batch in
-  // parallel beat one caller thread sorting it.
+  // The shards split the batch in parallel rather than one caller thread
+  // sorting it: each splits one block of it, in a round of its own
+  // (SplitBlocks). Below kSplitMinShards, each shard scans the whole batch
+  // for its keys instead (filter), without that round: cheaper while the
+  // scans are few. A small batch for many shards is sorted here.
+  if (shards >= kSplitMinShards && n >= kSplitMinKeys) {
+    plan->split = true;
+    plan->order_storage.resize(n);
+    plan->order = plan->order_storage.data();
+    plan->block_offsets.assign(size_t{shards} * (shards + 1), 0);
+    return;
+  }
   if (shards <= 2 * std::max(1u, std::thread::hardware_concurrency())) {
     plan->filter = true;
     return;
@@ -615,8 +642,37 @@ Engine::TablePart Part(int table, const uint64_t* keys, size_t n, const int64_t*
 
 }  // namespace
 
-std::vector<int> Engine::PlanParts(const std::vector<TablePart>& parts,
-                                   std::vector<Plan>* plans) const {
+void Engine::PlanKeys(const uint64_t* keys, size_t n, Plan* plan) {
+  PlanBatch(keys, n, plan);
+  if (plan->split) SplitBlocks({plan});
+}
+
+void Engine::SplitBlocks(const std::vector<Plan*>& plans) {
+  if (plans.empty()) return;
+  const auto shards = static_cast<uint32_t>(num_shards_);
+  RunOnShards([&](int b) {
+    thread_local std::vector<uint16_t> shard_of;
+    for (Plan* plan : plans) {
+      const size_t begin = BlockBegin(plan->n, b, shards);
+      const size_t end = BlockBegin(plan->n, b + 1, shards);
+      size_t* offsets = plan->block_offsets.data() + size_t{shards + 1} * b;
+      shard_of.resize(end - begin);
+      for (size_t i = begin; i < end; ++i) {
+        const uint32_t s = ShardOfHash(Mix64(plan->keys[i]), shards);
+        shard_of[i - begin] = static_cast<uint16_t>(s);
+        ++offsets[s + 1];
+      }
+      offsets[0] = begin;
+      for (uint32_t s = 0; s < shards; ++s) offsets[s + 1] += offsets[s];
+      std::vector<size_t> next(offsets, offsets + shards);
+      for (size_t i = begin; i < end; ++i) {
+        plan->order_storage[next[shard_of[i - begin]]++] = static_cast<uint32_t>(i);
+      }
+    }
+  });
+}
+
+std::vector<int> Engine::PlanParts(const std::vector<TablePart>& parts, std::vector<Plan>* plans) {
   plans->resize(parts.size());
   std::vector<bool> has_keys(num_shards_, false);
   for (size_t i = 0; i < parts.size(); ++i) {
@@ -628,9 +684,16 @@ std::vector<int> Engine::PlanParts(const std::vector<TablePart>& parts,
       PlanBatch(p.keys, p.n, &plan);
     }
     for (int s = 0; s < num_shards_; ++s) {
-      if (plan.filter ? p.n > 0 : plan.offsets[s + 1] > plan.offsets[s]) has_keys[s] = true;
+      if (plan.filter || plan.split ? p.n > 0 : plan.offsets[s + 1] > plan.offsets[s]) {
+        has_keys[s] = true;
+      }
     }
   }
+  std::vector<Plan*> to_split;
+  for (Plan& plan : *plans) {
+    if (plan.split) to_split.push_back(&plan);
+  }
+  SplitBlocks(to_split);
   std::vector<int> active;
   for (int s = 0; s < num_shards_; ++s) {
     if (has_keys[s]) active.push_back(s);
@@ -784,7 +847,7 @@ uint64_t Engine::Erase(int table, const uint64_t* keys, size_t n, uint64_t step)
   const GracePeriod::ReadScope scope(*grace_);
   TableDef* def = MutableDef(table);
   Plan plan;
-  PlanBatch(keys, n, &plan);
+  PlanKeys(keys, n, &plan);
   const Clock clock = ClockAt(step);
   std::vector<uint64_t> erased(num_shards_, 0);
   RunOnShards([&](int s) { erased[s] = def->shards[s]->Erase(plan.For(s), clock); }, &plan);
@@ -797,7 +860,7 @@ void Engine::Contains(int table, const uint64_t* keys, size_t n, uint8_t* out) {
   const GracePeriod::ReadScope scope(*grace_);
   TableDef* def = Def(table);
   Plan plan;
-  PlanBatch(keys, n, &plan);
+  PlanKeys(keys, n, &plan);
   RunOnShards(
       [&](int s) {
         def->shards[s]->Contains(plan.For(s), out, def->layered() ? &def->overlays[s] : nullptr);
@@ -828,7 +891,7 @@ size_t Engine::ReadRows(int table, const uint64_t* keys, size_t n, const RowColu
   const GracePeriod::ReadScope scope(*grace_);
   TableDef* def = WritableDef(table);
   Plan plan;
-  PlanBatch(keys, n, &plan);
+  PlanKeys(keys, n, &plan);
   // Each shard writes its keys' rows at their positions; the rows of the
   // keys found are then moved up over the gaps, in order.
   RunOnShards([&](int s) { def->shards[s]->ReadRows(plan.For(s), out, found); }, &plan);
@@ -850,7 +913,7 @@ void Engine::Load(int table, size_t n, const RowColumns& rows, uint64_t step) {
     throw std::invalid_argument("load into '" + def->spec.name + "' needs keys and weights");
   }
   Plan plan;
-  PlanBatch(rows.keys, n, &plan);
+  PlanKeys(rows.keys, n, &plan);
   const Clock clock = ClockAt(step);
   RunOnShards([&](int s) { def->shards[s]->Load(plan.For(s), rows, clock); }, &plan);
 }
@@ -1108,7 +1171,7 @@ uint64_t Engine::Lookup(int table, const uint64_t* keys, size_t n, float* out, u
     return label;
   }
   Plan plan;
-  PlanBatch(keys, n, &plan);
+  PlanKeys(keys, n, &plan);
   RunOnShards(
       [&](int s) {
         def->shards[s]->Lookup(plan.For(s), out, found, init_missing,
@@ -1204,7 +1267,7 @@ void Engine::StageRows(int staging, size_t n, const RowColumns& rows) {
                                 "' needs keys and weights");
   }
   Plan plan;
-  PlanBatch(rows.keys, n, &plan);
+  PlanKeys(rows.keys, n, &plan);
   const Clock clock = Now(step(), version());
   TableDef* def = st.def.get();
   RunOnShards([&](int s) { def->shards[s]->Load(plan.For(s), rows, clock); }, &plan);

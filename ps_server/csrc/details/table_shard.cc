@@ -123,6 +123,24 @@ TableShard::~TableShard() {
 }
 
 Slice TableShard::Select(const ShardBatch& b) {
+  if (b.split != nullptr) {
+    size_t m = 0;
+    for (uint32_t block = 0; block < b.num_shards; ++block) {
+      const size_t* offsets = b.split + size_t{b.num_shards + 1} * block;
+      m += offsets[b.shard + 1] - offsets[b.shard];
+    }
+    order_.resize(m);
+    hashes_.resize(m);
+    size_t k = 0;
+    for (uint32_t block = 0; block < b.num_shards; ++block) {
+      const size_t* offsets = b.split + size_t{b.num_shards + 1} * block;
+      for (size_t i = offsets[b.shard]; i < offsets[b.shard + 1]; ++i, ++k) {
+        order_[k] = b.order[i];
+        hashes_[k] = Mix64(b.keys[order_[k]]);
+      }
+    }
+    return Slice{b.keys, order_.data(), 0, m};
+  }
   if (!b.filter) {
     const Slice s{b.keys, b.order, b.begin, b.end};
     hashes_.resize(s.size());
@@ -340,6 +358,10 @@ void TableShard::Pull(const ShardBatch& batch, float* out, bool train, const Clo
   WithPrecision(layout_.precision, [&](auto precision) {
     Pipeline</*kCold=*/false>(
         s, train ? Create::kAdmit : Create::kNever, clock, [&](size_t k, char* row) {
+          if (k + kAheadOfVisit < s.size()) {  // scattered over the batch, as a push's gradients
+            PrefetchBytes<true>(reinterpret_cast<const char*>(out + s.pos(k + kAheadOfVisit) * dim),
+                                dim * sizeof(float));
+          }
           float* dst = out + s.pos(k) * dim;
           if (row != nullptr) {
             ReadWeights<decltype(precision)::value>(row, dim, dst);
@@ -447,13 +469,14 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
   const size_t n = s.size();
   WithOptimizer(opt.kind, [&](auto kind) {
     Pipeline</*kCold=*/true>(s, create, clock, [&](size_t k, char* row) {
-      // The scattered rows of `updated` and of the gradients that keys a
-      // few visits ahead use: no hardware prefetcher sees them coming.
-      if (updated != nullptr && updated_rows != nullptr && k + kAheadOfVisit < n) {
+      // The gradients and rows of `updated` that keys a few visits ahead
+      // use: a shard's keys are scattered over the batch (every S-th
+      // position or so), and no hardware prefetcher sees them coming.
+      if (k + kAheadOfVisit < n) {
         const size_t ahead = s.pos(k + kAheadOfVisit);
         PrefetchBytes<false>(reinterpret_cast<const char*>(grads + ahead * dim),
                              dim * sizeof(float));
-        if (updated_rows[ahead] >= 0) {
+        if (updated != nullptr && updated_rows != nullptr && updated_rows[ahead] >= 0) {
           PrefetchBytes<true>(reinterpret_cast<const char*>(
                                   updated + static_cast<size_t>(updated_rows[ahead]) * dim),
                               dim * sizeof(float));

@@ -41,7 +41,9 @@ struct Slice {
 // A batch as the engine hands it to one shard. Either the caller split the
 // keys (order grouped by shard, this shard owns order[begin, end); order null
 // means keys[begin, end)), or `filter` asks the shard to scan all n keys and
-// keep its own, which parallelises the split when shards <= cores.
+// keep its own, which parallelises the split when shards <= cores, or the
+// shards split blocks of the batch in a round before (`split`: this shard's
+// keys of block b are order[split[b * (S + 1) + shard], ... + shard + 1)).
 struct ShardBatch {
   const uint64_t* keys;
   size_t n;
@@ -52,6 +54,7 @@ struct ShardBatch {
   bool check_shard;  // verify every key of [begin, end) belongs to this shard
   uint32_t shard;
   uint32_t num_shards;
+  const size_t* split = nullptr;
 };
 
 // When a batch happens.

@@ -987,6 +987,55 @@ void TestReadRowsMatchesExport() {
 
 }  // namespace
 
+// Batches large enough that the shards split them in blocks among
+// themselves (4 shards on 2 or more cores) give the rows one shard gives:
+// pulls, pushes with duplicates, several tables per call, contains, erase.
+void TestSplitBatchesMatchOneShard() {
+  TableSpec spec = SgdSpec("t", 3);
+  spec.optimizer.kind = OptimizerKind::kAdagrad;
+  spec.initializer.kind = InitKind::kUniform;
+  Engine engine(EngineOptions{4});
+  Engine single(EngineOptions{1});
+  const int a = engine.CreateTable(spec), ref = single.CreateTable(spec);
+  spec.name = "u";
+  const int b = engine.CreateTable(spec), ref_b = single.CreateTable(spec);
+  std::mt19937_64 rng(7);
+  constexpr size_t kKeys = 40000;
+  std::vector<uint64_t> keys(kKeys);
+  for (uint64_t& k : keys) k = rng() % 30000;  // duplicates too
+  std::vector<float> grads(kKeys * 3), out(kKeys * 3), want(kKeys * 3), out_b(kKeys * 3);
+  for (float& g : grads) g = static_cast<float>(rng() % 1000) / 1000.0f - 0.5f;
+  for (int round = 0; round < 2; ++round) {
+    const auto part = [&](int table, float* to) {
+      Engine::TablePart p;
+      p.table = table;
+      p.keys = keys.data();
+      p.n = kKeys;
+      p.out = to;
+      return p;
+    };
+    engine.PullMany({part(a, out.data()), part(b, out_b.data())}, true);
+    single.Pull(ref, keys.data(), kKeys, want.data(), true);
+    CHECK(out == want);
+    single.Pull(ref_b, keys.data(), kKeys, want.data(), true);
+    CHECK(out_b == want);
+    const PushResult r = engine.Push(a, keys.data(), kKeys, grads.data());
+    const PushResult r_ref = single.Push(ref, keys.data(), kKeys, grads.data());
+    CHECK(r.applied == r_ref.applied && r.duplicates == r_ref.duplicates && r.duplicates > 0);
+  }
+  engine.Pull(a, keys.data(), kKeys, out.data(), false);
+  single.Pull(ref, keys.data(), kKeys, want.data(), false);
+  CHECK(out == want);
+  std::vector<uint64_t> probe(kKeys);
+  for (uint64_t& k : probe) k = rng() % 60000;
+  std::vector<uint8_t> has(kKeys), has_ref(kKeys);
+  engine.Contains(a, probe.data(), kKeys, has.data());
+  single.Contains(ref, probe.data(), kKeys, has_ref.data());
+  CHECK(has == has_ref);
+  CHECK(engine.Erase(a, probe.data(), kKeys) == single.Erase(ref, probe.data(), kKeys));
+  CHECK(engine.Stats(a).rows == single.Stats(ref).rows);
+}
+
 int main() {
   TestHashMapMatchesReference();
   TestHashMapShrinks();
@@ -998,6 +1047,7 @@ int main() {
   TestChangeLogSegmentsAndFloor();
   TestConcurrentPushesAreExact();
   TestDuplicatesAreSummed();
+  TestSplitBatchesMatchOneShard();
   TestShowsAndClicksDecayLazily();
   TestExportLoadAndEvictUnderLoad();
   TestDropWhileOthersRun();

@@ -418,6 +418,10 @@ class Engine {
   std::vector<std::string> TableNamesInScope() const;
   // Splits keys by shard (counting sort); order lives in a thread-local buffer.
   void PlanBatch(const uint64_t* keys, size_t n, details::Plan* plan) const;
+  // PlanBatch, then the split round the plan may need (SplitBlocks).
+  void PlanKeys(const uint64_t* keys, size_t n, details::Plan* plan);
+  // Each shard b splits block b of every plan's keys by shard, in parallel.
+  void SplitBlocks(const std::vector<details::Plan*>& plans);
   void PlanPartitioned(const uint64_t* keys, size_t n, const int64_t* shard_offsets,
                        details::Plan* plan) const;
   // Runs fn(s) on worker s for every shard with keys in plan (every shard if
@@ -426,7 +430,7 @@ class Engine {
   void RunOn(const std::vector<int>& shards, const std::function<void(int)>& fn);
   // One plan per part; the shards that have keys in any of them.
   std::vector<int> PlanParts(const std::vector<TablePart>& parts,
-                             std::vector<details::Plan>* plans) const;
+                             std::vector<details::Plan>* plans);
   void CheckFinite(const details::TableDef& def, const TablePart& part) const;
   EvictResult EvictTable(details::TableDef* def, uint64_t step);
   // How many of `ties` rows updated at step `cutoff` each shard evicts.
