@@ -667,8 +667,8 @@ def test_a_server_with_a_disk_tier(
     start_ps: StartPs, clients: Callable[..., RemoteServer], tmp_path: Path
 ) -> None:
     """``wuliang ps --disk-dir D --memory-gb G``: rows beyond the budget go to
-    row files under D, the answers are the embedded engine's, and the files
-    go with the server."""
+    row files under D, the answers are the embedded engine's, a client's
+    prefetch reads cold rows in, and the files go with the server."""
     disk = tmp_path / "disk"
     server = start_ps("--threads", "1", "--disk-dir", str(disk), "--memory-gb", "0.0001")
     remote = clients([server.address])
@@ -688,6 +688,13 @@ def test_a_server_with_a_disk_tier(
         assert stats["cold_rows"] > 0 and stats["rows"] == engine.stats("emb")["rows"], stats
         assert any(disk.rglob("*.rows"))
         every = np.arange(1, 20_000, dtype=np.uint64)
+        # the trainer's prefetch reaches the server: cold rows come in, none change
+        assert remote.prefetches and not engine.prefetches
+        read = remote.prefetch_many([PullPart("emb", every[::2], None)])
+        after = remote.stats("emb")
+        assert 0 < read <= stats["cold_rows"], (read, stats)
+        assert after["cold_prefetched"] == stats["cold_prefetched"] + read, after
+        assert after["cold_rows"] < stats["cold_rows"], after
         np.testing.assert_array_equal(
             remote.pull("emb", every, train=False), engine.pull("emb", every, train=False)
         )

@@ -571,6 +571,7 @@ class RemoteServer(ParameterServer):
                 "start every server with the same --threads"
             )
         self._shards = shards.pop()
+        self._prefetches = any(info.prefetches for info in infos)
         for server, info in zip(self._servers, infos, strict=True):
             server.instance = info.instance
 
@@ -748,6 +749,42 @@ class RemoteServer(ParameterServer):
                     part.out[where[start:stop]] = values
 
         return _then(answer, write)
+
+    @property
+    def prefetches(self) -> bool:
+        """Whether any server has a disk tier (``wuliang ps --disk-dir``)."""
+        return self._prefetches
+
+    def prefetch_many(self, parts: Sequence[PullPart]) -> int:
+        """Each server with keys reads their cold rows into memory
+        (``Prefetch``, the servers at once, in requests under the message
+        limit). Outside the order of pulls and pushes: it changes no row."""
+        if not self._prefetches:
+            return 0
+        plans = []
+        for part in parts:
+            keys = as_keys(part.keys).view(np.uint64)
+            plans.append((part, self._route(keys, part.shard_offsets)))
+        futures = []
+        for j, server in enumerate(self._servers):
+            sizes = [len(route.keys[j]) for _, route in plans]
+            if not sum(sizes):
+                continue
+            for pieces in self._batches(sizes, [8] * len(plans)):
+                whole = len(pieces) == len(plans) and all(
+                    start == 0 and stop == sizes[i] for i, start, stop in pieces
+                )
+                request = M["PullRequest"]()
+                for i, start, stop in pieces:
+                    part, route = plans[i]
+                    message = request.parts.add(
+                        table=part.table, keys=route.keys[j][start:stop].tobytes()
+                    )
+                    if route.offsets[j] is not None and whole:
+                        message.shard_offsets = route.offsets[j].tobytes()
+                tables = ",".join(dict.fromkeys(plans[i][0].table for i, _, _ in pieces))
+                futures.append(server.call_future("Prefetch", request, "Count", tables))
+        return sum(answer.count for answer in _wait_all(futures, None))
 
     def push_many(
         self,

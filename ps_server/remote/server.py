@@ -335,6 +335,7 @@ class PsService:
             version=self.engine.version,
             restored=self.restored_step is not None,
             restored_step=self.restored_step or 0,
+            prefetches=self.engine.prefetches,
         )
 
     def create_table(self, request: Any) -> Any:
@@ -397,6 +398,16 @@ class PsService:
     def erase(self, request: Any) -> Any:
         count = self.engine.erase(request.table, array(request.keys, KEY, "keys"))
         return M["Count"](count=count)
+
+    def prefetch(self, request: Any) -> Any:
+        parts = []
+        for part in request.parts:
+            keys = array(part.keys, KEY, f"prefetch of table {part.table!r}: keys")
+            offsets = (
+                array(part.shard_offsets, I64, "shard_offsets") if part.shard_offsets else None
+            )
+            parts.append(PullPart(part.table, keys, None, offsets))
+        return M["Count"](count=self.engine.prefetch_many(parts))
 
     def contains(self, request: Any) -> Any:
         found = self.engine.contains(request.table, array(request.keys, KEY, "keys"))
@@ -660,6 +671,7 @@ def _inside(folder: Location, relative: str) -> str:
 UNARY = {
     "Info": ("Empty", "info"),
     "Lookup": ("LookupRequest", "lookup"),
+    "Prefetch": ("PullRequest", "prefetch"),
     "CreateTable": ("Spec", "create_table"),
     "DropTable": ("TableRequest", "drop_table"),
     "Tables": ("Empty", "tables"),
