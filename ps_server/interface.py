@@ -289,9 +289,12 @@ class ParameterServer(abc.ABC):
         return 0
 
     def prefetch_many_async(self, parts: Sequence[PullPart]) -> Handle[int]:
-        """``prefetch_many`` on the pulls' thread, after the pulls started
-        before it and before those started after it."""
-        return self._start("pull", lambda: self.prefetch_many(parts))
+        """``prefetch_many`` on a thread of its own (after the prefetches
+        started before it), so its reads overlap the pulls and pushes in
+        flight instead of queueing with them; it changes no row, so order
+        with them does not matter (a pull that comes first reads what it
+        needs itself)."""
+        return self._start("prefetch", lambda: self.prefetch_many(parts))
 
     def push_many_async(
         self,
@@ -360,8 +363,8 @@ class ParameterServer(abc.ABC):
         return self.push_many([part], unique=unique, step=step)
 
     def _start(self, kind: str, call: Callable[[], T]) -> Handle[T]:
-        """Runs ``call`` on the thread of its kind (``"pull"`` or
-        ``"push"``), after the calls of that kind started before it."""
+        """Runs ``call`` on the thread of its kind (``"pull"``, ``"push"``
+        or ``"prefetch"``), after the calls of that kind started before it."""
         with self._executor_lock:
             executor = self._executors.get(kind)
             if executor is None:

@@ -4,6 +4,8 @@ C++ tests are ``ps_server/csrc/tests/disk_tier_test.cc``."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import pytest
@@ -100,6 +102,18 @@ def test_a_table_beyond_its_budget_keeps_every_row_exactly(tmp_path: Path) -> No
         for a_log, b_log in zip(alone.removed_log("t"), tiered.removed_log("t"), strict=True):
             np.testing.assert_array_equal(np.sort(a_log), np.sort(b_log))  # rows visited apart
     assert not any(tmp_path.rglob("*.rows"))  # the row files go with the engine
+
+
+def test_a_reserve_holds_no_more_than_the_budget(tmp_path: Path) -> None:
+    """A table reserved for 2M rows on a 1 MiB budget maps memory for the
+    budget's rows only, not the reserve's: the rest would be held for rows
+    that live on disk."""
+    spec = dataclasses.replace(SPEC, reserve_rows=2_000_000)
+    with Engine(2, disk_dir=tmp_path, memory_bytes=1 << 20) as tiered, Engine(2) as plain:
+        tiered.create_table(spec)
+        plain.create_table(spec)
+        assert plain.stats("t")["bytes"] > 200 << 20  # the reserve, mapped
+        assert tiered.stats("t")["bytes"] < 16 << 20, tiered.stats("t")
 
 
 def test_disk_tier_addresses_and_arguments(tmp_path: Path) -> None:

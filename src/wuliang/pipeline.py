@@ -3,7 +3,9 @@
 Who runs what, and what each step waits for::
 
     reader threads   batch, keys prepared (ParquetReader's pool)
-    puller thread    source.prepare(batch) ─► Step
+    puller thread    source.prepare(batch) ─► Step, source.prefetch(prepared)
+                     (with read_ahead, one batch ahead: a disk tier reads its cold
+                     rows while the step before it waits, pulls and trains)
                      wait: steps[i-2].applied (staleness 0 or 1; i-1 when the push of i-1
                            has already begun, or without linking)
                      link: steps[i-1] will write the rows step i shares into step i's rows
@@ -177,8 +179,10 @@ class Pipeline:
         sync_after: Callable[[int], bool] | None = None,
         background: str = "normal",
         step_floor: Callable[[], int] | None = None,
+        read_ahead: bool = False,
     ) -> None:
         self.batches = batches
+        self.read_ahead = read_ahead
         self.source = source
         self.train = train
         self.linking = train and staleness == 0
@@ -305,32 +309,21 @@ class Pipeline:
         try:
             seq = 0
             number = self.first_step - 1
-            while not self.stop.is_set():
-                start = time.perf_counter()
-                batch = next(self.batches, None)
-                read = time.perf_counter()
-                if batch is None:
-                    break
-                number = (
-                    self.first_step + seq
-                    if self.step_floor is None
-                    else max(number + 1, self.step_floor())
-                )
-                self.trace.record("read", number, start, read)
-                prepared, inputs, rows = self.source.prepare(batch)
-                prepared_at = time.perf_counter()
-                self.trace.record("prepare", number, read, prepared_at)
-                step = Step(seq, number, batch, prepared, inputs, rows)
-                self.source.prefetch(prepared)  # the disk, while earlier steps train
+            ahead = self._read_step(seq, number)
+            while ahead is not None and not self.stop.is_set():
+                step = ahead
+                number = step.number
+                # With read_ahead, the next batch is read, prepared and its
+                # prefetch started now, a step before its pull: the disk
+                # reads its cold rows while this step waits, pulls and trains.
+                ahead = self._read_step(seq + 1, number) if self.read_ahead else None
+                waiting = time.perf_counter()
                 previous = steps[-1] if steps else None
                 if previous is not None and previous.sync and not self._until(previous.released):
                     return
                 if self.train and not self._wait_pushes(steps, step):
                     return
-                waited = time.perf_counter()
-                step.timings.update(
-                    read=read - start, prepare=prepared_at - read, wait_push=waited - prepared_at
-                )
+                step.timings["wait_push"] = time.perf_counter() - waiting
                 self._pull(step)
                 step.sync = self.sync_after is not None and self.sync_after(number)
                 if not self.train:
@@ -340,10 +333,35 @@ class Pipeline:
                 if not self._put(step):
                     return
                 seq += 1
+                if ahead is None and not self.read_ahead:
+                    ahead = self._read_step(seq, number)
             self._put(_END)
         except BaseException as e:
             self.pull_error = e
             self._put(_END)
+
+    def _read_step(self, seq: int, number: int) -> Step | None:
+        """The next batch read and prepared as step ``seq`` (its global step
+        after ``number``), its prefetch started. None at the end of the
+        batches or once stopped."""
+        if self.stop.is_set():
+            return None
+        start = time.perf_counter()
+        batch = next(self.batches, None)
+        read = time.perf_counter()
+        if batch is None:
+            return None
+        number = (
+            self.first_step + seq if self.step_floor is None else max(number + 1, self.step_floor())
+        )
+        self.trace.record("read", number, start, read)
+        prepared, inputs, rows = self.source.prepare(batch)
+        prepared_at = time.perf_counter()
+        self.trace.record("prepare", number, read, prepared_at)
+        step = Step(seq, number, batch, prepared, inputs, rows)
+        step.timings.update(read=read - start, prepare=prepared_at - read)
+        self.source.prefetch(prepared)  # the disk, while earlier steps train
+        return step
 
     def _pull(self, step: Step) -> None:
         """Starts the step's pull; ``step.pulled`` completes once its rows

@@ -18,6 +18,7 @@ step (``wuliang.hooks``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -135,6 +136,7 @@ class Session:
         # the rows' memory: the GPU cache's device arrays where TensorFlow has a GPU too
         self.memory = self.functions.memory = RowMemory.for_server(self.context.ps)
         self._cached = getattr(self.context.ps, "kernels", None) is not None  # a GPU cache
+        self._prefetching: dict[int, Handle[int]] = {}  # id(prepared) -> its prefetch
         self.tower = TowerState(self.functions, self.sparse, self.dense, self.optimizer)
         self._shared: SharedTower | None = None  # the tower on the servers, from the first step
         if self.context.shares_tower:  # several trainers: the tower lives on the servers
@@ -306,6 +308,7 @@ class Session:
             sync_after=sync_after,
             background=ctx.background,
             step_floor=None if job is None else (lambda: ctx.global_step),
+            read_ahead=ctx.ps.prefetches,
         )
         done = samples = 0
         start = time.perf_counter()
@@ -540,6 +543,10 @@ class Session:
         """Starts pulling each table into its slice of the packed rows;
         ``step``: the batch's global step (see ``ParameterServer.pull_many``).
         A GPU cache gets each key's occurrences in the batch for its policy."""
+        prefetch = self._prefetching.pop(id(prepared), None)
+        if prefetch is not None:  # its cold rows come in first: the pull reads none itself
+            with contextlib.suppress(Exception):
+                prefetch.wait()
         _, bases = self.layout.bases(prepared)
         counts = self._occurrences(prepared) if train and self._cached else {}
         parts = []
@@ -555,8 +562,9 @@ class Session:
 
     def _prefetch(self, prepared: PreparedKeys) -> None:
         """With a disk tier, starts reading the batch's cold rows into the
-        server's memory (on the pulls' thread, before the batch's pull). Its
-        error, if any, is the pull's: that pull reads the rows again."""
+        server's memory (on a thread of its own, while earlier steps pull,
+        push and compute). Its error, if any, is the pull's: that pull reads
+        the rows again."""
         ps = self.context.ps
         if not ps.prefetches:
             return
@@ -564,7 +572,9 @@ class Session:
             PullPart(table, keys.uniques, None, keys.shard_offsets)
             for table, keys in prepared.tables.items()
         ]
-        ps.prefetch_many_async(parts)
+        if len(self._prefetching) > 8:  # batches prefetched and never pulled (a stopped loop)
+            self._prefetching.clear()
+        self._prefetching[id(prepared)] = ps.prefetch_many_async(parts)
 
     def _occurrences(self, prepared: PreparedKeys) -> dict[str, np.ndarray]:
         """Per table, each unique key's occurrences in the batch (float32)."""

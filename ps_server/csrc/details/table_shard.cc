@@ -112,8 +112,12 @@ TableShard::TableShard(const TableDef& def, size_t reserve_rows, int shard)
     tier_->budget = def.tier.budgets[static_cast<size_t>(shard)];
   }
   if (reserve_rows > 0) {
-    pool_.Reserve(reserve_rows);
-    index_.Reserve(reserve_rows);
+    // With a disk tier, RAM holds at most the budget's rows: reserving (and
+    // keeping) more would hold memory the budget gave to the disk.
+    const size_t in_ram =
+        tier_ ? std::min<size_t>(reserve_rows, tier_->budget->limit / RowBytes()) : reserve_rows;
+    pool_.Reserve(in_ram);
+    index_.Reserve(in_ram);
     changes_.Reserve(2 * (reserve_rows + kMinLog));  // its bound (BoundLog)
   }
 }
@@ -1159,7 +1163,9 @@ void TableShard::Demote(size_t want, uint64_t step) {
   // Best first: what nth_element leaves before the cut is near the sample's
   // order, and demoting a prefix of that is demoting a run of slots.
   std::sort(sample.begin(), sample.begin() + static_cast<ptrdiff_t>(candidates), less);
-  OpenHashMap<uint32_t> position;  // candidate key -> its position + 1
+  // Kept between calls (mapping and faulting in a fresh one each time cost
+  // more than the lookups), emptied key by key after.
+  OpenHashMap<uint32_t>& position = t.candidates;
   position.Reserve(candidates);
   for (size_t v = 0; v < candidates; ++v) {
     *position.InsertNew(sample[v].key, Mix64(sample[v].key)) = static_cast<uint32_t>(v + 1);
@@ -1170,6 +1176,7 @@ void TableShard::Demote(size_t want, uint64_t step) {
       if (const uint32_t* v = position.Find(key, Mix64(key))) keep[*v - 1] = true;
     }
   }
+  for (size_t v = 0; v < candidates; ++v) position.Erase(sample[v].key, Mix64(sample[v].key));
   const size_t bytes = RecordBytes();
   t.scratch.resize(bytes);
   size_t demoted = 0;
