@@ -1012,7 +1012,10 @@ void TableShard::PlanPrefetch(const ShardBatch& batch, PrefetchReads* reads) {
   if (!tier_) return;
   Tier& t = *tier_;
   const Slice s = Select(batch);
-  std::vector<uint64_t>& kept = t.prefetched;  // kept in RAM once they are there
+  // Kept in RAM once they are there, like the last two prefetches' keys: a
+  // pipeline reading ahead prefetches a batch before the pull of the one
+  // before it.
+  std::vector<uint64_t>& kept = t.prefetched[t.prefetch_turn ^= 1];
   kept.resize(s.size());
   for (size_t k = 0; k < s.size(); ++k) kept[k] = s.key(k);
   if (t.cold.size() == t.both) return;  // nothing on disk only
@@ -1171,7 +1174,8 @@ void TableShard::Demote(size_t want, uint64_t step) {
     *position.InsertNew(sample[v].key, Mix64(sample[v].key)) = static_cast<uint32_t>(v + 1);
   }
   std::vector<bool> keep(candidates, false);
-  for (const std::vector<uint64_t>* pinned : {&t.pinned[0], &t.pinned[1], &t.prefetched}) {
+  for (const std::vector<uint64_t>* pinned :
+       {&t.pinned[0], &t.pinned[1], &t.prefetched[0], &t.prefetched[1]}) {
     for (uint64_t key : *pinned) {
       if (const uint32_t* v = position.Find(key, Mix64(key))) keep[*v - 1] = true;
     }

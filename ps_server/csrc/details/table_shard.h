@@ -261,7 +261,8 @@ class alignas(128) TableShard {
     // rows, so they are not demoted meanwhile.
     std::vector<uint64_t> pinned[2];
     int pin_turn = 0;
-    std::vector<uint64_t> prefetched;  // the keys of the last Prefetch, kept too
+    std::vector<uint64_t> prefetched[2];  // the keys of the last two Prefetches, kept too
+    int prefetch_turn = 0;
     uint64_t prefetched_reads = 0;
   };
   size_t RowBytes() const { return layout_.hot_stride + layout_.cold_stride; }
