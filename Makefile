@@ -11,7 +11,7 @@ CPP_SOURCES := $(shell find ps_server/csrc reader/csrc embedding/csrc benchmarks
 PY_SOURCES := $(shell find src ps_server reader embedding hooks serving -name '*.py' -o -name '*.pyi')
 SANITIZERS := thread address
 
-.PHONY: demo test install dev lint format cpp-test py-test bench bench-quick protos clean
+.PHONY: demo test install dev lint format cpp-test py-test bench bench-quick protos constraints clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -88,6 +88,11 @@ bench-quick: $(VENV)/.bench
 	$(BIN)/python benchmarks/train_bench.py --quick
 	$(BIN)/python benchmarks/gpu_cache_bench.py --quick
 	$(BIN)/python benchmarks/serving_bench.py --quick
+
+# After changing dependencies: the exact versions the image installs
+# (deploy/constraints.txt, read by the Dockerfile). Needs Python 3.11.
+constraints: $(BIN)/python
+	$(BIN)/python tools/pin_image.py
 
 # After editing serving/serving.proto: rebuilds the descriptor in serving/proto.py.
 protos: install

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from repo_data import MOVIELENS, REPO
 
 # Paths that lead out of a clone: a sibling folder or one machine's layout.
@@ -63,3 +64,31 @@ def test_a_script_in_the_repository_root_imports_the_installed_package() -> None
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "wuliang.ps_server.engine"
     assert not (REPO / "wuliang").exists(), "a folder named wuliang/ shadows the package"
+
+
+def test_the_image_ships_the_wheel_alone_with_pinned_dependencies() -> None:
+    """The Dockerfile compiles in one stage and installs only the wheel in
+    the next, under deploy/constraints.txt, which pins every dependency the
+    tf and serving extras name (tools/pin_image.py writes it)."""
+    stages = re.split(r"(?m)^FROM ", (REPO / "Dockerfile").read_text())[1:]
+    assert len(stages) == 2, "a build stage and a runtime stage"
+    runtime = stages[1]
+    assert "g++" not in runtime and "COPY . " not in runtime, runtime
+    assert "constraints.txt" in runtime and "COPY --from=build /wheels" in runtime
+    pins = {}
+    for line in (REPO / "deploy" / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and version, f"not pinned: {line!r}"
+            pins[re.sub(r"[-_.]+", "-", name.lower())] = version
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    named = list(extras["dependencies"])
+    for extra in ("tf", "serving", "remote"):
+        named += extras["optional-dependencies"][extra]
+    for requirement in named:
+        name = re.split(r"[<>=\[ ;]", requirement, maxsplit=1)[0]
+        if name != "wuliang":
+            assert re.sub(r"[-_.]+", "-", name.lower()) in pins, f"{name} is not pinned"
+    for tool in ("scikit-build-core", "pybind11", "cmake", "ninja"):
+        assert tool in pins, f"the build's {tool} is not pinned"
