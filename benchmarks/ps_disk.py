@@ -4,12 +4,15 @@ In one run, on the disk under ``--disk-dir`` (default: a folder in the
 current directory, removed after):
 
 * the physical limit, as fio measures it: random reads with O_DIRECT of
-  512 bytes and of 4 KiB at depth 1 and at ``--depth`` (threads each
-  issuing ``pread``s at random aligned offsets of a file as large as the
-  row files below, so that both span the same share of the disk);
+  512 bytes and of 4 KiB at random aligned offsets of a file as large as the
+  row files below (so that both span the same share of the disk), at depth
+  1 and as many in flight as the tier keeps: through io_uring at its depth
+  (64) where the kernel allows it, else ``--depth`` threads of ``pread``s;
 * the row files (``details/row_file.h``): ``--records`` records of a dim-16
   Adagrad row (168 bytes) appended, then read at random in batches of
-  ``--read-batch`` with ``--depth`` reads in flight (``RowFile::ReadMany``);
+  ``--read-batch`` (``RowFile::ReadMany``), through the tier's reader
+  (io_uring) and through the pool of ``--depth`` threads, with the CPU each
+  read costs (``cpu_us_per_read``);
   ``cold_reads_vs_disk`` is their rate over the disk's (a record read
   fetches the 512-byte sectors that hold it, 512 or 1024 bytes: the disk's
   limit is its better rate of 512-byte and 4 KiB reads at the same depth).
@@ -153,12 +156,18 @@ def main(args: argparse.Namespace) -> None:
     rounds = 1 if quick else args.disk_rounds
     disk: dict[str, list[int]] = {}
     row_rates: list[float] = []
+    pool_rates: list[float] = []  # the pool of preads, where io_uring is the tier's reader
+    cpu_per_read: dict[str, list[float]] = {}
+    ring = _engine.io_uring_available()
+    readers = ("io_uring", "threads") if ring else ("threads",)
     direct = True
 
     def probe(read_bytes: int, depth: int) -> None:
         nonlocal direct
         rate, used = _engine.disk_random_reads(str(work), probe_bytes, read_bytes, depth, seconds)
         direct = direct and used
+        if ring and depth > 1:
+            depth = _engine.IO_URING_DEPTH  # what the probe kept in flight
         disk.setdefault(f"{read_bytes}B_depth{depth}", []).append(round(rate))
         print(f"disk: {read_bytes}-byte random reads at depth {depth}: {rate:,.0f}/s", flush=True)
 
@@ -170,30 +179,45 @@ def main(args: argparse.Namespace) -> None:
         for _ in range(rounds):
             for read_bytes in (512, 4096):
                 probe(read_bytes, args.depth)
-            rate, rows_direct, disk_per_row = _engine.row_file_reads(
-                str(work / "rows"), RECORD_BYTES, records, reads, args.depth, args.read_batch
-            )
-            direct = direct and rows_direct
-            row_rates.append(rate)
-            print(f"row files: {rate:,.0f} records/s at depth {args.depth}", flush=True)
+            # the tier's reader (io_uring where allowed), then the pool of preads
+            for reader in ("io_uring", "threads") if ring else ("threads",):
+                previous = _engine.set_io_uring(reader == "io_uring")
+                cpu = time.process_time()
+                try:
+                    rate, rows_direct, disk_per_row = _engine.row_file_reads(
+                        str(work / "rows"), RECORD_BYTES, records, reads, args.depth,
+                        args.read_batch,
+                    )  # fmt: skip
+                finally:
+                    _engine.set_io_uring(previous)
+                cpu_us = (time.process_time() - cpu) / reads * 1e6
+                direct = direct and rows_direct
+                (row_rates if reader == readers[0] else pool_rates).append(rate)
+                cpu_per_read.setdefault(reader, []).append(round(cpu_us, 2))
+                print(f"row files ({reader}): {rate:,.0f} records/s, {cpu_us:.1f} us of CPU "
+                      "a read", flush=True)  # fmt: skip
         cold_keys = records if quick else args.cold_keys
         ram_per_cold = _engine.cold_index_bytes_per_key(cold_keys)
         engine = engine_figures(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     # a record read fetches 512 or 1024 bytes: the disk's best rate at the depth bounds it
-    limits = [max(a, b) for a, b in zip(disk[f"512B_depth{args.depth}"],
-                                        disk[f"4096B_depth{args.depth}"], strict=True)]  # fmt: skip
+    depth = _engine.IO_URING_DEPTH if ring else args.depth
+    limits = [max(a, b) for a, b in zip(disk[f"512B_depth{depth}"],
+                                        disk[f"4096B_depth{depth}"], strict=True)]  # fmt: skip
     limit = statistics.median(limits)
     rows_rate = statistics.median(row_rates)
     result = {
         "disk_dir": str(base),
         "o_direct": direct,
         "rounds": rounds,
-        "depth": args.depth,
+        "depth": depth,
         "disk_random_reads_per_s": disk,
         "disk_limit_reads_per_s": round(limit),
+        "reader": readers[0],
         "row_file_reads_per_s": [round(r) for r in row_rates],
+        "row_file_reads_threads_per_s": [round(r) for r in pool_rates],
+        "cpu_us_per_read": cpu_per_read,
         "record_bytes": RECORD_BYTES,
         "row_file_records": records,
         "cold_reads_per_s": round(rows_rate),

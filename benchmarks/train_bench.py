@@ -101,7 +101,8 @@ under DIR) and a budget of a quarter (``--disk-budget-share``) of the rows
 the tables end with (the data's distinct keys per field, 160 bytes a
 row), taking its turn with the others. In the same run the disk's own
 random-read rate is measured at the tier's depth (512-byte and 4 KiB
-reads, 32 in flight, 3 s each, the better taken). Its result adds
+reads, through io_uring as the tier reads where the kernel allows it, 3 s
+each, the better taken). Its result adds
 ``wuliang_disk_samples_per_s``, ``disk_vs_ram`` (its samples/s over
 wuliang's in RAM), the cold rows it read per step (ahead of the pulls and
 in them), ``disk_ms_per_step`` (those reads at the disk's rate) and
@@ -615,7 +616,8 @@ DISK_ROW_BYTES = 64 + 96  # a dim-16 row with Adagrad's or Adam's state in the e
 
 def disk_read_rate(folder: Path) -> float:
     """The disk's best random-read rate under ``folder`` at the tier's
-    depth: 512-byte and 4 KiB reads with O_DIRECT, 32 in flight."""
+    depth: 512-byte and 4 KiB reads with O_DIRECT, as many in flight as the
+    tier keeps (io_uring's ring where allowed, else 32 threads)."""
     from wuliang.ps_server import _engine
 
     return max(

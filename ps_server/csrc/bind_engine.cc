@@ -20,6 +20,7 @@
 #include "details/cold_index.h"
 #include "details/hash_map.h"
 #include "details/row_file.h"
+#include "details/uring_reader.h"
 #include "wuliang/ps/engine.h"
 #include "wuliang/ps/hash.h"
 
@@ -1058,9 +1059,24 @@ PYBIND11_MODULE(_engine, m) {
         return std::make_tuple(rate, direct);
       },
       "dir"_a, "file_bytes"_a, "read_bytes"_a, "depth"_a, "seconds"_a,
-      "The disk's random-read rate as fio measures it: (reads/s, O_DIRECT used), depth "
-      "threads reading read_bytes at random aligned offsets of a file of file_bytes in dir "
-      "(written first, deleted after).");
+      "The disk's random-read rate as fio measures it: (reads/s, O_DIRECT used), reads of "
+      "read_bytes at random aligned offsets of a file of file_bytes in dir (written first, "
+      "deleted after), through io_uring at the tier's depth where the kernel allows it, "
+      "else depth threads of preads.");
+  m.def(
+      "set_io_uring", [](bool enabled) { return details::SetUringEnabled(enabled); }, "enabled"_a,
+      "Whether the disk tier reads through io_uring where the kernel allows it (the "
+      "default) or on its thread pool of preads; returns the previous setting. For "
+      "benchmarks comparing the two.");
+  m.attr("IO_URING_DEPTH") = details::UringReader::kDepth;  // reads in flight in one ring
+  m.def(
+      "io_uring_available",
+      [] {
+        py::gil_scoped_release release;
+        return details::UringReader::ForThisThread() != nullptr;
+      },
+      "Whether this thread can read through io_uring (the kernel allows it, and "
+      "set_io_uring has not turned it off).");
   m.def(
       "row_file_reads",
       [](const std::string& dir, size_t record_bytes, size_t records, size_t reads, int depth,

@@ -19,6 +19,7 @@
 #include "details/grace_period.h"
 #include "details/shard_worker.h"
 #include "details/table_shard.h"
+#include "details/uring_reader.h"
 #include "wuliang/ps/hash.h"
 
 namespace wuliang::ps {
@@ -766,7 +767,22 @@ uint64_t Engine::PrefetchMany(const std::vector<TablePart>& parts) {
   }
   std::exception_ptr failed;  // rethrown once every shard has its files back
   try {
-    io_->ParallelFor(work.size(), [&](size_t w) { work[w].first->Read(work[w].second); });
+    details::UringReader* ring = details::UringReader::ForThisThread();
+    if (ring != nullptr) {
+      std::vector<details::RecordRead> batch;
+      batch.reserve(work.size());
+      for (auto& [r, j] : work) batch.push_back(r->ReadOf(j));
+      std::vector<bool> again(work.size(), false);  // read blocking, and counted, by Read
+      ring->ReadAll(batch.data(), batch.size(), [&](size_t w) {
+        again[w] = true;
+        work[w].first->Read(work[w].second);
+      });
+      for (size_t w = 0; w < work.size(); ++w) {
+        if (!again[w]) work[w].first->file->CountReads(1);
+      }
+    } else {
+      io_->ParallelFor(work.size(), [&](size_t w) { work[w].first->Read(work[w].second); });
+    }
   } catch (...) {
     failed = std::current_exception();
   }

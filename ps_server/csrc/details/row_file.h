@@ -14,10 +14,10 @@
 // Release marks one stale, and the caller compacts a file whose third is
 // stale (CompactionCandidate, ReadFile, DropFile).
 //
-// Owner thread only, except ReadMany's reads, which run on an IoPool's
-// threads while the owner waits. The files are scratch (a checkpoint never
-// refers to them): the directory is emptied when a RowFile opens it and
-// its files are deleted when it closes.
+// Owner thread only, except ReadMany's reads, which run in the owner's
+// io_uring ring or on an IoPool's threads while the owner waits. The files are scratch (a
+// checkpoint never refers to them): the directory is emptied when a RowFile opens it and its files
+// are deleted when it closes.
 #pragma once
 
 #include <atomic>
@@ -31,6 +31,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "details/uring_reader.h"
 
 namespace wuliang::ps::details {
 
@@ -106,9 +108,15 @@ class RowFile {
   };
   bool Detach(uint32_t loc, char* out, Place* place);
   void ReadDetached(const Place& place, char* out) const;
+  // The read of a detached record, for a batch of reads (UringReader).
+  RecordRead ReadOf(const Place& place, char* out) const {
+    return RecordRead{place.fd, place.offset, record_bytes_, align_.load(), out};
+  }
+  void CountReads(size_t n) const { records_read_.fetch_add(n, std::memory_order_relaxed); }
   void Reattach(size_t reads) { detached_ -= reads; }
   size_t detached() const { return detached_; }
-  // Records locs[i] into out + i * record_bytes, reads in flight on the pool.
+  // Records locs[i] into out + i * record_bytes, many reads in flight
+  // (io_uring where the kernel allows it, else the pool).
   void ReadMany(const uint32_t* locs, size_t n, char* out) const;
   // The record at loc is no longer pointed to.
   void Release(uint32_t loc);
@@ -167,10 +175,13 @@ class RowFile {
   size_t detached_ = 0;  // reads given away and not yet reattached
 };
 
-// The disk's own random-read rate, as fio measures it: `depth` threads each
-// reading `read_bytes` at random `read_bytes`-aligned offsets of a file of
+// The disk's own random-read rate, as fio measures it: reads of
+// `read_bytes` at random `read_bytes`-aligned offsets of a file of
 // `file_bytes` in dir (written first, deleted after) for `seconds`, with
-// O_DIRECT where allowed. Returns reads per second.
+// O_DIRECT where allowed, as many in flight as the tier keeps: through
+// io_uring at its depth (UringReader::kDepth) where the kernel allows it
+// and depth > 1,
+// else `depth` threads of preads. Returns reads per second.
 double MeasureRandomReads(const std::string& dir, size_t file_bytes, size_t read_bytes, int depth,
                           double seconds, bool* direct);
 

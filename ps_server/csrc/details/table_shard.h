@@ -153,6 +153,9 @@ class alignas(128) TableShard {
     const RowFile* file = nullptr;
     size_t record_bytes = 0;
     void Read(size_t i) { file->ReadDetached(places[i], records.data() + away[i] * record_bytes); }
+    RecordRead ReadOf(size_t i) {
+      return file->ReadOf(places[i], records.data() + away[i] * record_bytes);
+    }
   };
   void PlanPrefetch(const ShardBatch& batch, PrefetchReads* reads);
   uint64_t FinishPrefetch(PrefetchReads* reads);

@@ -2,6 +2,7 @@
 // map (and its bytes per key), row files (append, read back one by one and
 // many at once, stale records, compaction's reads, reuse of dropped files'
 // numbers, a refused write). Built and run under the sanitizers by `make test`.
+#include <fcntl.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -21,6 +22,7 @@
 #include "check.h"
 #include "details/cold_index.h"
 #include "details/row_file.h"
+#include "details/uring_reader.h"
 #include "wuliang/ps/engine.h"
 #include "wuliang/ps/hash.h"
 
@@ -113,10 +115,14 @@ void TestRowFileRoundTrip() {
       file.Read(locs[k], out.data());
       CHECK(out == RecordOf(k, kBytes));
     }
-    std::vector<char> many(n * kBytes);
-    file.ReadMany(locs.data(), n, many.data());
-    for (size_t k = 0; k < n; ++k) {
-      CHECK(std::memcmp(many.data() + k * kBytes, RecordOf(k, kBytes).data(), kBytes) == 0);
+    for (bool ring : {true, false}) {  // io_uring where the kernel allows it, and the pool
+      const bool was = details::SetUringEnabled(ring);
+      std::vector<char> many(n * kBytes);
+      file.ReadMany(locs.data(), n, many.data());
+      for (size_t k = 0; k < n; ++k) {
+        CHECK(std::memcmp(many.data() + k * kBytes, RecordOf(k, kBytes).data(), kBytes) == 0);
+      }
+      details::SetUringEnabled(was);
     }
     // Reads done away from the owner: one on disk, one still in the buffer.
     RowFile::Place place{};
@@ -290,10 +296,49 @@ void TestEngineTierUnderConcurrentCalls() {
 
 }  // namespace
 
+// A batch of reads through the ring: every record lands where asked, and a
+// read the kernel fails (a closed descriptor) goes to retry, once, after.
+void TestUringReaderReadsAndRetries() {
+  details::UringReader* ring = details::UringReader::ForThisThread();
+  if (ring == nullptr) {
+    std::printf("disk_tier_test: io_uring unavailable here, its test skipped\n");
+    return;
+  }
+  const std::string dir = TempDir("uring");
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/blocks";
+  constexpr size_t kSize = 64 * 4096;
+  std::vector<char> content(kSize);
+  for (size_t i = 0; i < kSize; ++i) content[i] = static_cast<char>(i * 7 + i / 4096);
+  FILE* f = std::fopen(path.c_str(), "wb");
+  CHECK(f != nullptr && std::fwrite(content.data(), 1, kSize, f) == kSize);
+  std::fclose(f);
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  CHECK(fd >= 0);
+  constexpr size_t kBytes = 168, kReads = 1000;  // more than the ring's depth
+  std::mt19937_64 rng(3);
+  std::vector<details::RecordRead> reads;
+  std::vector<std::vector<char>> outs(kReads + 1, std::vector<char>(kBytes));
+  for (size_t i = 0; i < kReads; ++i) {
+    const size_t block = rng() % 64, slot = rng() % (4096 / kBytes);
+    reads.push_back({fd, block * 4096 + slot * kBytes, kBytes, 512, outs[i].data()});
+  }
+  reads.push_back({-1, 0, kBytes, 512, outs[kReads].data()});  // fails: EBADF
+  std::vector<size_t> retried;
+  ring->ReadAll(reads.data(), reads.size(), [&](size_t i) { retried.push_back(i); });
+  CHECK(retried.size() == 1 && retried[0] == kReads);
+  for (size_t i = 0; i < kReads; ++i) {
+    CHECK(std::memcmp(outs[i].data(), content.data() + reads[i].offset, kBytes) == 0);
+  }
+  ::close(fd);
+  std::filesystem::remove_all(dir);
+}
+
 int main() {
   TestColdIndexMatchesReference();
   TestColdIndexBytesPerKeyStayFlat();
   TestIoPoolRunsEveryItemOnce();
+  TestUringReaderReadsAndRetries();
   TestRowFileRoundTrip();
   TestRowFileRefusedWrite();
   TestEngineTierUnderConcurrentCalls();
