@@ -85,6 +85,11 @@ class ModelStore:
             ``wuliang.serving.device_cache``).
         gpu_cache_xp: its array module (``"auto"``: cupy when a GPU is
             present, else numpy; ``"numpy"``; ``"cupy"``).
+        disk_dir: keep the rows beyond ``memory_gb`` in row files in this
+            folder (the engine's disk tier, docs/disk_tier.md): a model
+            larger than the replica's memory. Lookups of rows on disk read
+            them on the request's thread.
+        memory_gb: the RAM budget of the rows with ``disk_dir`` (default 1).
     """
 
     def __init__(
@@ -99,6 +104,8 @@ class ModelStore:
         load_towers: bool = True,
         gpu_cache_rows: int = 0,
         gpu_cache_xp: str = "auto",
+        disk_dir: str | Path | None = None,
+        memory_gb: float | None = None,
     ) -> None:
         if missing not in MISSING:
             raise ValueError(f"missing must be one of {', '.join(MISSING)}, got {missing!r}")
@@ -114,7 +121,14 @@ class ModelStore:
         self.precision = precision
         self.poll_secs = poll_secs
         self.load_towers = load_towers
-        self.ps: ParameterServer = parameter_server("embedded", num_shards)
+        address = "embedded"
+        if disk_dir is not None:
+            address += f"?disk_dir={disk_dir}"
+            if memory_gb is not None:
+                address += f"&memory_gb={memory_gb}"
+        elif memory_gb is not None:
+            raise ValueError("memory_gb is the disk tier's budget: it needs disk_dir")
+        self.ps: ParameterServer = parameter_server(address, num_shards)
         self.device_cache: DeviceCache | None = None
         if gpu_cache_rows:
             try:

@@ -344,7 +344,7 @@ void Engine::OpenDiskTier(const EngineOptions& options) {
 
 details::TierConfig Engine::TierOf(const TableSpec& spec) {
   details::TierConfig tier;
-  if (disk_dir_.empty() || spec.serving) return tier;
+  if (disk_dir_.empty()) return tier;
   std::string name;
   for (char c : spec.name) name += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
   tier.dir = disk_dir_ + "/" + std::to_string(tier_tables_.fetch_add(1)) + "-" + name.substr(0, 64);
@@ -1245,7 +1245,9 @@ int Engine::BeginApply(const TableSpec& spec, int table, bool full, uint64_t lab
     throw std::invalid_argument("table '" + spec.name +
                                 "' does not exist: its first version must be full");
   }
-  staging->def = NewDef(own, num_shards_);
+  // A full version becomes the table: with a disk tier, its rows beyond the
+  // budget go to disk as they are staged. A delta's overlay stays in RAM.
+  staging->def = NewDef(own, num_shards_, full ? TierOf(own) : details::TierConfig{});
   staging->def->label = label;
   staging->removed.resize(num_shards_);
   std::lock_guard<std::mutex> lock(staging_mutex_);

@@ -646,6 +646,30 @@ bool TableShard::ReadRow(uint64_t key, uint64_t hash, float* dst, bool init_miss
     }
     return true;
   }
+  if (tier_ && tier_->cold.size() != 0) {
+    // A serving table's cold row, read on the caller's thread: between
+    // version switches nothing writes the cold index or the row files.
+    const uint32_t loc = tier_->cold.Find(key, hash);
+    if (loc != ColdIndex::kEmpty) {
+      thread_local std::vector<char> record;
+      record.resize(RecordBytes());
+      tier_->file->Read(loc, record.data());
+      const char* hot = record.data() + sizeof(uint64_t);  // the record: key | hot | cold
+      switch (layout_.precision) {
+        case Precision::kFp32:
+          ReadWeights<Precision::kFp32>(hot, dim, dst);
+          break;
+        case Precision::kFp16:
+          ReadWeights<Precision::kFp16>(hot, dim, dst);
+          break;
+        case Precision::kInt8:
+          ReadWeights<Precision::kInt8>(hot, dim, dst);
+          break;
+      }
+      tier_->lookup_reads.fetch_add(1, std::memory_order_relaxed);
+      return true;
+    }
+  }
   if (init_missing) {
     InitializeWeights(spec_.initializer, spec_.seed, key, dim, dst);
   } else {
@@ -663,6 +687,9 @@ void TableShard::Merge(const Overlay& overlay, const Clock& clock) {
     const uint64_t hash = Mix64(key);
     char** slot = index_.Find(key, hash);
     char* row = slot != nullptr ? *slot : CreateRow(key, hash, clock, 0, /*blank=*/true);
+    // A key on disk only is now in both tiers, its record stale once the
+    // row is written back (the row is not backed: it changed).
+    if (slot == nullptr && tier_ && tier_->cold.Find(key, hash) != ColdIndex::kEmpty) ++tier_->both;
     if (layout_.precision == Precision::kFp32) {
       CopyFloats(RowLayout::Weights(row), RowLayout::Weights(src), dim);
     } else {  // same precision (the overlay has the live spec): encoded as is
@@ -954,7 +981,7 @@ TableStats TableShard::Snapshot() const {
     t.cold_rows = ColdOnlyRows();
     t.cold_index_bytes = tier_->cold.bytes();
     t.disk_bytes = f.bytes_on_disk;
-    t.cold_reads = tier_->reads;
+    t.cold_reads = tier_->reads + tier_->lookup_reads.load(std::memory_order_relaxed);
     t.cold_prefetched = tier_->prefetched_reads;
     t.demoted = tier_->demoted;
     t.demoted_written = tier_->demoted_written;

@@ -255,9 +255,10 @@ class alignas(128) TableShard {
     int64_t compact_file = -1;  // the file being compacted, and its next record
     uint32_t compact_slot = 0;
     uint64_t reads = 0, demoted = 0, demoted_written = 0;
-    std::string error;                 // the disk's last refusal
-    std::vector<char> scratch;         // records in and out
-    OpenHashMap<uint32_t> candidates;  // Demote's: key -> position + 1, emptied after
+    std::atomic<uint64_t> lookup_reads{0};  // a serving table's, on the callers' threads
+    std::string error;                      // the disk's last refusal
+    std::vector<char> scratch;              // records in and out
+    OpenHashMap<uint32_t> candidates;       // Demote's: key -> position + 1, emptied after
     std::vector<uint32_t> locs;
     std::vector<uint32_t> wanted;  // slice positions of the keys read
     // The keys of the last two training pulls: their pushes will need the

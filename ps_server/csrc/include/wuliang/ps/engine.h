@@ -88,7 +88,7 @@ class UnknownTableError : public std::out_of_range {
 struct EngineOptions {
   int num_shards = 2;  // worker threads; shard count of every table
   // The disk tier (docs/disk_tier.md): with a directory, the rows of every
-  // table (serving tables excepted) beyond memory_bytes (all tables, split
+  // table beyond memory_bytes (all tables, split
   // evenly among the shards; 0: 1 GiB) live in row files there.
   std::string disk_dir;
   uint64_t memory_bytes = 0;
