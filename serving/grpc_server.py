@@ -1,5 +1,7 @@
-"""The gRPC transport: ``wuliang.serving.Serving`` (``serving.proto``) and the
-standard health service (``grpc.health.v1.Health``).
+"""The gRPC transport: ``wuliang.serving.Serving`` (``serving.proto``),
+TensorFlow Serving's ``PredictionService`` and ``ModelService``
+(``wuliang.serving.tfs.grpc``) and the standard health service
+(``grpc.health.v1.Health``), on one port.
 
 Arrays arrive and leave as raw little-endian bytes (``serving.proto``); a
 sparse feature's raw strings as concatenated UTF-8 and their offsets
@@ -262,6 +264,9 @@ class GrpcServer:
         self.pool = ThreadPoolExecutor(predict_threads, thread_name_prefix="wuliang-grpc")
         self.server = grpc.server(self.pool, options=options)
         self.server.add_generic_rpc_handlers((serving_handler(service, self.lookup_pool),))
+        from wuliang.serving.tfs.grpc import tfs_handlers  # imports this module's helpers
+
+        self.server.add_generic_rpc_handlers(tfs_handlers(service))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = grpc_address(host, port)
@@ -284,8 +289,7 @@ class GrpcServer:
             self.lookup_pool.shutdown(wait=False)
             self.pool.shutdown(wait=False)
             raise listen_error(host, port, "gRPC")
-        for store in service.stores.values():
-            store.on_apply.append(lambda *_: self.update_health())
+        service.listeners.append(self.update_health)  # versions applied, models changed
         self.update_health()
         self.server.start()
 
@@ -296,8 +300,8 @@ class GrpcServer:
             if self.service.healthy()
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        self.health.set("", status)
-        self.health.set(proto.SERVICE, status)
+        for name in ("", proto.SERVICE, "tensorflow.serving.PredictionService"):
+            self.health.set(name, status)
 
     def stop(self, grace: float | None = 1.0) -> None:
         self.server.stop(grace).wait()
