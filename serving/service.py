@@ -189,7 +189,10 @@ class Service:
             return next(iter(stores.values()))
         store = stores.get(model)
         if store is None:
-            raise NotFound(f"no model {model!r} (models: {', '.join(sorted(stores))})")
+            raise NotFound(
+                f"Servable not found for request: Latest({model}): no model {model!r} "
+                f"(models: {', '.join(sorted(stores))})"
+            )
         return store
 
     def select(

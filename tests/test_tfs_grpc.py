@@ -85,13 +85,23 @@ def request_of(batch: Any, model: str = "m", **spec: Any) -> Any:
 def test_the_messages_have_tensorflow_serving_s_fields() -> None:
     """Every field of wuliang's .proto files has the name, number, type and
     label of the field in TensorFlow Serving's (and TensorFlow's) own."""
-    from tensorflow.core.framework import tensor_pb2
+    from tensorflow.core.framework import tensor_pb2, tensor_shape_pb2
     from tensorflow.core.protobuf import meta_graph_pb2
+    from tensorflow_serving.apis import status_pb2
+    from tensorflow_serving.config import file_system_storage_path_source_pb2 as source_pb2
+
+    policy = source_pb2.FileSystemStoragePathSourceConfig.ServableVersionPolicy
 
     theirs = {
         m.DESCRIPTOR.full_name: m.DESCRIPTOR
         for m in (
             tensor_pb2.TensorProto,
+            tensor_shape_pb2.TensorShapeProto,
+            tensor_shape_pb2.TensorShapeProto.Dim,
+            status_pb2.StatusProto,
+            policy,
+            policy.Latest,
+            policy.Specific,
             meta_graph_pb2.TensorInfo,
             meta_graph_pb2.SignatureDef,
             model_pb2.ModelSpec,
@@ -125,7 +135,7 @@ def test_the_messages_have_tensorflow_serving_s_fields() -> None:
         other_enum = descriptor_pool.Default().FindEnumTypeByName(enum)
         for value in mine_enum.values:
             assert other_enum.values_by_name[value.name].number == value.number
-    assert checked > 50
+    assert checked == 59
 
 
 def test_the_descriptors_are_the_proto_files_compiled() -> None:
