@@ -194,7 +194,7 @@ def test_metadata_describes_the_features_and_outputs(server: dict[str, Any]) -> 
     }
     (output,) = signature.outputs.values()
     assert tf.dtypes.as_dtype(output.dtype) == tf.float32
-    assert [d.size for d in output.tensor_shape.dim][0] == -1
+    assert output.tensor_shape.dim[0].size == -1
 
 
 def test_model_status_lists_the_served_version(server: dict[str, Any]) -> None:
