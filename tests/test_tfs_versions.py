@@ -335,9 +335,7 @@ def test_tensorflow_serving_s_documented_rest_examples(tmp_path: Path) -> None:
             {"size": "1", "name": ""},
         ]
         assert signature["method_name"] == "tensorflow/serving/predict"
-        missing = requests.post(
-            f"{url}/half:predict", data='{"instances": [1.0,5.0]}', timeout=30
-        )
+        missing = requests.post(f"{url}/half:predict", data='{"instances": [1.0,5.0]}', timeout=30)
         assert missing.status_code == 404
         assert missing.json()["error"].startswith("Servable not found for request: Latest(half)")
         regress = requests.post(
