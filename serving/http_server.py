@@ -183,6 +183,11 @@ def _target(request: web.Request) -> tuple[str, int | None, str | None]:
     return info["model"], version, info.get("label")
 
 
+def _pinned(version: int | None, label: str | None) -> dict[str, Any]:
+    """The version arguments of a service call, none for the newest version."""
+    return {} if version is None and label is None else {"version": version, "label": label}
+
+
 def _token(request: web.Request) -> str | None:
     header = request.headers.get("Authorization")
     if header is None:
@@ -366,7 +371,7 @@ class _Api:
         self, model: str, body: bytes, version: int | None, label: str | None
     ) -> dict[str, Any]:
         request = PredictRequest(body, self.service.check_rows)
-        answer = self.service.predict(model, request.decode, version=version, label=label)
+        answer = self.service.predict(model, request.decode, **_pinned(version, label))
         return request.answer(answer.outputs, answer.version)
 
     def _lookup(
@@ -374,7 +379,7 @@ class _Api:
     ) -> dict[str, Any]:
         self.service.store(model)  # an unknown model before a bad body
         keys = lookup_keys(body, self.service.check_keys)
-        result = self.service.lookup(model, table, keys, version=version, label=label)
+        result = self.service.lookup(model, table, keys, **_pinned(version, label))
         return {
             "vectors": np.ascontiguousarray(result.rows, np.float32),
             "found": np.ascontiguousarray(result.found, np.bool_),
