@@ -30,6 +30,7 @@ Errors are ``InvalidArgument`` naming the input and what it should be.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -69,17 +70,21 @@ def dtype_name(dtype: int) -> str:
 
 
 def _shape(tensor: Any, what: str) -> tuple[int, ...]:
-    shape = tuple(d.size for d in tensor.tensor_shape.dim)
-    if tensor.tensor_shape.unknown_rank or any(size < 0 for size in shape):
+    tensor_shape = tensor.tensor_shape
+    shape = tuple([d.size for d in tensor_shape.dim])
+    if tensor_shape.unknown_rank or (shape and min(shape) < 0):
         raise InvalidArgument(f"{what}: the tensor's shape {list(shape)} is not fully known")
     return shape
 
 
-def values(tensor: Any, what: str) -> tuple[np.ndarray | list[bytes], tuple[int, ...]]:
+def values(
+    tensor: Any, what: str, shape: tuple[int, ...] | None = None
+) -> tuple[np.ndarray | list[bytes], tuple[int, ...]]:
     """A tensor's values, flat (a numpy array, or a list of bytes for
-    ``DT_STRING``), and its shape."""
-    shape = _shape(tensor, what)
-    size = int(np.prod(shape, dtype=np.int64))
+    ``DT_STRING``), and its shape (``shape``: already read)."""
+    if shape is None:
+        shape = _shape(tensor, what)
+    size = math.prod(shape)
     dtype = tensor.dtype
     if dtype == DT_STRING:
         strings = list(tensor.string_val)
@@ -87,8 +92,8 @@ def values(tensor: Any, what: str) -> tuple[np.ndarray | list[bytes], tuple[int,
     if dtype not in _NUMERIC:
         raise InvalidArgument(f"{what}: {dtype_name(dtype)} tensors are not read here")
     numpy_dtype, field_name = _NUMERIC[dtype]
-    if tensor.tensor_content:
-        content = tensor.tensor_content
+    content = tensor.tensor_content
+    if content:
         itemsize = np.dtype(numpy_dtype).itemsize
         if len(content) != size * itemsize:
             raise InvalidArgument(
@@ -123,12 +128,12 @@ def features(inputs: Any, description: ModelDescription) -> tuple[dict[str, Feat
     """A ``PredictRequest`` 's inputs as feature arrays, and the batch size
     (see the module docstring)."""
     names = description.feature_names
-    unknown = sorted(set(inputs) - set(names))
-    if unknown:
+    missing = [name for name in names if name not in inputs]
+    if len(inputs) != len(names) - len(missing):  # some input is not a feature
+        unknown = sorted(set(inputs) - set(names))
         raise InvalidArgument(
             f"input {unknown[0]!r}: the model has no such feature (inputs: {', '.join(names)})"
         )
-    missing = [name for name in names if name not in inputs]
     if missing:
         raise InvalidArgument(
             f"input {missing[0]!r} is missing (inputs: {', '.join(names)}; the metadata, "
@@ -150,22 +155,22 @@ def features(inputs: Any, description: ModelDescription) -> tuple[dict[str, Feat
         batch = shape[0]
         spec = description.sparse_by_name.get(name)
         if spec is not None:
-            out[name] = _sparse(tensor, spec, what)
+            out[name] = _sparse(tensor, spec, what, shape)
         else:
-            out[name] = _dense(tensor, description.dense_by_name[name].dim, what)
+            out[name] = _dense(tensor, description.dense_by_name[name].dim, what, shape)
     if batch == 0:
         raise InvalidArgument("the request has no rows (every input's first dimension is 0)")
     return out, batch
 
 
-def _sparse(tensor: Any, spec: SparseInput, what: str) -> FeatureInput:
+def _sparse(tensor: Any, spec: SparseInput, what: str, shape: tuple[int, ...]) -> FeatureInput:
     dtype = tensor.dtype
     if dtype != DT_STRING and dtype not in _IDS:
         raise InvalidArgument(
             f"{what}: sparse feature ids are DT_INT64 (or DT_INT32, DT_UINT64, DT_UINT32) or "
             f"DT_STRING, got {dtype_name(dtype)}"
         )
-    flat, shape = values(tensor, what)
+    flat, shape = values(tensor, what, shape)
     if len(shape) > 2:
         raise InvalidArgument(
             f"{what}: ids are [batch] (one per row) or [batch, n] (a padded list per row), "
@@ -181,30 +186,38 @@ def _sparse(tensor: Any, spec: SparseInput, what: str) -> FeatureInput:
         np.cumsum([len(s) for s in kept], out=bounds[1:])
         keys = string_keys_of_bytes(b"".join(kept), bounds, spec, f"{what} strings")
     else:
-        pad = np.iinfo(flat.dtype).max if flat.dtype.kind == "u" else -1
+        unsigned = flat.dtype.kind == "u"
+        pad = np.iinfo(flat.dtype).max if unsigned else -1
         mask = flat != pad
+        if len(shape) == 1 and mask.all():  # one id per row: no offsets
+            return FeatureInput(_as_keys(flat, unsigned))
         lengths = mask.reshape(rows, per_row).sum(axis=1)
-        kept_ids = flat[mask] if not mask.all() else flat
-        if kept_ids.dtype.kind == "u":
-            keys = kept_ids.astype(np.uint64)
-        else:
-            keys = kept_ids.astype(np.int64).view(np.uint64)
+        keys = _as_keys(flat[mask], unsigned)
     offsets = np.zeros(rows + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     return FeatureInput(keys, offsets)
 
 
-def _dense(tensor: Any, dim: int, what: str) -> FeatureInput:
+def _as_keys(ids: np.ndarray, unsigned: bool) -> np.ndarray:
+    """Ids as uint64 keys: negative int64 ids keep their bits."""
+    if ids.dtype == np.uint64 or ids.dtype == np.int64:
+        return ids.view(np.uint64)
+    if unsigned:
+        return ids.astype(np.uint64)
+    return ids.astype(np.int64).view(np.uint64)
+
+
+def _dense(tensor: Any, dim: int, what: str, shape: tuple[int, ...]) -> FeatureInput:
     dtype = tensor.dtype
     if dtype not in _FLOATS:
         raise InvalidArgument(
             f"{what}: dense features are DT_FLOAT (or DT_DOUBLE, DT_HALF, DT_INT32, DT_INT64), "
             f"got {dtype_name(dtype)}"
         )
-    flat, shape = values(tensor, what)
+    flat, shape = values(tensor, what, shape)
     assert isinstance(flat, np.ndarray)
     rows = shape[0]
-    if int(np.prod(shape[1:], dtype=np.int64)) != dim or (len(shape) == 1 and dim != 1):
+    if math.prod(shape[1:]) != dim or (len(shape) == 1 and dim != 1):
         want = f"[batch, {dim}]" + (" or [batch]" if dim == 1 else "")
         raise InvalidArgument(f"{what}: a dense feature of dim {dim} is {want}, got {list(shape)}")
     if flat.dtype != np.float32:
