@@ -359,9 +359,8 @@ def test_a_model_config_serves_an_export_directory_in_s3(
     config = tmp_path / "models.config"
     policy = "model_version_policy { latest { num_versions: 2 } }"
     labels = "version_labels { key: 'stable' value: 1 }"
-    config.write_text(
-        f"model_config_list {{ config {{ name: 'ranker' base_path: '{remote}' {policy} {labels} }} }}"
-    )
+    entry = f"name: 'ranker' base_path: '{remote}' {policy} {labels}"
+    config.write_text(f"model_config_list {{ config {{ {entry} }} }}")
     options = ServeOptions(None, model_config=config, port=0, http_port=-1, poll_secs=0)
     running = start(options)
     try:
