@@ -368,14 +368,19 @@ class _Api:
     # -- the work, on the loop or in the pool ---------------------------------------
 
     def _predict(
-        self, model: str, body: bytes, version: int | None, label: str | None
+        self, model: str, body: bytes, version: int | None = None, label: str | None = None
     ) -> dict[str, Any]:
         request = PredictRequest(body, self.service.check_rows)
         answer = self.service.predict(model, request.decode, **_pinned(version, label))
         return request.answer(answer.outputs, answer.version)
 
     def _lookup(
-        self, model: str, table: str, body: bytes, version: int | None, label: str | None
+        self,
+        model: str,
+        table: str,
+        body: bytes,
+        version: int | None = None,
+        label: str | None = None,
     ) -> dict[str, Any]:
         self.service.store(model)  # an unknown model before a bad body
         keys = lookup_keys(body, self.service.check_keys)

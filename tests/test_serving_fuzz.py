@@ -587,7 +587,7 @@ def http_stream(
             elif name == "path":
                 yield name, method, rnd.choice(
                     ["/v1/models/", "/v1/models/m/", "/v1/models/m:predictx", "/v2/models/m",
-                     "/v1/models/m/versions/1", "/v1/models/m/tables/:lookup", "/", "/v1",
+                     "/v1/models/m/versions/", "/v1/models/m/tables/:lookup", "/", "/v1",
                      "/v1/models/m/tables/users:lookups", "/" + quote(rnd.randbytes(8).hex())]
                 ), headers, json.dumps(document).encode(), ("status", 404)  # fmt: skip
                 continue

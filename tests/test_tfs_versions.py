@@ -101,6 +101,9 @@ def test_latest_two_keeps_a_pinned_version_while_deltas_apply(
                     np.testing.assert_allclose(got, scores[want], rtol=0, atol=1e-6)
                 status = requests.get(base, timeout=30).json()
                 assert [s["version"] for s in status["model_version_status"]] == ["1", "2"]
+                metrics = requests.get(f"http://127.0.0.1:{http.port}/metrics", timeout=30).text
+                for number in (1, 2):  # each version's own engine
+                    assert f'wuliang_version_bytes{{model="m",version="{number}"}}' in metrics
                 answer = requests.post(
                     f"{base}/labels/stable:predict",
                     json={"inputs": {"user": [1], "items": [[2, 3]], "x": [0.5]}},
