@@ -30,6 +30,7 @@ import grpc
 
 from wuliang.ps_server.storage import ModelDescription
 from wuliang.serving.errors import FailedPrecondition, InvalidArgument, ServingError, Unimplemented
+from wuliang.serving.grpc_common import details, parse, token
 from wuliang.serving.service import Service
 from wuliang.serving.tfs import answers, proto, tensors
 
@@ -148,8 +149,6 @@ class _Methods:
 def tfs_handlers(service: Service) -> list[grpc.GenericRpcHandler]:
     """TensorFlow Serving's two services over ``service`` (see the module
     docstring)."""
-    from wuliang.serving.grpc_server import _parse, _token, details
-
     methods = _Methods(service)
 
     def call(endpoint: str, message: Any, body: Callable[[Any], Any] | None) -> Any:
@@ -159,10 +158,10 @@ def tfs_handlers(service: Service) -> list[grpc.GenericRpcHandler]:
             try:
                 with service.observed("grpc", metric):
                     if service.token is not None:
-                        service.authorize(_token(context))
+                        service.authorize(token(context))
                     if body is None:
                         raise Unimplemented(_UNIMPLEMENTED[endpoint])
-                    return body(_parse(message, request)).SerializeToString()
+                    return body(parse(message, request)).SerializeToString()
             except ServingError as error:
                 context.abort(getattr(grpc.StatusCode, error.code), details(error))
             except Exception:
