@@ -20,8 +20,13 @@ $(BIN)/python:
 # A regular (not editable) install, so tests run what users get; the CMake
 # build directory (build/<wheel tag>) is kept, so reinstalls are incremental.
 # Reinstalls when any source changes. `make dev` installs editable instead.
+# The tests also call the server through TensorFlow Serving's own Python
+# client (tensorflow-serving-api): installed without its dependencies, as
+# it declares `tensorflow` and would pull a second TensorFlow over the
+# tensorflow-cpu of the tf extra, whose framework protos are all it needs.
 $(VENV)/.installed: $(BIN)/python pyproject.toml $(shell find . -name CMakeLists.txt -not -path './build/*' -not -path './.venv/*') $(CPP_SOURCES) $(PY_SOURCES)
 	$(BIN)/python -m pip install '.[test]'
+	$(BIN)/python -m pip install --no-deps 'tensorflow-serving-api==2.21.*'
 	touch $@
 
 install: $(VENV)/.installed

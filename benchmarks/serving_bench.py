@@ -29,7 +29,18 @@ on loopback, each sending one request at a time:
 5. ``lookup_during_delta``: as 1, while this process writes a delta every
    second (the first 50,000 item rows rewritten with the new version as
    their first weight) and the server applies each. A response whose rows
-   do not all carry the version it names is a torn read.
+   do not all carry the version it names is a torn read;
+6. ``tfs_predict``: the same 100-row predictions through TensorFlow
+   Serving's API (``tensorflow-serving-api`` 's ``PredictionServiceStub``,
+   ``TensorProto`` inputs as its clients build them: ``tf.make_tensor_proto``
+   of int64 ids, the genres padded with -1, float32 ages), alternated with
+   4 (own ``Predict``) for ``--rounds`` rounds: ``tfs_predict_vs_own`` is
+   the ratio of their rates, ``tfs_predict_p99_vs_own`` of their p99s;
+7. ``two_models``: a second ``wuliang serve --model-config`` serving two
+   copies of the export as two models; half the clients predict (TensorFlow
+   Serving's API) from one, half from the other: ``two_models_p99_ms``.
+
+``--tfs`` runs phases 4, 6 and 7 only.
 
 Each phase also reports the CPU one request cost the server and the clients
 (``cpu_us_per_request``): on this 2-core machine clients and server share
@@ -74,6 +85,9 @@ TARGETS = {
     "lookup_p99_ms": 10.0,
     "lookup_p99_during_delta_ms": 10.0,
     "predict_p99_ms": 20.0,
+    "tfs_predict_vs_own": 0.9,
+    "tfs_predict_p99_vs_own": 1.2,
+    "two_models_p99_ms": 10.0,
 }
 
 
@@ -141,15 +155,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(export_dir: Path, gpu_cache_rows: int = 0) -> tuple[subprocess.Popen, int, int]:
+def start_server(
+    export_dir: Path, gpu_cache_rows: int = 0, model_config: Path | None = None
+) -> tuple[subprocess.Popen, int, int]:
     script = Path(sys.executable).parent / "wuliang"
-    args = [str(script), "serve", "--exports", str(export_dir), "--model", "bench"]
+    if model_config is None:
+        args = [str(script), "serve", "--exports", str(export_dir), "--model", "bench"]
+    else:
+        args = [str(script), "serve", "--model-config", str(model_config)]
     args += ["--port", "0", "--http-port", "0", "--poll-secs", "0.2"]
     args += ["--gpu-cache-rows", str(gpu_cache_rows)]
     child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
     line = child.stdout.readline()
-    match = re.search(r"grpc [\d.]+:(\d+), http [\d.]+:(\d+)", line)
+    match = re.search(r"grpc [\d.]+:(\d+), http [\d.]+:(\d+)$", line.strip())
     if not match:
         child.kill()
         raise RuntimeError(f"wuliang serve did not start: {line!r}")
@@ -185,6 +204,14 @@ def client_process(kind: str, port: int, rows: int, seconds: float, seed: int, q
         )
         echo = channel.unary_unary(FLOOR_METHOD)
         requests = [k.tobytes() for k in draws]  # a lookup's size
+    elif kind.startswith("tfs_predict"):  # tfs_predict, or tfs_predict:MODEL
+        import grpc
+        from tensorflow_serving.apis import prediction_service_pb2_grpc
+
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        model = kind.partition(":")[2] or "bench"
+        tfs_requests = [tfs_request(predict_batch(rng, rows), model) for _ in range(16)]
     elif kind == "http_lookup":
         import http.client
 
@@ -218,6 +245,11 @@ def client_process(kind: str, port: int, rows: int, seconds: float, seed: int, q
                 answer = conn.getresponse()
                 payload = answer.read()
                 if answer.status != 200 or b"model_version" not in payload:
+                    failed += 1
+            elif kind.startswith("tfs_predict"):
+                response = stub.Predict(tfs_requests[i % 16], 10)
+                versions.add(response.model_spec.version.value)
+                if len(response.outputs["predictions"].tensor_content) != 4 * PREDICT_ROWS:
                     failed += 1
             elif kind == "predict":
                 outputs, version = client.predict(batches[i % 16], PREDICT_ROWS)
@@ -255,6 +287,30 @@ def predict_batch(rng: np.random.Generator, rows: int) -> dict[str, Any]:
     }
 
 
+def tfs_request(batch: dict[str, Any], model: str) -> Any:
+    """A batch as a TensorFlow Serving client sends it: ``TensorProto`` s of
+    int64 ids (lists padded with -1) and float32 features."""
+    import tensorflow as tf
+    from tensorflow_serving.apis import predict_pb2
+
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = model
+    keys, offsets = batch["genres"]
+    lengths = np.diff(offsets)
+    genres = np.full((PREDICT_ROWS, int(lengths.max())), -1, np.int64)
+    for row in range(PREDICT_ROWS):
+        genres[row, : lengths[row]] = keys[offsets[row] : offsets[row + 1]]
+    inputs = {
+        "user_id": batch["user_id"].astype(np.int64),
+        "item_id": batch["item_id"].astype(np.int64),
+        "genres": genres,
+        "age": batch["age"],
+    }
+    for name, value in inputs.items():
+        request.inputs[name].CopyFrom(tf.make_tensor_proto(value))
+    return request
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process (and its reaped children: none)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -266,8 +322,12 @@ def run_phase(kind: str, port: int, args: argparse.Namespace, server_pid: int) -
     the clients (microseconds, from /proc and process_time)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
+    kinds = kind.split(",")  # several: the clients take turns among them
     procs = [
-        ctx.Process(target=client_process, args=(kind, port, args.rows, args.seconds, s, queue))
+        ctx.Process(
+            target=client_process,
+            args=(kinds[s % len(kinds)], port, args.rows, args.seconds, s, queue),
+        )
         for s in range(args.clients)
     ]
     server_cpu0 = cpu_seconds(server_pid)
@@ -364,42 +424,17 @@ def start_redis() -> tuple[subprocess.Popen, int]:
     raise RuntimeError("redis-server did not start")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, default=2_000_000, help="rows of the item table")
-    parser.add_argument("--seconds", type=float, default=5.0, help="length of each phase")
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=3,
-        help="lookup, Redis and floor phases, alternated (ABC, CBA, ...)",
-    )
-    parser.add_argument("--clients", type=int, default=4, help="client processes")
-    parser.add_argument("--quick", action="store_true", help="200K rows, 3 s phases")
-    parser.add_argument("--skip-redis", action="store_true", help="no Redis baseline")
-    parser.add_argument(
-        "--gpu-cache-rows",
-        type=int,
-        default=0,
-        help="the server's --gpu-cache-rows (the rows have no shows: the smallest keys, "
-        "which are the hottest of the Zipf draws, are cached)",
-    )
-    args = parser.parse_args()
-    if args.quick:
-        args.rows, args.seconds, args.rounds = 200_000, 3.0, 1
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    work = Path(tempfile.mkdtemp(prefix="serving_bench_"))
-    exports = work / "bench"
-    server = redis_server = None
+def lookup_phases(
+    args: argparse.Namespace,
+    session: Any,
+    exports: Path,
+    server: subprocess.Popen,
+    grpc_port: int,
+    http_port: int,
+) -> dict[str, Any]:
+    """Phases 1-3 and 5 (see the module docstring)."""
+    redis_server = None
     try:
-        t0 = time.perf_counter()
-        session = build_model(args.rows, exports)
-        setup_s = time.perf_counter() - t0
-        server, grpc_port, http_port = start_server(exports, args.gpu_cache_rows)
-        result: dict[str, Any] = {"rows": args.rows, "dim": DIM, "clients": args.clients}
-        result["gpu_cache_rows"] = args.gpu_cache_rows
-        result["cores"] = os.cpu_count()
-        result["setup_s"] = round(setup_s, 1)
         redis_port = None
         if not args.skip_redis:
             from wuliang.serving.redis_publish import publish
@@ -424,7 +459,6 @@ def main() -> None:
         if phases["floor"]["failed"]:  # not a wuliang request, but the figure would be wrong
             raise RuntimeError(f"{phases['floor']['failed']} calls to the floor server failed")
         phases["http_lookup"] = run_phase("http_lookup", http_port, args, server.pid)
-        phases["predict"] = run_phase("predict", grpc_port, args, server.pid)
         stop = threading.Event()
         written: list[int] = []
 
@@ -442,31 +476,126 @@ def main() -> None:
         finally:
             stop.set()
             writer.join()
-        lookup, during = phases["lookup"], phases["lookup_during_delta"]
-        redis_qps = phases["redis"]["qps"] if "redis" in phases else None
+        phases["lookup_during_delta"]["deltas_written"] = len(written)
+    finally:
+        if redis_server is not None:
+            redis_server.send_signal(signal.SIGTERM)
+            redis_server.wait(timeout=30)
+    return phases
+
+
+def lookup_figures(phases: dict[str, Any]) -> dict[str, Any]:
+    """The figures of phases 1-3 and 5."""
+    lookup, during = phases["lookup"], phases["lookup_during_delta"]
+    redis_qps = phases["redis"]["qps"] if "redis" in phases else None
+    return dict(
+        lookup_qps=round(lookup["qps"], 1),
+        lookup_p50_ms=round(lookup["p50_ms"], 3),
+        lookup_p99_ms=round(lookup["p99_ms"], 3),
+        lookup_keys_per_s=round(lookup["qps"] * KEYS_PER_LOOKUP),
+        http_lookup_qps=round(phases["http_lookup"]["qps"], 1),
+        http_lookup_p99_ms=round(phases["http_lookup"]["p99_ms"], 3),
+        redis_mget_qps=None if redis_qps is None else round(redis_qps, 1),
+        redis_mget_p99_ms=None if "redis" not in phases else round(phases["redis"]["p99_ms"], 3),
+        lookup_vs_redis=None if not redis_qps else round(lookup["qps"] / redis_qps, 2),
+        lookup_round_qps=lookup["round_qps"],
+        grpc_floor_qps=round(phases["floor"]["qps"], 1),
+        lookup_vs_floor=round(lookup["qps"] / phases["floor"]["qps"], 2),
+        redis_round_qps=phases["redis"]["round_qps"] if "redis" in phases else None,
+        lookup_qps_during_delta=round(during["qps"], 1),
+        lookup_p99_during_delta_ms=round(during["p99_ms"], 3),
+        deltas_written=during["deltas_written"],
+        versions_seen_during_delta=during["versions"],
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=2_000_000, help="rows of the item table")
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each phase")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="lookup, Redis and floor phases, alternated (ABC, CBA, ...)",
+    )
+    parser.add_argument("--clients", type=int, default=4, help="client processes")
+    parser.add_argument("--quick", action="store_true", help="200K rows, 3 s phases")
+    parser.add_argument("--skip-redis", action="store_true", help="no Redis baseline")
+    parser.add_argument(
+        "--tfs", action="store_true", help="only the predictions (own, TF Serving's, two models)"
+    )
+    parser.add_argument(
+        "--gpu-cache-rows",
+        type=int,
+        default=0,
+        help="the server's --gpu-cache-rows (the rows have no shows: the smallest keys, "
+        "which are the hottest of the Zipf draws, are cached)",
+    )
+    args = parser.parse_args()
+    if args.quick:
+        args.rows, args.seconds, args.rounds = 200_000, 3.0, 1
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    work = Path(tempfile.mkdtemp(prefix="serving_bench_"))
+    exports = work / "bench"
+    server = redis_server = None
+    try:
+        t0 = time.perf_counter()
+        session = build_model(args.rows, exports)
+        shutil.copytree(exports, work / "bench2")  # the second model of two_models
+        setup_s = time.perf_counter() - t0
+        server, grpc_port, http_port = start_server(exports, args.gpu_cache_rows)
+        result: dict[str, Any] = {"rows": args.rows, "dim": DIM, "clients": args.clients}
+        result["gpu_cache_rows"] = args.gpu_cache_rows
+        result["cores"] = os.cpu_count()
+        result["setup_s"] = round(setup_s, 1)
+        phases: dict[str, Any] = {}
+        if not args.tfs:
+            phases.update(lookup_phases(args, session, exports, server, grpc_port, http_port))
+            result.update(lookup_figures(phases))
+        # own and TF Serving's predictions alternate (AB, BA, ...), after a
+        # second of each untimed (a tower's first calls are slower)
+        warm = argparse.Namespace(**{**vars(args), "seconds": 1.0})
+        for kind in ("predict", "tfs_predict"):
+            run_phase(kind, grpc_port, warm, server.pid)
+        rounds: dict[str, list[dict[str, Any]]] = {"predict": [], "tfs_predict": []}
+        for r in range(args.rounds):
+            order = ["predict", "tfs_predict"]
+            for kind in order if r % 2 == 0 else order[::-1]:
+                rounds[kind].append(run_phase(kind, grpc_port, args, server.pid))
+        own, tfs = merge(rounds["predict"]), merge(rounds["tfs_predict"])
+        phases["predict"], phases["tfs_predict"] = own, tfs
+        # two models, one server: each at half the load
+        config = work / "models.config"
+        second = work / "bench2"
+        config.write_text(
+            "model_config_list {\n"
+            f'  config {{ name: "a" base_path: "{exports}" }}\n'
+            f'  config {{ name: "b" base_path: "{second}" }}\n'
+            "}\n"
+        )
+        two, two_grpc, _ = start_server(exports, args.gpu_cache_rows, config)
+        try:
+            both = "tfs_predict:a,tfs_predict:b"
+            run_phase(both, two_grpc, warm, two.pid)
+            phases["two_models"] = run_phase(both, two_grpc, args, two.pid)
+        finally:
+            two.send_signal(signal.SIGTERM)
+            two.wait(timeout=30)
         result.update(
-            lookup_qps=round(lookup["qps"], 1),
-            lookup_p50_ms=round(lookup["p50_ms"], 3),
-            lookup_p99_ms=round(lookup["p99_ms"], 3),
-            lookup_keys_per_s=round(lookup["qps"] * KEYS_PER_LOOKUP),
-            http_lookup_qps=round(phases["http_lookup"]["qps"], 1),
-            http_lookup_p99_ms=round(phases["http_lookup"]["p99_ms"], 3),
-            predict_qps=round(phases["predict"]["qps"], 1),
-            predict_p50_ms=round(phases["predict"]["p50_ms"], 3),
-            predict_p99_ms=round(phases["predict"]["p99_ms"], 3),
-            redis_mget_qps=None if redis_qps is None else round(redis_qps, 1),
-            redis_mget_p99_ms=None
-            if "redis" not in phases
-            else round(phases["redis"]["p99_ms"], 3),
-            lookup_vs_redis=None if not redis_qps else round(lookup["qps"] / redis_qps, 2),
-            lookup_round_qps=lookup["round_qps"],
-            grpc_floor_qps=round(phases["floor"]["qps"], 1),
-            lookup_vs_floor=round(lookup["qps"] / phases["floor"]["qps"], 2),
-            redis_round_qps=phases["redis"]["round_qps"] if "redis" in phases else None,
-            lookup_qps_during_delta=round(during["qps"], 1),
-            lookup_p99_during_delta_ms=round(during["p99_ms"], 3),
-            deltas_written=len(written),
-            versions_seen_during_delta=during["versions"],
+            predict_qps=round(own["qps"], 1),
+            predict_p50_ms=round(own["p50_ms"], 3),
+            predict_p99_ms=round(own["p99_ms"], 3),
+            tfs_predict_qps=round(tfs["qps"], 1),
+            tfs_predict_p50_ms=round(tfs["p50_ms"], 3),
+            tfs_predict_p99_ms=round(tfs["p99_ms"], 3),
+            predict_round_qps=own["round_qps"],
+            tfs_predict_round_qps=tfs["round_qps"],
+            tfs_predict_vs_own=round(tfs["qps"] / own["qps"], 3),
+            tfs_predict_p99_vs_own=round(tfs["p99_ms"] / own["p99_ms"], 3),
+            two_models_qps=round(phases["two_models"]["qps"], 1),
+            two_models_p50_ms=round(phases["two_models"]["p50_ms"], 3),
+            two_models_p99_ms=round(phases["two_models"]["p99_ms"], 3),
             failed_requests=sum(p["failed"] for k, p in phases.items() if k != "floor"),
             torn_reads=sum(p["torn"] for p in phases.values()),
         )
@@ -475,14 +604,22 @@ def main() -> None:
             for name, p in phases.items()
         }
         result["targets"] = TARGETS
-        result["targets_met"] = {
-            "lookup_vs_redis": (result["lookup_vs_redis"] or 0) >= TARGETS["lookup_vs_redis"],
-            "lookup_p99_ms": result["lookup_p99_ms"] <= TARGETS["lookup_p99_ms"],
-            "lookup_p99_during_delta_ms": result["lookup_p99_during_delta_ms"]
-            <= TARGETS["lookup_p99_during_delta_ms"],
+        met = {
             "predict_p99_ms": result["predict_p99_ms"] <= TARGETS["predict_p99_ms"],
+            "tfs_predict_vs_own": result["tfs_predict_vs_own"] >= TARGETS["tfs_predict_vs_own"],
+            "tfs_predict_p99_vs_own": result["tfs_predict_p99_vs_own"]
+            <= TARGETS["tfs_predict_p99_vs_own"],
+            "two_models_p99_ms": result["two_models_p99_ms"] <= TARGETS["two_models_p99_ms"],
             "no_failures": result["failed_requests"] == 0 and result["torn_reads"] == 0,
         }
+        if not args.tfs:
+            met.update(
+                lookup_vs_redis=(result["lookup_vs_redis"] or 0) >= TARGETS["lookup_vs_redis"],
+                lookup_p99_ms=result["lookup_p99_ms"] <= TARGETS["lookup_p99_ms"],
+                lookup_p99_during_delta_ms=result["lookup_p99_during_delta_ms"]
+                <= TARGETS["lookup_p99_during_delta_ms"],
+            )
+        result["targets_met"] = met
         session.context.close()
     finally:
         for child in (server, redis_server):

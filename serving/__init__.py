@@ -10,6 +10,7 @@ cheap and never imports TensorFlow or grpcio)::
 
     from wuliang.serving import Client, ServingClientError   # the Python client (gRPC)
     from wuliang.serving import ModelStore, RedisModelStore  # served models
+    from wuliang.serving import VersionedModel, VersionPolicy  # several versions
     from wuliang.serving import Service, GrpcServer, HttpServer, ServerTls
 
 Modules:
@@ -18,6 +19,9 @@ Modules:
   ``ServedVersion`` (a version's snapshot: description and tower);
 * ``store``: ``ModelStore``, an export directory in an embedded engine,
   following new versions (``versions``: applying a chain to an engine);
+* ``versioned``: ``VersionedModel``, the versions a ``VersionPolicy`` keeps
+  (a ``ModelStore`` each) and labels; ``model_config``: several models from
+  TensorFlow Serving's model config file, followed on SIGHUP;
 * ``redis_model``: ``RedisModelStore``, a published model read from Redis
   (``redis_replica``: the replica's reader and its cache ``redis_cache``;
   ``redis_publish``: ``wuliang publish``; ``redis_keys``: the key layout);
@@ -26,6 +30,8 @@ Modules:
   ``features`` (keys from integers, digit strings and raw strings);
 * ``grpc_server``, ``http_server`` (``http_json``), ``client``: transports
   and the Python client; ``tls``: one ``ServerTls`` for both servers;
+* ``tfs``: TensorFlow Serving's gRPC API (its messages, tensors, metadata,
+  model config), and ``signature``: a version's ``serving_default``;
 * ``run``: the ``wuliang serve`` process; ``metrics``: Prometheus.
 """
 
@@ -38,6 +44,8 @@ _NAMES = {
     "Client": "wuliang.serving.client",
     "ServingClientError": "wuliang.serving.client",
     "ModelStore": "wuliang.serving.store",
+    "VersionedModel": "wuliang.serving.versioned",
+    "VersionPolicy": "wuliang.serving.versioned",
     "RedisModelStore": "wuliang.serving.redis_model",
     "RedisStore": "wuliang.serving.redis_replica",
     "publish": "wuliang.serving.redis_publish",

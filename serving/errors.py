@@ -54,3 +54,11 @@ class VersionMoved(Unavailable):
     """A lookup at a version the store no longer reads: the caller resolves
     the served version again (``Service.predict`` does). Reaches a client
     only when versions kept switching for ``SWITCH_SECONDS``."""
+
+
+class Unimplemented(ServingError):
+    """A method wuliang does not implement (TensorFlow Serving's Classify,
+    Regress, MultiInference); HTTP 501."""
+
+    code = "UNIMPLEMENTED"
+    http_status = 501

@@ -1,5 +1,7 @@
-"""The gRPC transport: ``wuliang.serving.Serving`` (``serving.proto``) and the
-standard health service (``grpc.health.v1.Health``).
+"""The gRPC transport: ``wuliang.serving.Serving`` (``serving.proto``),
+TensorFlow Serving's ``PredictionService`` and ``ModelService``
+(``wuliang.serving.tfs.grpc``) and the standard health service
+(``grpc.health.v1.Health``), on one port.
 
 Arrays arrive and leave as raw little-endian bytes (``serving.proto``); a
 sparse feature's raw strings as concatenated UTF-8 and their offsets
@@ -25,28 +27,23 @@ from typing import Any
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from wuliang.ps_server.rpc.auth import metadata_token
 from wuliang.ps_server.rpc.net import grpc_address, listen_error
 from wuliang.ps_server.rpc.tls import ServerTls
 from wuliang.ps_server.storage import ModelDescription
 from wuliang.serving import proto
 from wuliang.serving.errors import InvalidArgument, ServingError
 from wuliang.serving.features import string_keys_of_bytes
+from wuliang.serving.grpc_common import details, parse, token
 from wuliang.serving.predict import FeatureInput
 from wuliang.serving.service import Service
+from wuliang.serving.tfs.grpc import tfs_handlers
 
 __all__ = ["GrpcServer", "features", "serving_handler"]
 
 log = logging.getLogger("wuliang.serving")
 MAX_SEND_BYTES = 256 << 20  # an answer (a lookup of 100,000 keys of dim 128 is 51 MB)
-MAX_DETAILS_BYTES = 2000  # of an error's message (see details())
-
-
-def _token(context: grpc.ServicerContext) -> str | None:
-    return metadata_token(context.invocation_metadata())
 
 
 def _array(data: bytes, dtype: str, what: str) -> np.ndarray:
@@ -56,29 +53,6 @@ def _array(data: bytes, dtype: str, what: str) -> np.ndarray:
             f"{what}: {len(data)} bytes is not a whole number of {size}-byte values"
         )
     return np.frombuffer(data, dtype)
-
-
-def details(error: ServingError) -> str:
-    """The error's message as a status' details: cut to ``MAX_DETAILS_BYTES``
-    of UTF-8, so that a message quoting a huge input (a model name of 10,000
-    characters) still fits the trailers' 8 KiB (percent-encoded, a byte may
-    take 3); a longer one would reach the client as RESOURCE_EXHAUSTED."""
-    message = str(error)
-    data = message.encode()
-    if len(data) <= MAX_DETAILS_BYTES:
-        return message
-    return data[: MAX_DETAILS_BYTES - 3].decode(errors="ignore") + "..."
-
-
-def _parse(message: Any, data: bytes) -> Any:
-    """The request message of ``data``; INVALID_ARGUMENT (not grpcio's
-    INTERNAL) when the bytes are not one."""
-    try:
-        return message.FromString(data)
-    except DecodeError as error:
-        raise InvalidArgument(
-            f"the request is not a valid {message.DESCRIPTOR.name} ({len(data)} bytes): {error}"
-        ) from None
 
 
 class _Handlers:
@@ -94,8 +68,8 @@ class _Handlers:
             try:
                 with self.service.observed("grpc", endpoint):
                     if self.service.token is not None:
-                        self.service.authorize(_token(context))
-                    return body(_parse(message, request))
+                        self.service.authorize(token(context))
+                    return body(parse(message, request))
             except ServingError as error:
                 context.abort(getattr(grpc.StatusCode, error.code), details(error))
             except Exception:
@@ -196,7 +170,7 @@ def serving_handler(
         {
             method: grpc.unary_unary_rpc_method_handler(
                 calls[method],
-                request_deserializer=None,  # bytes: parsed by the handler (_parse)
+                request_deserializer=None,  # bytes: parsed by the handler (grpc_common.parse)
                 # Lookup answers wire bytes (proto.lookup_response)
                 response_serializer=None
                 if method == "Lookup"
@@ -262,6 +236,7 @@ class GrpcServer:
         self.pool = ThreadPoolExecutor(predict_threads, thread_name_prefix="wuliang-grpc")
         self.server = grpc.server(self.pool, options=options)
         self.server.add_generic_rpc_handlers((serving_handler(service, self.lookup_pool),))
+        self.server.add_generic_rpc_handlers(tfs_handlers(service))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = grpc_address(host, port)
@@ -284,8 +259,7 @@ class GrpcServer:
             self.lookup_pool.shutdown(wait=False)
             self.pool.shutdown(wait=False)
             raise listen_error(host, port, "gRPC")
-        for store in service.stores.values():
-            store.on_apply.append(lambda *_: self.update_health())
+        service.listeners.append(self.update_health)  # versions applied, models changed
         self.update_health()
         self.server.start()
 
@@ -296,8 +270,8 @@ class GrpcServer:
             if self.service.healthy()
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        self.health.set("", status)
-        self.health.set(proto.SERVICE, status)
+        for name in ("", proto.SERVICE, "tensorflow.serving.PredictionService"):
+            self.health.set(name, status)
 
     def stop(self, grace: float | None = 1.0) -> None:
         self.server.stop(grace).wait()

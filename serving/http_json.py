@@ -176,6 +176,10 @@ def _columns(
         rows = len(instances)
         check_rows(rows)
         columns: dict[str, list[Any]] = {name: [] for name in names}
+        if len(names) == 1 and rows and type(instances[0]) is not dict:
+            # one input: each instance is its value, as TF Serving reads it
+            columns[names[0]] = instances
+            instances = []
         for row, instance in enumerate(instances):
             if type(instance) is not dict:
                 raise InvalidArgument(
@@ -197,6 +201,8 @@ def _columns(
         row_format = True
     else:
         inputs = document["inputs"]
+        if len(names) == 1 and type(inputs) is list:  # one input: its values, as TF Serving
+            inputs = {names[0]: inputs}
         if type(inputs) is not dict:
             raise InvalidArgument(
                 f"'inputs' must be an object (feature name -> one value per row), got "

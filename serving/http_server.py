@@ -2,11 +2,18 @@
 
 Endpoints (``docs/serving.md`` has examples)::
 
-    POST /v1/models/{model}:predict                  {"instances": [...]} or {"inputs": {...}}
-    POST /v1/models/{model}/tables/{table}:lookup    {"keys": [...]}
-    GET  /v1/models/{model}                          the served version's status
+    POST /v1/models/{model}[V]:predict               {"instances": [...]} or {"inputs": {...}}
+    POST /v1/models/{model}[V]/tables/{table}:lookup {"keys": [...]}
+    GET  /v1/models/{model}[V]                       the status of each version
+    GET  /v1/models/{model}[V]/metadata              the serving_default signature
+    POST /v1/models/{model}[V]:classify | :regress   501: not implemented (use :predict)
     GET  /healthz                                    200 when every model serves a version
     GET  /metrics                                    Prometheus text format
+
+where ``[V]`` is nothing (the newest version), ``/versions/{number}`` or
+``/labels/{label}``, as in TensorFlow Serving's REST API. Status and
+metadata are TensorFlow Serving's JSON of ``GetModelStatusResponse`` and
+``GetModelMetadataResponse`` (``wuliang.serving.tfs.answers``).
 
 A prediction takes TF Serving's row format (``instances``: one object per row,
 feature name -> value) or column format (``inputs``: feature name -> one value
@@ -89,20 +96,23 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from wuliang.ps_server.rpc.net import listen_error
 from wuliang.ps_server.rpc.tls import ServerTls
-from wuliang.serving.errors import NotFound, ServingError, TooLarge
+from wuliang.serving.errors import InvalidArgument, NotFound, ServingError, TooLarge, Unimplemented
 from wuliang.serving.http_json import PredictRequest, lookup_keys
 from wuliang.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from wuliang.serving.service import Service
+from wuliang.serving.tfs import answers
 
 log = logging.getLogger("wuliang.serving")
 
 INLINE_BYTES = 4096  # lookup bodies up to this size are answered on the event loop
 WORKERS = 8  # threads of the pool that runs predictions and big lookups
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-ENDPOINTS = ("Predict", "Lookup", "Status", "Health", "Metrics")
+ENDPOINTS = ("Predict", "Lookup", "Status", "Metadata", "Unimplemented", "Health", "Metrics")
 
 _MODEL = r"{model:[^/:]+}"
 _TABLE = r"{table:[^/:]+}"
+# a version in the path: none (the newest), by number or by label -> route name suffix
+_VERSIONS = {"": "", "/versions/{version:[^/:]+}": ":version", "/labels/{label:[^/:]+}": ":label"}
 
 
 class MethodNotAllowed(ServingError):
@@ -158,6 +168,26 @@ def _error(status: int, message: str) -> web.Response:
     return response
 
 
+def _target(request: web.Request) -> tuple[str, int | None, str | None]:
+    """The model, version and label a request's path names."""
+    info = request.match_info
+    text = info.get("version")
+    version = None
+    if text is not None:
+        if not text.isascii() or not text.isdigit() or len(text) > 18:
+            raise InvalidArgument(
+                f"the version in the path must be a number, got {text[:40]!r} "
+                "(/v1/models/{model}/versions/{number}, or /labels/{label})"
+            )
+        version = int(text)
+    return info["model"], version, info.get("label")
+
+
+def _pinned(version: int | None, label: str | None) -> dict[str, Any]:
+    """The version arguments of a service call, none for the newest version."""
+    return {} if version is None and label is None else {"version": version, "label": label}
+
+
 def _token(request: web.Request) -> str | None:
     header = request.headers.get("Authorization")
     if header is None:
@@ -208,9 +238,17 @@ class _Api:
 
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[middleware])
         router = app.router
-        router.add_post(f"/v1/models/{_MODEL}:predict", self.predict, name="Predict")
-        router.add_post(f"/v1/models/{_MODEL}/tables/{_TABLE}:lookup", self.lookup, name="Lookup")
-        router.add_get(f"/v1/models/{_MODEL}", self.status, name="Status")
+        for path, suffix in _VERSIONS.items():
+            base = f"/v1/models/{_MODEL}{path}"
+            router.add_post(f"{base}:predict", self.predict, name=f"Predict{suffix}")
+            router.add_post(f"{base}/tables/{_TABLE}:lookup", self.lookup, name=f"Lookup{suffix}")
+            router.add_get(base, self.status, name=f"Status{suffix}")
+            router.add_get(f"{base}/metadata", self.metadata, name=f"Metadata{suffix}")
+            router.add_post(
+                f"{base}:{{verb:classify|regress}}",
+                self.unimplemented,
+                name=f"Unimplemented{suffix}",
+            )
         router.add_get("/healthz", self.health, name="Health")
         router.add_get("/metrics", self.metrics, name="Metrics")
         return app
@@ -226,7 +264,7 @@ class _Api:
         return response
 
     async def _answer(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        name = request.match_info.route.name
+        name = (request.match_info.route.name or "").split(":")[0]
         endpoint = name if name in ENDPOINTS else "Unknown"
         try:
             with self.service.observed("http", endpoint):
@@ -239,7 +277,9 @@ class _Api:
                         f"no endpoint {request.method} {request.path[:100]!r}; endpoints: "
                         "POST /v1/models/{model}:predict, "
                         "POST /v1/models/{model}/tables/{table}:lookup, "
-                        "GET /v1/models/{model}, GET /healthz, GET /metrics"
+                        "GET /v1/models/{model}, GET /v1/models/{model}/metadata "
+                        "(each with /versions/{version} or /labels/{label} after the model), "
+                        "GET /healthz, GET /metrics"
                     ) from None
                 except web.HTTPMethodNotAllowed as error:
                     raise MethodNotAllowed(
@@ -290,31 +330,28 @@ class _Api:
 
     async def predict(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        return _json(await self._run(False, self._predict, request.match_info["model"], body))
+        model, version, label = _target(request)
+        return _json(await self._run(False, self._predict, model, body, version, label))
 
     async def lookup(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        model, table = request.match_info["model"], request.match_info["table"]
+        model, version, label = _target(request)
+        table = request.match_info["table"]
         inline = len(body) <= self.inline_bytes
-        return _json(await self._run(inline, self._lookup, model, table, body))
+        return _json(await self._run(inline, self._lookup, model, table, body, version, label))
 
     async def status(self, request: web.Request) -> web.StreamResponse:
-        (model,) = self.service.status(request.match_info["model"])
-        if model["version"]:
-            state, code, message = "AVAILABLE", "OK", ""
-        else:
-            state, code = "LOADING", "UNAVAILABLE"
-            message = f"no version loaded yet ({model['refused']} refused)"
-        return _json(
-            {
-                "model_version_status": [
-                    {
-                        "version": str(model["version"]),
-                        "state": state,
-                        "status": {"error_code": code, "error_message": message},
-                    }
-                ]
-            }
+        states = answers.model_status(self.service, *_target(request))
+        return _json({"model_version_status": [state.json() for state in states]})
+
+    async def metadata(self, request: web.Request) -> web.StreamResponse:
+        return _json(answers.metadata(self.service, *_target(request)).json())
+
+    async def unimplemented(self, request: web.Request) -> web.StreamResponse:
+        verb = request.match_info["verb"]
+        raise Unimplemented(
+            f":{verb} is not implemented by wuliang: use :predict (the tower's outputs are "
+            f"the {'scores' if verb == 'classify' else 'values'})"
         )
 
     async def health(self, request: web.Request) -> web.StreamResponse:
@@ -330,14 +367,24 @@ class _Api:
 
     # -- the work, on the loop or in the pool ---------------------------------------
 
-    def _predict(self, model: str, body: bytes) -> dict[str, Any]:
+    def _predict(
+        self, model: str, body: bytes, version: int | None = None, label: str | None = None
+    ) -> dict[str, Any]:
         request = PredictRequest(body, self.service.check_rows)
-        answer = self.service.predict(model, request.decode)
+        answer = self.service.predict(model, request.decode, **_pinned(version, label))
         return request.answer(answer.outputs, answer.version)
 
-    def _lookup(self, model: str, table: str, body: bytes) -> dict[str, Any]:
+    def _lookup(
+        self,
+        model: str,
+        table: str,
+        body: bytes,
+        version: int | None = None,
+        label: str | None = None,
+    ) -> dict[str, Any]:
         self.service.store(model)  # an unknown model before a bad body
-        result = self.service.lookup(model, table, lookup_keys(body, self.service.check_keys))
+        keys = lookup_keys(body, self.service.check_keys)
+        result = self.service.lookup(model, table, keys, **_pinned(version, label))
         return {
             "vectors": np.ascontiguousarray(result.rows, np.float32),
             "found": np.ascontiguousarray(result.found, np.bool_),

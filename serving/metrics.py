@@ -9,7 +9,9 @@ one process, as in tests, keep their own counts):
 * ``wuliang_lookup_keys_total{model, table}``: keys looked up;
 * ``wuliang_served_version{model}``, ``wuliang_served_step{model}``;
 * ``wuliang_table_rows{model, table}``, ``wuliang_table_bytes{model, table}``
-  (read at scrape time);
+  (read at scrape time; with several versions served, the newest's);
+* ``wuliang_version_bytes{model, version}``: the tables' memory of each
+  version a ``VersionedModel`` serves (``--model-config``);
 * ``wuliang_version_applies_total{model}``, ``wuliang_version_refusals_total
   {model}``, ``wuliang_version_apply_seconds{model}``;
 * with a device cache (``--gpu-cache-rows``, ``serving/device_cache.py``),
@@ -121,8 +123,17 @@ class _StoreCollector:
         size = GaugeMetricFamily(
             "wuliang_table_bytes", "Memory of a served table.", labels=["model", "table"]
         )
+        version_bytes = GaugeMetricFamily(
+            "wuliang_version_bytes",
+            "Memory of the tables of a served version (several with a version policy).",
+            labels=["model", "version"],
+        )
         cache = _device_cache_families()
         for store in self.stores():
+            listed = getattr(store, "versions_status", None)
+            for entry in listed() if listed is not None else ():
+                if entry["state"] == "AVAILABLE":
+                    version_bytes.add_metric([store.name, str(entry["version"])], entry["bytes"])
             version.add_metric([store.name], store.version)
             try:
                 step.add_metric([store.name], store.served().step)
@@ -137,6 +148,8 @@ class _StoreCollector:
                     for field, family in cache.items():
                         family.add_metric([store.name, table], stats[field])
         yield from (version, step, rows, size)
+        if version_bytes.samples:
+            yield version_bytes
         if any(family.samples for family in cache.values()):
             yield from cache.values()
 

@@ -129,6 +129,11 @@ class Tower:
     def __init__(self, module: Any) -> None:
         self.module = module  # kept: the function's variables belong to it
         self.serve = module.serve.get_concrete_function()
+        # each output's shape (-1: unknown, the batch), for the signature's metadata
+        self.outputs: dict[str, list[int]] = {
+            name: [-1 if d is None else int(d) for d in tensor.shape.as_list()]
+            for name, tensor in self.serve.structured_outputs.items()
+        }
 
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """The outputs (float32 arrays by name) of one batch of inputs

@@ -8,7 +8,10 @@ default 8500, TF Serving's) and the HTTP server (``--http-port``, default
 a busy port or a bad certificate fails at once, before a long load. Until
 the first version is served (an empty export directory, a model not yet
 published) both servers answer UNAVAILABLE and the health checks
-NOT_SERVING, and the store keeps looking for one. ``--gpu-cache-rows N``
+NOT_SERVING, and the store keeps looking for one. ``--model-config FILE``
+serves the models of TensorFlow Serving's model config file instead, each a
+``VersionedModel`` (its policy and labels), and re-reads the file on SIGHUP
+and every ``--model-config-poll-secs`` (``wuliang.serving.model_config``). ``--gpu-cache-rows N``
 keeps the N hottest rows of each table on the device for predictions
 (``wuliang.serving.device_cache``; export directories only). ``serve(options)`` also
 logs (INFO, to stderr) each version applied and each refusal, prints one
@@ -20,6 +23,7 @@ until SIGINT or SIGTERM. Both servers bind 127.0.0.1 unless told otherwise.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
@@ -27,11 +31,15 @@ from pathlib import Path
 from wuliang.ps_server.rpc.auth import read_token
 from wuliang.ps_server.rpc.signals import StopSignals
 from wuliang.ps_server.rpc.tls import ServerTls
+from wuliang.ps_server.storage import location
 from wuliang.serving.device_cache import check_cache_rows
 from wuliang.serving.grpc_server import GrpcServer
 from wuliang.serving.model import ServedModel
+from wuliang.serving.model_config import ModelConfigWatcher
 from wuliang.serving.service import MAX_REQUEST_BYTES, Service
 from wuliang.serving.store import ModelStore
+from wuliang.serving.tfs.config import ModelEntry
+from wuliang.serving.versioned import VersionedModel
 
 __all__ = ["Running", "ServeOptions", "read_token", "serve", "start"]
 
@@ -60,6 +68,8 @@ class ServeOptions:
     shards: int = 2
     redis: str | None = None
     gpu_cache_rows: int = 0  # rows of each table on the device (0: off)
+    model_config: Path | None = None  # TensorFlow Serving's model config file
+    model_config_poll_secs: float = 0.0  # 0: re-read on SIGHUP only
 
 
 @dataclass
@@ -70,8 +80,11 @@ class Running:
     grpc: GrpcServer
     http: object | None  # an HttpServer (imported only when serving HTTP)
     tls: ServerTls | None = None
+    config: ModelConfigWatcher | None = None  # with --model-config
 
     def stop(self) -> None:
+        if self.config is not None:
+            self.config.close()
         if self.http is not None:
             self.http.stop()  # type: ignore[attr-defined]
         self.grpc.stop()
@@ -90,8 +103,25 @@ class Running:
 def check_options(options: ServeOptions) -> None:
     """ValueError for options that do not go together (the command line
     reports these as usage errors)."""
-    if options.redis is None and options.exports is None:
-        raise ValueError("--exports is required (or --redis)")
+    if options.model_config is not None:
+        given = [
+            flag
+            for flag, value in (
+                ("--exports", options.exports),
+                ("--model", options.model),
+                ("--redis", options.redis),
+            )
+            if value is not None
+        ]
+        if given:
+            raise ValueError(
+                f"--model-config names the models and their export directories; leave out "
+                f"{', '.join(given)}"
+            )
+    elif options.model_config_poll_secs:
+        raise ValueError("--model-config-poll-secs goes with --model-config")
+    elif options.redis is None and options.exports is None:
+        raise ValueError("--exports is required (or --redis, or --model-config)")
     if (options.tls_cert is None) != (options.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
     check_cache_rows(options.gpu_cache_rows, "--gpu-cache-rows")
@@ -137,6 +167,26 @@ def make_store(options: ServeOptions) -> ServedModel:
     return RedisModelStore(options.redis, name, exports, poll_secs=options.poll_secs)
 
 
+def make_versioned(options: ServeOptions, entry: ModelEntry) -> VersionedModel:
+    """A model of the config file, with the server's store options; a
+    missing local export directory is an error naming the model."""
+    exports = location(entry.base_path)
+    if isinstance(exports, Path) and not exports.is_dir():
+        what = "is not a directory" if exports.exists() else "does not exist"
+        raise FileNotFoundError(f"model {entry.name!r}: base_path {exports} {what}")
+    return VersionedModel(
+        exports,
+        entry.name,
+        policy=entry.policy,
+        labels=entry.labels,
+        poll_secs=options.poll_secs,
+        missing=options.missing,
+        precision=options.precision,
+        num_shards=options.shards,
+        gpu_cache_rows=options.gpu_cache_rows,
+    )
+
+
 def start(options: ServeOptions) -> Running:
     """Binds both servers, then loads the model (see the module docstring).
 
@@ -151,9 +201,18 @@ def start(options: ServeOptions) -> Running:
     tls = None
     if options.tls_cert is not None and options.tls_key is not None:
         tls = ServerTls.from_files(options.tls_cert, options.tls_key)
-    store = make_store(options)
+    config = None
+    if options.model_config is not None:
+        config = ModelConfigWatcher(
+            options.model_config,
+            lambda entry: make_versioned(options, entry),
+            options.model_config_poll_secs,
+        )
+        stores: list[ServedModel] = list(config.models())
+    else:
+        stores = [make_store(options)]
     service = Service(
-        [store],
+        stores,
         token=token,
         max_keys=options.max_keys,
         max_rows=options.max_rows,
@@ -172,7 +231,8 @@ def start(options: ServeOptions) -> Running:
                 http = HttpServer(service, options.host, options.http_port, tls=tls)
             except OSError as error:
                 raise OSError(f"{error} (--http-port {options.http_port})") from None
-        store.start()
+        for store in stores:
+            store.start()
     except BaseException:
         if http is not None:
             http.stop()
@@ -180,7 +240,9 @@ def start(options: ServeOptions) -> Running:
             grpc_server.stop(None)
         service.close()
         raise
-    return Running(service, grpc_server, http, tls)
+    if config is not None:
+        config.attach(service)
+    return Running(service, grpc_server, http, tls, config)
 
 
 def serve(options: ServeOptions) -> int:
@@ -192,15 +254,38 @@ def serve(options: ServeOptions) -> int:
     logger.setLevel(logging.INFO)
     # in short sleeps, not on an Event: a signal another thread takes would not wake it
     stop = StopSignals()
+    hangups: list[int] = []  # SIGHUPs before the watcher exists: re-read once it does
+    if options.model_config is not None:
+        signal.signal(signal.SIGHUP, lambda signum, frame: hangups.append(signum))
     running = start(options)
-    store = next(iter(running.service.stores.values()))
-    version = store.version
-    what = f"version {version}" if version else "(waiting for its first version)"
-    print(
-        f"serving model {store.name!r} {what} from {store.source}: "
-        f"{running.addresses(options.host)}",
-        flush=True,
-    )
+    if running.config is not None:
+        signal.signal(signal.SIGHUP, running.config.hangup)
+        if hangups:
+            running.config.hangup()
+        served = ", ".join(
+            f"{name!r} {_versions(store)}" for name, store in sorted(running.service.stores.items())
+        )
+        print(
+            f"serving models {served} from {options.model_config}: "
+            f"{running.addresses(options.host)}",
+            flush=True,
+        )
+    else:
+        store = next(iter(running.service.stores.values()))
+        print(
+            f"serving model {store.name!r} {_versions(store)} from {store.source}: "
+            f"{running.addresses(options.host)}",
+            flush=True,
+        )
     log.info("stopping (%s received)", stop.wait())
     running.stop()
     return 0
+
+
+def _versions(store: ServedModel) -> str:
+    """``version 3``, ``versions 2, 3`` or ``(waiting for its first version)``."""
+    listed = getattr(store, "served_versions", None)
+    numbers = listed() if listed is not None else ([store.version] if store.version else [])
+    if not numbers:
+        return "(waiting for its first version)"
+    return f"version{'s' if len(numbers) > 1 else ''} {', '.join(map(str, numbers))}"

@@ -10,6 +10,18 @@ before parsing what it bounds. Errors are ``wuliang.serving.errors``
 exceptions (each transport maps them to its status); anything else raised
 while answering is a bug, reported as INTERNAL without stopping the server.
 
+Versions: a request may name the version it wants (``version``, or a
+``label``, as TensorFlow Serving's ``ModelSpec``); ``select`` resolves it to
+the store serving that version and its snapshot (a ``VersionedModel``
+serves several; any other store only its current one), NOT_FOUND naming
+the versions served when it is not one of them.
+
+Models: ``update_models`` adds, replaces and removes models while requests
+go on (a reloaded model config): the map of models is replaced whole, and a
+removed model is closed ``RETIRE_SECONDS`` later, so requests that took it
+finish first. ``listeners`` are called after every version applied and
+every change of models (the gRPC health service follows them).
+
 One version per prediction: ``predict`` takes the served version's snapshot
 once, decodes the request with that version's model description (a
 transport hands over a decoder), looks every table up at that version and
@@ -37,8 +49,9 @@ from wuliang.serving.errors import (
     VersionMoved,
 )
 from wuliang.serving.metrics import Metrics
-from wuliang.serving.model import ServedModel
+from wuliang.serving.model import ServedModel, ServedVersion
 from wuliang.serving.predict import Decoder, FeatureInput, PredictAnswer, check_model, predict
+from wuliang.serving.versioned import close_later
 
 __all__ = ["MAX_KEYS", "MAX_REQUEST_BYTES", "MAX_ROWS", "SWITCH_SECONDS", "Service"]
 
@@ -96,29 +109,63 @@ class Service:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        self.stores: dict[str, ServedModel] = {}
+        by_name: dict[str, ServedModel] = {}
         for store in stores:
-            if store.name in self.stores:
+            if store.name in by_name:
                 raise ValueError(f"two models are named {store.name!r}")
-            self.stores[store.name] = store
-        if not self.stores:
+            by_name[store.name] = store
+        if not by_name:
             raise ValueError("a service needs at least one model")
+        self.stores: dict[str, ServedModel] = by_name  # replaced whole (update_models)
         self.token = token
         self.max_keys = max_keys
         self.max_rows = max_rows
         self.max_request_bytes = max_request_bytes
         self.metrics = Metrics(lambda: list(self.stores.values()))
-        for store in self.stores.values():
-            store.on_apply.append(self._applied(store.name))
-            store.on_refuse.append(lambda number, why, name=store.name: self._refused(name))
+        self.listeners: list[Callable[[], None]] = []
+        for store in by_name.values():
+            self._follow(store)
         self.started = time.time()
+
+    def _follow(self, store: ServedModel) -> None:
+        store.on_apply.append(self._applied(store.name))
+        store.on_refuse.append(lambda number, why, name=store.name: self._refused(name))
 
     def _applied(self, name: str) -> Callable[[Any, float], None]:
         def observe(served: Any, seconds: float) -> None:
             self.metrics.applies.labels(name).inc()
             self.metrics.apply_seconds.labels(name).observe(seconds)
+            self._tell()
 
         return observe
+
+    def _tell(self) -> None:
+        for listener in self.listeners:
+            listener()
+
+    def update_models(
+        self, add: Sequence[ServedModel] = (), remove: Sequence[str] = ()
+    ) -> list[ServedModel]:
+        """Adds models (replacing those of the same name) and removes the
+        named ones, in one step for requests; the models replaced or removed
+        are closed ``RETIRE_SECONDS`` later, and returned. The service keeps
+        at least one model (ValueError)."""
+        stores = dict(self.stores)
+        gone = [stores.pop(name) for name in remove if name in stores]
+        for store in add:
+            old = stores.get(store.name)
+            if old is not None and old is not store:
+                gone.append(old)
+            stores[store.name] = store
+        if not stores:
+            raise ValueError("a service needs at least one model")
+        for store in add:
+            self._follow(store)
+        self.stores = stores  # one assignment: a request sees the old map or the new
+        for store in gone:
+            close_later(store)
+        self._tell()
+        return gone
 
     def _refused(self, name: str) -> None:
         self.metrics.refusals.labels(name).inc()
@@ -137,12 +184,38 @@ class Service:
 
     def store(self, model: str) -> ServedModel:
         """The model named ``model`` (empty: the only one, when there is one)."""
-        if not model and len(self.stores) == 1:
-            return next(iter(self.stores.values()))
-        store = self.stores.get(model)
+        stores = self.stores
+        if not model and len(stores) == 1:
+            return next(iter(stores.values()))
+        store = stores.get(model)
         if store is None:
-            raise NotFound(f"no model {model!r} (models: {', '.join(sorted(self.stores))})")
+            raise NotFound(
+                f"Servable not found for request: Latest({model}): no model {model!r} "
+                f"(models: {', '.join(sorted(stores))})"
+            )
         return store
+
+    def select(
+        self, model: str, version: int | None = None, label: str | None = None
+    ) -> tuple[ServedModel, ServedVersion]:
+        """The store serving the version a request names (``version``, or
+        ``label``; neither: the newest) and that version's snapshot."""
+        store = self.store(model)
+        chooser = getattr(store, "select", None)
+        if chooser is not None:
+            return chooser(version, label)
+        served = store.served()
+        if label is not None:
+            raise InvalidArgument(
+                f"Unrecognized servable version label: {label} (model {store.name!r} has no "
+                "labels: they come with a model config, wuliang serve --model-config)"
+            )
+        if version is not None and version != served.number:
+            raise NotFound(
+                f"Servable not found for request: Specific({store.name}, {version}): model "
+                f"{store.name!r} serves version {served.number}, not {version}"
+            )
+        return store, served
 
     # -- limits ------------------------------------------------------------------
 
@@ -166,23 +239,48 @@ class Service:
 
     # -- the API -----------------------------------------------------------------
 
-    def lookup(self, model: str, table: str, keys: np.ndarray) -> LookupResult:
+    def lookup(
+        self,
+        model: str,
+        table: str,
+        keys: np.ndarray,
+        version: int | None = None,
+        label: str | None = None,
+    ) -> LookupResult:
         """The rows of a table's keys (uint64 or int64 [n]), the version they
-        were read at named in the answer."""
+        were read at named in the answer (the one asked for, when given)."""
         store = self.store(model)
         if not isinstance(keys, np.ndarray) or keys.ndim != 1:
             raise InvalidArgument("keys must be a 1-D array of uint64")
         if len(keys) > self.max_keys:
             self.check_keys(len(keys))
-        result = store.lookup(table, keys)
+        if version is None and label is None:
+            result = store.lookup(table, keys)
+        else:
+            result = self._pinned_lookup(model, table, keys, version, label)
         self.metrics.count_keys(store.name, table, len(keys))
         return result
+
+    def _pinned_lookup(
+        self, model: str, table: str, keys: np.ndarray, version: int | None, label: str | None
+    ) -> LookupResult:
+        deadline = time.monotonic() + SWITCH_SECONDS
+        while True:
+            slot, served = self.select(model, version, label)
+            try:
+                return slot.lookup(table, keys, at=served)
+            except VersionMoved:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.001)
 
     def predict(
         self,
         model: str,
         features: Mapping[str, FeatureInput] | Decoder,
         rows: int | None = None,
+        version: int | None = None,
+        label: str | None = None,
     ) -> PredictAnswer:
         """Scores of a batch, all at one version (see the module docstring).
 
@@ -192,13 +290,14 @@ class Service:
                 (and the row count) with the model description of the
                 version that answers.
             rows: the batch's rows (with a mapping of features).
+            version, label: the version to answer from (default: the newest).
         """
-        store = self.store(model)
+        self.store(model)
         decoded: tuple[Mapping[str, FeatureInput], int] | None = None
         described = None
         deadline = None
         while True:
-            served = store.served()
+            store, served = self.select(model, version, label)
             check_model(store, served)
             if decoded is None or served.model != described:
                 if callable(features):
@@ -254,9 +353,13 @@ class Service:
                     "refused": store.counters.refused,
                     # non-empty: the version serves lookups only, and why
                     "lookups_only": served.no_tower if served and served.tower is None else "",
+                    "versions": versions_status(store, served),
                 }
             )
         return out
+
+    def model_names(self) -> list[str]:
+        return sorted(self.stores)
 
     def healthy(self) -> bool:
         """Every model serves a version."""
@@ -265,3 +368,17 @@ class Service:
     def close(self) -> None:
         for store in self.stores.values():
             store.close()
+
+
+def versions_status(store: ServedModel, served: ServedVersion | None) -> list[dict[str, Any]]:
+    """Each version of a model with its state (TensorFlow Serving's
+    ``ModelVersionStatus``): ``version``, ``state``, ``error`` and ``bytes``."""
+    listed = getattr(store, "versions_status", None)
+    if listed is not None:
+        versions = listed()
+        if versions:
+            return versions
+    if served is None:
+        return [{"version": 0, "state": "LOADING", "error": "", "bytes": 0}]
+    size = sum(int(s["bytes"]) for s in store.table_stats().values())
+    return [{"version": served.number, "state": "AVAILABLE", "error": "", "bytes": size}]

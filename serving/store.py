@@ -90,6 +90,8 @@ class ModelStore:
             larger than the replica's memory. Lookups of rows on disk read
             them on the request's thread.
         memory_gb: the RAM budget of the rows with ``disk_dir`` (default 1).
+        refused: the set of refused versions to keep (shared by the stores
+            of one ``VersionedModel``, each holding one of its versions).
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class ModelStore:
         gpu_cache_xp: str = "auto",
         disk_dir: str | Path | None = None,
         memory_gb: float | None = None,
+        refused: set[int] | None = None,
     ) -> None:
         if missing not in MISSING:
             raise ValueError(f"missing must be one of {', '.join(MISSING)}, got {missing!r}")
@@ -139,7 +142,7 @@ class ModelStore:
         self.counters = StoreCounters()
         self._current: ServedVersion | None = None  # the snapshot requests start from
         self._chain: list[int] = []  # the versions applied, base first
-        self._refused: set[int] = set()
+        self._refused: set[int] = set() if refused is None else refused
         self._lock = threading.Lock()  # one refresh at a time
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -255,6 +258,18 @@ class ModelStore:
                     break
                 applied.append(target)
             return applied
+
+    def load(self, target: int) -> bool:
+        """Serves exactly version ``target``: the deltas from the served
+        version to it when it rests on that version, else its whole chain
+        (into the same engine, each table switched atomically). False when
+        the version, or one it rests on, is refused."""
+        with self._lock:
+            if self.version == target:
+                return True
+            if target in self._refused:
+                return False
+            return self._apply_through(target)
 
     def _load_newest(self, on_disk: list[int]) -> list[int]:
         """The newest version whose whole chain verifies, applied."""

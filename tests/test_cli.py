@@ -125,7 +125,7 @@ USAGE_ERRORS = [  # (arguments, command, a part of the message)
     (["convert", "csv", "in.csv", "out"], "convert csv", "--schema"),
     (["export", "--export-dir", "e"], "export", "--model-dir (or --compact)"),
     (["export", "--export-dir", "e", "--full", "--compact"], "export", "not allowed"),
-    (["serve"], "serve", "--exports is required (or --redis)"),
+    (["serve"], "serve", "--exports is required (or --redis, or --model-config)"),
     (["serve", "--exports", "e", "--tls-key", "k.pem"], "serve", "--tls-cert and --tls-key"),
     (["serve", "--exports", "e", "--missing", "maybe"], "serve", "--missing"),
     (["ps"], "ps", "--port"),

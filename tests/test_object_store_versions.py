@@ -340,3 +340,38 @@ def test_a_damaged_file_is_named_and_queries_are_never_shown(
         assert secret not in str(raised.value)
         assert f"s3://{BUCKET}/nothing" in str(raised.value)
     close(session)
+
+
+def test_a_model_config_serves_an_export_directory_in_s3(
+    s3: pafs.S3FileSystem, files: list[str], tmp_path: Path
+) -> None:
+    """``wuliang serve --model-config``: a model whose base_path is an
+    ``s3://`` URI serves as a local one, its versions kept by the policy."""
+    from wuliang.serving.run import ServeOptions, start
+
+    session = make_session()
+    session.train(reader(files, 0), steps=2)
+    remote = uri("config/ranker")
+    session.export(remote)
+    session.train(reader(files, 0), steps=1)
+    session.export(remote)
+    keys = {t: np.array(sorted(rows), np.uint64) for t, rows in table_state(session).items()}
+    config = tmp_path / "models.config"
+    policy = "model_version_policy { latest { num_versions: 2 } }"
+    labels = "version_labels { key: 'stable' value: 1 }"
+    entry = f"name: 'ranker' base_path: '{remote}' {policy} {labels}"
+    config.write_text(f"model_config_list {{ config {{ {entry} }} }}")
+    options = ServeOptions(None, model_config=config, port=0, http_port=-1, poll_secs=0)
+    running = start(options)
+    try:
+        model = running.service.store("ranker")
+        assert model.served_versions() == [1, 2]  # type: ignore[attr-defined]
+        for table, table_keys in keys.items():
+            got = running.service.lookup("ranker", table, table_keys)
+            want = session.context.ps.lookup(table, table_keys)
+            np.testing.assert_array_equal(got.rows, want.rows)
+            assert got.version == 2
+            assert running.service.lookup("ranker", table, table_keys, label="stable").version == 1
+    finally:
+        running.stop()
+        close(session)

@@ -110,7 +110,7 @@ def test_bad_tls_files_are_named(tmp_path: Path, certificate: tuple[Path, Path])
     ("args", "named"),
     [
         (["--exports", ".", "--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
-        ([], "--exports is required (or --redis)"),
+        ([], "--exports is required (or --redis, or --model-config)"),
         (["--redis", "redis://127.0.0.1:1/0", "--model", "m", "--precision", "fp16"],
          "with --redis"),
         (["--redis", "redis://127.0.0.1:1/0"], "--redis needs --model"),

@@ -66,7 +66,8 @@ from small_model import trained_export
 
 from wuliang.serving import proto
 from wuliang.serving.errors import ServingError
-from wuliang.serving.grpc_server import _Handlers, _parse, details
+from wuliang.serving.grpc_common import details, parse
+from wuliang.serving.grpc_server import _Handlers
 from wuliang.serving.http_server import _Api, _json
 from wuliang.serving.service import Service
 from wuliang.serving.store import ModelStore
@@ -351,7 +352,7 @@ class GrpcOracle:
     def __call__(self, method: str, payload: bytes) -> tuple[str, Any]:
         """("OK", the response message) or (the error code, its message)."""
         try:
-            answer = self.bodies[method](_parse(proto.REQUESTS[method], payload))
+            answer = self.bodies[method](parse(proto.REQUESTS[method], payload))
             if isinstance(answer, bytes):  # Lookup answers its wire bytes
                 answer = proto.RESPONSES[method].FromString(answer)
             return "OK", answer
@@ -587,7 +588,7 @@ def http_stream(
             elif name == "path":
                 yield name, method, rnd.choice(
                     ["/v1/models/", "/v1/models/m/", "/v1/models/m:predictx", "/v2/models/m",
-                     "/v1/models/m/versions/1", "/v1/models/m/tables/:lookup", "/", "/v1",
+                     "/v1/models/m/versions/", "/v1/models/m/tables/:lookup", "/", "/v1",
                      "/v1/models/m/tables/users:lookups", "/" + quote(rnd.randbytes(8).hex())]
                 ), headers, json.dumps(document).encode(), ("status", 404)  # fmt: skip
                 continue

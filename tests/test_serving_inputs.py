@@ -99,7 +99,7 @@ def served(trained: dict[str, Any]) -> Iterator[dict[str, Any]]:
     service = Service([ModelStore(trained["exports"], "m", poll_secs=0).start()])
     grpc_server, http_server = GrpcServer(service), HttpServer(service)
     client = Client(f"127.0.0.1:{grpc_server.port}", timeout=30)
-    yield {"service": service, "client": client, "http": http_server.port}
+    yield {"service": service, "client": client, "http": http_server.port, "grpc": grpc_server}
     client.close()
     http_server.stop()
     grpc_server.stop()
@@ -376,3 +376,58 @@ def test_the_docs_client_example_runs(
     lines = printed.splitlines()
     assert lines[:2] == ["True", "(3, 4) [True, True, False] 1"], printed
     assert lines[-1].startswith("NOT_FOUND model 'ranker' has no table 'nope'"), printed
+
+
+def test_raw_strings_through_tensorflow_serving_s_api(
+    trained: dict[str, Any], served: dict[str, Any]
+) -> None:
+    """A TensorFlow Serving client sends the string features as DT_STRING
+    tensors (lists padded with empty strings) and the ids as int64 (lists
+    padded with -1): the trainer's scores; the metadata says which is which."""
+    import grpc
+    import tensorflow as tf
+    from tensorflow_serving.apis import (
+        get_model_metadata_pb2,
+        predict_pb2,
+        prediction_service_pb2_grpc,
+    )
+
+    raw = trained["raw"]
+    expected = trained["session"].run(trained["batch"], "predictions", train=False).reshape(-1)
+
+    def padded(rows: list[list[Any]], pad: Any, dtype: Any) -> Any:
+        width = max(1, max(len(r) for r in rows))
+        return np.array([[*r, *[pad] * (width - len(r))] for r in rows], dtype)
+
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "m"
+    inputs = {
+        "user": np.array([r["user"] for r in raw], np.int64),
+        "items": padded([r["items"] for r in raw], -1, np.int64),
+        "city": np.array([r["city"].encode() for r in raw], object),
+        "tags": padded([[t.encode() for t in r["tags"]] for r in raw], b"", object),
+        "age": np.array([[r["age"]] for r in raw], np.float32),
+    }
+    for name, value in inputs.items():
+        request.inputs[name].CopyFrom(tf.make_tensor_proto(value))
+    with grpc.insecure_channel(f"127.0.0.1:{served['grpc'].port}") as channel:
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+        response = stub.Predict(request, 30)
+        got = tf.make_ndarray(response.outputs["predictions"]).reshape(-1)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+        meta = get_model_metadata_pb2.GetModelMetadataRequest(metadata_field=["signature_def"])
+        meta.model_spec.name = "m"
+        signatures = get_model_metadata_pb2.SignatureDefMap()
+        stub.GetModelMetadata(meta, 30).metadata["signature_def"].Unpack(signatures)
+        kinds = {
+            name: tf.dtypes.as_dtype(info.dtype).name
+            for name, info in signatures.signature_def["serving_default"].inputs.items()
+        }
+        assert kinds == {
+            "user": "int64", "items": "int64", "city": "string", "tags": "string", "age": "float32"
+        }  # fmt: skip
+        request.inputs["user"].CopyFrom(tf.make_tensor_proto(np.array([b"x1"] * len(raw))))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Predict(request, 30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "feature 'user' takes integer ids" in info.value.details()

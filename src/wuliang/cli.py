@@ -215,6 +215,8 @@ def _serve_options(args: argparse.Namespace) -> Any:
         shards=args.shards,
         redis=args.redis,
         gpu_cache_rows=args.gpu_cache_rows,
+        model_config=path(args.model_config),
+        model_config_poll_secs=args.model_config_poll_secs,
     )
 
 
@@ -412,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
         _check_serve,
         help="serve an export directory online (gRPC and HTTP/JSON)",
         description="Loads the newest valid version of EXPORTS (a full export and its "
-        "deltas), serves lookups and predictions over gRPC and an HTTP/JSON API shaped like "
+        "deltas), serves lookups and predictions over gRPC (wuliang's API and TensorFlow "
+        "Serving's PredictionService, on one port) and an HTTP/JSON API shaped like "
         "TensorFlow Serving's, and applies each new version while serving (an empty EXPORTS, "
         "or a model not yet published to --redis, is served once its first version comes). "
         "Prints one line with the addresses once listening and logs each version applied or "
@@ -482,6 +485,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="serve the version wuliang publish made current in this Redis, through a local "
         "hot cache, switching on each announcement",
+    )
+    srv.add_argument(
+        "--model-config",
+        metavar="FILE",
+        help="serve the models of TensorFlow Serving's model config file (model_config_list: "
+        "name, base_path, model_version_policy, version_labels), each from its own export "
+        "directory; re-read on SIGHUP (instead of --exports, --model, --redis)",
+    )
+    srv.add_argument(
+        "--model-config-poll-secs",
+        type=non_negative_float,
+        default=0.0,
+        metavar="S",
+        help="also re-read --model-config every S seconds (0: on SIGHUP only)",
     )
 
     ps = command(
