@@ -68,6 +68,8 @@ class ServeOptions:
     shards: int = 2
     redis: str | None = None
     gpu_cache_rows: int = 0  # rows of each table on the device (0: off)
+    disk_dir: Path | None = None  # the engine's disk tier: rows beyond memory_gb there
+    memory_gb: float | None = None
     model_config: Path | None = None  # TensorFlow Serving's model config file
     model_config_poll_secs: float = 0.0  # 0: re-read on SIGHUP only
 
@@ -125,6 +127,15 @@ def check_options(options: ServeOptions) -> None:
     if (options.tls_cert is None) != (options.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
     check_cache_rows(options.gpu_cache_rows, "--gpu-cache-rows")
+    if options.memory_gb is not None and options.disk_dir is None:
+        raise ValueError("--memory-gb is the disk tier's budget: it goes with --disk-dir")
+    if options.memory_gb is not None and not options.memory_gb > 0:
+        raise ValueError(f"--memory-gb must be > 0, got {options.memory_gb}")
+    if options.disk_dir is not None and options.redis is not None:
+        raise ValueError(
+            "--disk-dir keeps an export directory's rows beyond --memory-gb on disk; with "
+            "--redis the rows stay in Redis (leave --disk-dir out)"
+        )
     if options.redis is not None:
         if options.missing != "zeros" or options.precision != "fp32":
             raise ValueError(
@@ -160,6 +171,8 @@ def make_store(options: ServeOptions) -> ServedModel:
             poll_secs=options.poll_secs,
             num_shards=options.shards,
             gpu_cache_rows=options.gpu_cache_rows,
+            disk_dir=options.disk_dir,
+            memory_gb=options.memory_gb,
         )
     from wuliang.serving.redis_model import RedisModelStore
 
@@ -184,6 +197,8 @@ def make_versioned(options: ServeOptions, entry: ModelEntry) -> VersionedModel:
         precision=options.precision,
         num_shards=options.shards,
         gpu_cache_rows=options.gpu_cache_rows,
+        disk_dir=options.disk_dir,
+        memory_gb=options.memory_gb,
     )
 
 

@@ -5,7 +5,6 @@ C++ tests are ``ps_server/csrc/tests/disk_tier_test.cc``."""
 from __future__ import annotations
 
 import dataclasses
-
 from pathlib import Path
 
 import pytest

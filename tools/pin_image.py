@@ -28,9 +28,9 @@ def resolve(*requirements: str) -> dict[str, str]:
     """{name: version} of everything pip would install for the requirements."""
     with tempfile.TemporaryDirectory() as folder:
         report = Path(folder) / "report.json"
+        pip = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed"]
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed"]
-            + ["--quiet", "--report", str(report), *requirements],
+            [*pip, "--quiet", "--report", str(report), *requirements],
             check=True,
             cwd=REPO,
         )

@@ -215,6 +215,8 @@ def _serve_options(args: argparse.Namespace) -> Any:
         shards=args.shards,
         redis=args.redis,
         gpu_cache_rows=args.gpu_cache_rows,
+        disk_dir=path(args.disk_dir),
+        memory_gb=args.memory_gb,
         model_config=path(args.model_config),
         model_config_poll_secs=args.model_config_poll_secs,
     )
@@ -479,6 +481,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the N hottest rows of each table (by the exported shows) on the GPU for "
         "predictions (lookups read the engine), or in host memory where there is none (0: "
         "off; not with --redis)",
+    )
+    srv.add_argument(
+        "--disk-dir",
+        metavar="DIR",
+        help="a model larger than memory: rows beyond --memory-gb of RAM live in row files "
+        "in DIR, a directory on a local disk, read there by lookups (docs/disk_tier.md; "
+        "scratch: made afresh, deleted at exit; not with --redis)",
+    )
+    srv.add_argument(
+        "--memory-gb",
+        type=float,
+        metavar="G",
+        help="with --disk-dir: GiB of RAM for the rows of each served version (default 1)",
     )
     srv.add_argument(
         "--redis",
