@@ -80,6 +80,7 @@ __all__ = [
     "display_url",
     "fingerprint",
     "int_or_none",
+    "redis",
     "row_keys",
     "slot_of",
 ]

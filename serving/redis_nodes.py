@@ -17,7 +17,11 @@ come back in the batch's order. In a cluster it follows the cluster's own
 redirections: ``MOVED`` refreshes the slot map (``CLUSTER SLOTS``) and
 resends, ``ASK`` (a slot being migrated) resends to the node named, after
 ``ASKING``, without changing the map; ``TRYAGAIN`` and ``CLUSTERDOWN`` are
-retried after a short pause. A node that cannot be reached (after the map
+retried after a short pause. A multi-key command that still gets
+``TRYAGAIN`` (its slot is half migrated: some of its keys are on each side,
+which lasts until the migration ends) is split into single-key commands,
+which ``ASK`` follows; a split ``MGET`` reads its first key last, after the
+others (a lookup's sentinel: see ``redis_replica``). A node that cannot be reached (after the map
 is refreshed once, in case a replica took over) raises ``RedisStoreError``
 naming that node.
 
@@ -248,8 +252,14 @@ class Deployment:
         replies: list[Any] = [None] * len(commands)
         pending = list(range(len(commands)))
         asking: dict[int, str] = {}
+        again: dict[int, int] = {}  # TRYAGAIN replies per command
+        split: list[int] = []
         for attempt in range(_REDIRECTS):
+            split += [i for i in pending if again.get(i, 0) >= 2]
+            pending = [i for i in pending if again.get(i, 0) < 2]
             if not pending:
+                for i in split:
+                    replies[i] = self._split(commands[i])
                 return replies
             groups: dict[str, list[int]] = {}
             owner, names = self._owner, self._names
@@ -264,7 +274,7 @@ class Deployment:
                         )
                     node = names[index]
                 groups.setdefault(node, []).append(i)
-            retry, refresh, unreachable = self._round(commands, groups, asking, replies)
+            retry, refresh, unreachable = self._round(commands, groups, asking, replies, again)
             if unreachable and attempt >= 1:
                 node, error = unreachable
                 where = self.url if not self.cluster else f"node {node} of {self.url}"
@@ -290,6 +300,7 @@ class Deployment:
         groups: dict[str, list[int]],
         asking: dict[int, str],
         replies: list[Any],
+        again: dict[int, int],
     ) -> tuple[list[int], bool, tuple[str, BaseException] | None]:
         """One round trip per node; fills replies. Returns (commands to send
         again, whether the slot map must be refreshed, an unreachable node)."""
@@ -344,6 +355,7 @@ class Deployment:
                                 error,
                                 redis.exceptions.TryAgainError | redis.exceptions.ClusterDownError,
                             ):
+                                again[i] = again.get(i, 0) + 1
                                 retry.append(i)
                             else:
                                 where = self.url if not self.cluster else f"node {node}"
@@ -364,6 +376,37 @@ class Deployment:
                 if conn is not None:
                     self._pool(node).release(conn)
         return retry, refresh, unreachable
+
+    def _split(self, command: Command) -> Any:
+        """A multi-key command run as single-key ones (see the module docstring)."""
+        args = list(command.args) if command.args else _unpack(command.packed or b"")
+        name = (args[0].decode() if isinstance(args[0], bytes) else str(args[0])).upper()
+        slot = command.slot
+        keys = args[1:]
+        if name == "MGET":
+            rest = self.run([Command(slot, ("GET", k)) for k in keys[1:]])
+            return [self.command(slot, "GET", keys[0]), *rest] if keys else []
+        if name == "MSET":
+            self.run([Command(slot, ("SET", keys[i], keys[i + 1])) for i in range(0, len(keys), 2)])
+            return b"OK"
+        if name in ("DEL", "UNLINK"):
+            return sum(self.run([Command(slot, (name, k)) for k in keys]))
+        raise RedisStoreError(
+            f"Redis Cluster at {self.url}: {name} keeps getting TRYAGAIN (slot {slot} migrating)"
+        )
+
+
+def _unpack(packed: bytes) -> list[bytes]:
+    """The arguments of one packed command (``*n``, then ``$len`` bulk strings)."""
+    count, _, rest = packed[1:].partition(b"\r\n")
+    args = []
+    at = 0
+    for _ in range(int(count)):
+        end = rest.index(b"\r\n", at)
+        size = int(rest[at + 1 : end])
+        args.append(rest[end + 2 : end + 2 + size])
+        at = end + 4 + size
+    return args
 
 
 def connect_deployment(url: str, socket_timeout: float) -> Deployment:

@@ -260,9 +260,7 @@ def test_the_pointer_flips_only_after_every_row_is_written(
         engine = engine_at(root, v)
         layout = Layout.new("m", v, 1)  # generation v, one shard on one Redis
         names = [
-            name
-            for t in DIMS
-            for name in row_keys(layout.cell_prefix(0, t), all_keys(engine, t))
+            name for t in DIMS for name in row_keys(layout.cell_prefix(0, t), all_keys(engine, t))
         ]
         expected[v] = names
         engine.close()
