@@ -486,8 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--redis",
         metavar="URL",
-        help="serve the version wuliang publish made current in this Redis, through a local "
-        "hot cache, switching on each announcement",
+        help="serve the version wuliang publish made current in this Redis (or Redis Cluster: "
+        "redis+cluster://h1:p1,h2:p2), through a local hot cache, switching on each announcement",
     )
 
     ps = command(
