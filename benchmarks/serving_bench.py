@@ -191,10 +191,11 @@ def client_process(kind: str, port: int, rows: int, seconds: float, seed: int, q
     if kind == "redis":
         import redis
 
-        from wuliang.serving.redis_keys import Keys, row_keys
+        from wuliang.serving.redis_keys import Keys, Layout, cell_dtype, row_keys
 
         db = redis.Redis(port=port)
-        prefix = Keys("bench").row_prefix(int(db.get(Keys("bench").current)), "item")
+        meta = json.loads(db.get(Keys("bench").meta(int(db.get(Keys("bench").current)))))
+        prefix = Layout.of(meta).cell_prefix(0, "item")  # one Redis: one shard
         names = [row_keys(prefix, k) for k in draws]
     elif kind == "floor":
         import grpc
@@ -233,7 +234,7 @@ def client_process(kind: str, port: int, rows: int, seconds: float, seed: int, q
                 if any(v is None for v in values):
                     failed += 1
                 else:
-                    np.frombuffer(b"".join(values), "<f4").reshape(-1, DIM)
+                    np.frombuffer(b"".join(values), cell_dtype(DIM))["row"]
             elif kind == "floor":
                 if len(echo(requests[i % 64], timeout=10)) != FLOOR_ANSWER_BYTES:
                     failed += 1
@@ -526,6 +527,12 @@ def main() -> None:
         "--tfs", action="store_true", help="only the predictions (own, TF Serving's, two models)"
     )
     parser.add_argument(
+        "--fleet",
+        action="store_true",
+        help="only the fleet figures (fleet_bench.py): delta vs full publish, a 3-node Redis "
+        "Cluster vs one Redis, torn answers during delta publishes",
+    )
+    parser.add_argument(
         "--gpu-cache-rows",
         type=int,
         default=0,
@@ -533,6 +540,11 @@ def main() -> None:
         "which are the hottest of the Zipf draws, are cached)",
     )
     args = parser.parse_args()
+    if args.fleet:
+        from fleet_bench import fleet  # benchmarks/, the script's folder
+
+        print(json.dumps(fleet(quick=args.quick, clients=args.clients)))
+        return
     if args.quick:
         args.rows, args.seconds, args.rounds = 200_000, 3.0, 1
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

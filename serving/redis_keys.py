@@ -1,42 +1,68 @@
 """The Redis key layout of published models, shared by the publisher
-(``redis_publish``) and the replicas (``redis_replica``).
+(``redis_publish``) and the replicas (``redis_replica``); no I/O here (that
+is ``redis_nodes``). The design is explained in ``docs/export.md`` (Redis
+store for a fleet); in short:
 
-Key layout (``M`` the model name, ``V`` a version number, all under ``wl:M:``)::
+* **Generations of cells.** A full version starts a generation ``G`` (a
+  counter). Each row lives in one *cell* per generation, a string holding
+  the row's recent values, newest first, each labelled with the version
+  that wrote it: an entry is that version (uint64 little-endian; with the
+  top bit set it is a tombstone: the row was removed, its floats are zeros)
+  and the row's ``dim`` float32 (``redis_cells``). A delta adds an
+  entry to the cells of the rows it changed or removed, and nothing else.
+  A replica reading version ``V`` takes each cell's newest entry labelled
+  ``<= V``: a tombstone or no entry reads as not found. Versions are a
+  chain within a generation (a delta is written only on top of the
+  generation's newest version), so "newest ``<= V``" is exactly V's row.
+* **Shards and hash tags.** A generation's rows are split into ``S``
+  shards by a hash of the key; shard ``s`` has its own hash tag, chosen so
+  that its cluster slot falls in the ``s``-th of ``S`` equal slot ranges
+  (the shards spread evenly over a cluster whose nodes own equal ranges).
+  All keys of a shard are in one slot, so one ``MGET`` reads any number of
+  them; a lookup sends one ``MGET`` per shard it needs, pipelined per node.
+  One Redis uses ``S = 1``.
+* **Sentinels.** Version ``V`` has a sentinel key in every shard, written
+  before ``V`` becomes current and deleted first when it retires. Every
+  ``MGET`` of a lookup starts with its shard's sentinel: a reply that holds
+  it holds cells in which ``V``'s entries are still present (they are
+  trimmed only after every sentinel of ``V`` is gone).
 
-    wl:M:current              the version replicas read (a decimal string): the pointer
-    wl:M:V:meta               JSON: format, version, parent, kind, step, model (the
-                              manifest's feature description), tables {name: {dim,
-                              rows}}, published (unix time), source (export dir,
-                              chain, fingerprint)
-    wl:M:V:<table>:<8 bytes>  one row: dim float32 little-endian (dim * 4 bytes);
-                              the key's uint64, 8 bytes little-endian (binary-safe)
-    wl:M:index                sorted set of the versions that may have keys in
-                              Redis; score: when each was last made current (0:
-                              being written, never current)
-    wl:M:lock                 the publisher's lock (token, expires unless renewed)
-    wl:M:reader:<id>          one per live replica: the version it reads (expires)
-    channel wl:M:versions     pub/sub: a version number when it becomes current
+Keys (``M`` the model; ``{M}`` its control tag, ``{T}`` a shard's tag)::
 
-A version's namespace holds every row of the version (its chain applied: a
-full version and its deltas), so a lookup never combines versions; it is
-immutable once its metadata key exists.
+    wl:{M}:current            the version replicas read (a decimal string)
+    wl:{M}:V:meta             JSON: format, version, parent, kind, step, model,
+                              tables {name: {dim, rows}}, generation, shard tags,
+                              chain (the generation's versions up to V), published,
+                              source (export dir, chain, fingerprint)
+    wl:{M}:index              sorted set of versions with keys in Redis; score:
+                              when each was last made current (0: being written)
+    wl:{M}:generation         hash: version -> its generation (set before any row)
+    wl:{M}:generations        counter of generations
+    wl:{M}:lock               the publisher's lock (token, expires unless renewed)
+    wl:{M}:readers            sorted set of live replicas, "<version>:<id>" scored
+                              by when each expires (ms, the server's clock)
+    channel wl:{M}:versions   pub/sub: a version number when it becomes current
+    wl:{T}:g<G>:<table>:<8 bytes>   a cell: the key's uint64 little-endian
+    wl:{T}:v<V>               version V's sentinel in shard T
+    wl:{T}:v<V>:touched:<table>     list of chunks: the keys of shard T that delta V
+                              wrote or removed (uint64 little-endian), for retention
 """
 
 from __future__ import annotations
 
+import binascii
 import hashlib
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
 try:
     import redis
-    from redis.backoff import ExponentialBackoff
-    from redis.retry import Retry
 except ImportError as error:  # pragma: no cover - depends on the install
     raise ImportError(
         "wuliang's Redis store needs the redis package: pip install 'wuliang[serving]'"
@@ -44,37 +70,45 @@ except ImportError as error:  # pragma: no cover - depends on the install
 
 __all__ = [
     "FORMAT",
+    "SLOTS",
+    "TOMBSTONE",
     "Keys",
+    "Layout",
     "RedisStoreError",
+    "cell_dtype",
     "check_model_name",
-    "connect",
     "display_url",
     "fingerprint",
     "int_or_none",
+    "redis",
     "row_keys",
+    "slot_of",
 ]
 
-FORMAT = "wuliang-redis/1"  # the metadata key's format field
+FORMAT = "wuliang-redis/2"  # the metadata key's format field
+SLOTS = 16384  # Redis Cluster hash slots
+TOMBSTONE = np.uint64(1 << 63)  # an entry's version with this bit: the row was removed
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
+_SPREAD = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing of keys onto shards
 
 
 class RedisStoreError(OSError):
     """Redis failed or holds something unexpected (unreachable, a refused
     command, a lost lock, a damaged row). An ``OSError``, so that the command
     line reports it as ``wuliang publish: error: ...``; the message names the
-    Redis URL (without its password)."""
+    Redis URL (without its password) or the cluster node."""
 
 
 def display_url(url: str) -> str:
     """The URL with its password replaced by ``***`` (for messages)."""
     parts = urlsplit(url)
-    if parts.password is None:
+    if "@" not in parts.netloc:
         return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    creds, hosts = parts.netloc.rsplit("@", 1)
+    user, sep, _ = creds.partition(":")
+    if not sep:
+        return url
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))
 
 
 def check_model_name(model: str) -> str:
@@ -87,15 +121,32 @@ def check_model_name(model: str) -> str:
     return model
 
 
+def slot_of(name: bytes | str) -> int:
+    """The cluster hash slot of a key name (of its ``{tag}`` if it has one)."""
+    if isinstance(name, str):
+        name = name.encode()
+    start = name.find(b"{")
+    if start > -1:
+        end = name.find(b"}", start + 1)
+        if end > start + 1:
+            name = name[start + 1 : end]
+    return binascii.crc_hqx(name, 0) % SLOTS
+
+
 @dataclass(frozen=True)
 class Keys:
-    """The Redis names of one model (see the module docstring)."""
+    """The control keys of one model (see the module docstring)."""
 
     model: str
 
     @property
     def base(self) -> str:
-        return f"wl:{self.model}:"
+        return f"wl:{{{self.model}}}:"
+
+    @property
+    def slot(self) -> int:
+        """The hash slot of every control key."""
+        return slot_of(self.base)
 
     @property
     def current(self) -> str:
@@ -106,8 +157,20 @@ class Keys:
         return f"{self.base}index"
 
     @property
+    def generation(self) -> str:
+        return f"{self.base}generation"
+
+    @property
+    def generations(self) -> str:
+        return f"{self.base}generations"
+
+    @property
     def lock(self) -> str:
         return f"{self.base}lock"
+
+    @property
+    def readers(self) -> str:
+        return f"{self.base}readers"
 
     @property
     def channel(self) -> str:
@@ -116,11 +179,67 @@ class Keys:
     def meta(self, version: int) -> str:
         return f"{self.base}{version}:meta"
 
-    def row_prefix(self, version: int, table: str) -> bytes:
-        return f"{self.base}{version}:{table}:".encode()
 
-    def reader(self, reader_id: str) -> str:
-        return f"{self.base}reader:{reader_id}"
+def shard_tags(model: str, shards: int) -> list[str]:
+    """One hash tag per shard: tag ``s`` hashes into the ``s``-th of
+    ``shards`` equal ranges of the cluster's slots."""
+    tags = []
+    for s in range(shards):
+        low, high = s * SLOTS // shards, (s + 1) * SLOTS // shards
+        j = 0
+        while not low <= slot_of(f"{model}:{s}:{j}") < max(high, low + 1):
+            j += 1
+        tags.append(f"{model}:{s}:{j}")
+    return tags
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one generation's rows are: its number and its shards' tags."""
+
+    generation: int
+    tags: tuple[str, ...]
+    slots: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "slots", np.array([slot_of(t) for t in self.tags], np.int64))
+
+    @classmethod
+    def new(cls, model: str, generation: int, shards: int) -> Layout:
+        return cls(generation, tuple(shard_tags(model, shards)))
+
+    @classmethod
+    def of(cls, meta: dict[str, Any]) -> Layout:
+        return cls(int(meta["generation"]), tuple(meta["tags"]))
+
+    @property
+    def shards(self) -> int:
+        return len(self.tags)
+
+    def shard_of(self, keys: np.ndarray) -> np.ndarray:
+        """Each key's shard (a fixed hash of the uint64 key)."""
+        if self.shards == 1:
+            return np.zeros(len(keys), np.int64)
+        spread = (keys.astype(np.uint64) * _SPREAD) >> np.uint64(32)
+        return (spread % np.uint64(self.shards)).astype(np.int64)
+
+    def cell_prefix(self, shard: int, table: str) -> bytes:
+        return f"wl:{{{self.tags[shard]}}}:g{self.generation}:{table}:".encode()
+
+    def sentinel(self, shard: int, version: int) -> bytes:
+        return f"wl:{{{self.tags[shard]}}}:v{version}".encode()
+
+    def touched(self, shard: int, version: int, table: str) -> bytes:
+        return f"wl:{{{self.tags[shard]}}}:v{version}:touched:{table}".encode()
+
+    def cell_pattern(self, model: str) -> str:
+        """SCAN MATCH pattern of every cell of the generation."""
+        return f"wl:{{{model}:*}}:g{self.generation}:*"
+
+
+def cell_dtype(dim: int) -> np.dtype:
+    """One entry of a cell: the version that wrote it (TOMBSTONE bit: removed), the row."""
+    return np.dtype([("version", "<u8"), ("row", "<f4", (dim,))])
 
 
 def row_keys(prefix: bytes, keys: np.ndarray) -> list[bytes]:
@@ -130,25 +249,6 @@ def row_keys(prefix: bytes, keys: np.ndarray) -> list[bytes]:
     packed["prefix"] = np.void(prefix)
     packed["key"] = keys
     return packed.view(f"V{width + 8}").tolist()
-
-
-def connect(url: str, socket_timeout: float) -> redis.Redis:
-    """A client of url, checked with PING; RedisStoreError naming url if not."""
-    try:
-        client = redis.Redis.from_url(
-            url,
-            socket_connect_timeout=5,
-            socket_timeout=socket_timeout,
-            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
-        )
-    except ValueError as error:  # a URL redis-py cannot parse
-        raise ValueError(f"bad Redis URL {display_url(url)!r}: {error}") from None
-    try:
-        client.ping()
-    except redis.RedisError as error:
-        client.close()
-        raise RedisStoreError(f"cannot reach Redis at {display_url(url)}: {error}") from None
-    return client
 
 
 def fingerprint(manifests: Iterable[Path]) -> str:

@@ -11,20 +11,24 @@ state (version, tables, caches) in one assignment. The pointer, not the
 message, is the truth, so out-of-order announcements and rollbacks are
 followed alike. A version whose preparation fails is refused: the replica
 keeps its version until another is published. The thread also renews the
-replica's ``reader`` key, which keeps publishers from deleting the version
-it reads. A replica may start before the model's first publish: it has no
-version (0) until one is announced.
+replica's entry in the model's ``readers`` set (it expires unless
+renewed), which keeps publishers from deleting the version it reads. A
+replica may start before the model's first publish: it has no version (0)
+until one is announced.
 
 A lookup takes a state once (the current one, or the one it is given: a
-request's snapshot) and reads everything from that version's namespace:
-rows from its cache (``redis_cache``), and the misses with ``MGET`` s that
-each start with the version's metadata key. ``MGET`` is atomic, and
-retention deletes the metadata key before any row, so an ``MGET`` that
-returns the metadata key returned complete rows; one that does not (the
+request's snapshot) and reads everything at that version: rows from its
+cache (``redis_cache``), and the misses from their cells, one ``MGET`` per
+shard that holds any of them (in a cluster, one pipelined round trip per
+node: ``redis_nodes``), each ``MGET`` led by the version's sentinel in that
+shard. ``MGET`` is atomic, and retention deletes a version's sentinels
+before it trims any cell, so an ``MGET`` that returns the sentinel returned
+cells that still hold the version's entries; one that does not (the
 version was retired while the lookup ran) makes a lookup of the current
 state switch to the pointer's version and start again, and a lookup of a
 given state raise ``VersionRetired``. Every answer's rows therefore come
-from the one version it names.
+from the one version it names (``redis_cells.decode``: each cell's newest
+entry at or below it).
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import operator
 import os
 import socket
 import threading
@@ -40,24 +43,25 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Any
 
 import numpy as np
 
 from wuliang.ps_server import LookupResult, UnknownTableError, as_keys
 from wuliang.serving.redis_cache import RowCache
+from wuliang.serving.redis_cells import decode
 from wuliang.serving.redis_keys import (
     FORMAT,
     Keys,
+    Layout,
     RedisStoreError,
     check_model_name,
-    connect,
     display_url,
     int_or_none,
     redis,
     row_keys,
 )
+from wuliang.serving.redis_nodes import Command, connect_deployment, pack
 
 __all__ = ["NoVersionError", "RedisStore", "ReplicaState", "VersionRetired"]
 
@@ -65,6 +69,16 @@ log = logging.getLogger("wuliang.serving")
 
 READ_BATCH = 10_000  # keys per MGET (a larger lookup pipelines several)
 _RETRIES = 5  # attempts of a lookup whose version is retired under it
+
+# Renews a replica's entry in the readers set (ARGV: member, ttl ms, the
+# member it replaces or ''), expiring by the server's clock.
+_HEARTBEAT = """
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+if ARGV[3] ~= '' and ARGV[3] ~= ARGV[1] then redis.call('ZREM', KEYS[1], ARGV[3]) end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+return 1
+"""
 
 
 class NoVersionError(LookupError):
@@ -80,7 +94,7 @@ class VersionRetired(RedisStoreError):
 class _Table:
     name: str
     dim: int
-    prefix: bytes  # of its row keys in the version's namespace
+    prefixes: list[bytes]  # of its cells, per shard
     cache: RowCache
 
 
@@ -89,14 +103,15 @@ class ReplicaState:
 
     ``prepared`` is what the store's ``prepare`` made of it (None without one)."""
 
-    __slots__ = ("meta", "meta_key", "prepared", "tables", "version")
+    __slots__ = ("layout", "meta", "prepared", "sentinels", "tables", "version")
 
     def __init__(
-        self, version: int, meta: dict[str, Any], meta_key: str, tables: dict[str, _Table]
+        self, version: int, meta: dict[str, Any], layout: Layout, tables: dict[str, _Table]
     ) -> None:
         self.version = version
         self.meta = meta
-        self.meta_key = meta_key
+        self.layout = layout
+        self.sentinels = [layout.sentinel(s, version) for s in range(layout.shards)]
         self.tables = tables
         self.prepared: Any = None
 
@@ -158,7 +173,8 @@ class RedisStore:
         self.retries = 0  # lookups restarted because their version was retired under them
         self.refused: set[int] = set()
         self.last_error: BaseException | None = None  # the follower thread's latest
-        self._client = connect(redis_url, socket_timeout=10)
+        self._nodes = connect_deployment(redis_url, socket_timeout=10)
+        self._member = ""  # this replica's entry in the readers set
         self._switch_lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
@@ -169,7 +185,7 @@ class RedisStore:
             if not self.pinned:  # subscribed before the pointer is read: nothing missed
                 pubsub = self._subscribe()
             if version is None:
-                version = int_or_none(self._client.get(self.keys.current))
+                version = int_or_none(self._get(self.keys.current))
             if version is None:
                 log.warning(
                     "model %s has no published version at %s yet (%s is not set); waiting "
@@ -188,7 +204,7 @@ class RedisStore:
         except BaseException as error:
             if pubsub is not None:
                 pubsub.close()
-            self._client.close()
+            self._nodes.close()
             if isinstance(error, redis.RedisError):
                 raise RedisStoreError(f"Redis at {self.url}: {error}") from error
             raise
@@ -278,7 +294,7 @@ class RedisStore:
             rows, found, missing = t.cache.read(keys)
             if len(missing):
                 wanted, where = np.unique(keys[missing], return_inverse=True)
-                fetched = self._mget(state, t, wanted)
+                fetched = self._read(state, t, wanted)
                 if fetched is None:  # the version was retired under us
                     if pinned:
                         raise VersionRetired(
@@ -297,42 +313,52 @@ class RedisStore:
             f"({_RETRIES} attempts)"
         )
 
-    def _mget(
+    def _read(
         self, state: ReplicaState, t: _Table, keys: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray] | None:
-        """(rows, found) of keys read with MGETs, each led by the version's
-        metadata key; None if the version is no longer in Redis."""
-        names = row_keys(t.prefix, keys)
-        try:
-            if len(names) <= READ_BATCH:
-                replies = [self._client.execute_command("MGET", state.meta_key, *names)]
-            else:
-                pipe = self._client.pipeline(transaction=False)
-                for begin in range(0, len(names), READ_BATCH):
-                    pipe.execute_command("MGET", state.meta_key, *names[begin : begin + READ_BATCH])
-                replies = pipe.execute()
-        except redis.RedisError as error:
-            raise RedisStoreError(f"Redis at {self.url}: {error}") from error
+        """(rows, found) of distinct keys, read from their cells with one MGET
+        per shard (per READ_BATCH keys), each led by the shard's sentinel;
+        None if the version is no longer in Redis."""
+        layout = state.layout
+        shard = layout.shard_of(keys)
+        if layout.shards > 1:
+            order = np.argsort(shard, kind="stable")
+            bounds = np.searchsorted(shard[order], np.arange(layout.shards + 1))
+        else:
+            order = None
+            bounds = np.array([0, len(keys)])
+        ordered = keys if order is None else keys[order]
+        commands = []
+        for s in np.flatnonzero(np.diff(bounds)).tolist():
+            names = row_keys(t.prefixes[s], ordered[bounds[s] : bounds[s + 1]])
+            head = [state.sentinels[s]]
+            slot = int(layout.slots[s])
+            for begin in range(0, len(names), READ_BATCH):
+                packed = pack(b"MGET", head, names[begin : begin + READ_BATCH])
+                commands.append(Command(slot, packed=packed))
+        replies = self._nodes.run(commands)
         if any(reply[0] is None for reply in replies):
             return None
         values = replies[0][1:] if len(replies) == 1 else [v for r in replies for v in r[1:]]
-        found = np.fromiter(map(operator.is_not, values, repeat(None)), bool, len(values))
-        present = [v for v in values if v is not None]
-        rows = np.zeros((len(values), t.dim), np.float32)
-        if present:
-            sizes = set(map(len, present))
-            if sizes != {t.dim * 4}:
-                raise RedisStoreError(
-                    f"rows of table {t.name!r} in version {state.version} at {self.url} have "
-                    f"{sorted(sizes)} bytes, expected {t.dim * 4} (dim {t.dim})"
-                )
-            rows[found] = np.frombuffer(b"".join(present), "<f4").reshape(len(present), t.dim)
+        what = f"table {t.name!r} of version {state.version} at {self.url}"
+        try:
+            rows, found = decode(values, t.dim, state.version, what)
+        except ValueError as error:
+            raise RedisStoreError(str(error)) from None
+        if order is not None:
+            back = np.empty_like(order)
+            back[order] = np.arange(len(order))
+            rows, found = rows[back], found[back]
         return rows, found
 
     # -- following ---------------------------------------------------------------
 
+    def _get(self, name: str) -> Any:
+        """GET of a control key."""
+        return self._nodes.command(self.keys.slot, "GET", name)
+
     def _load(self, version: int) -> ReplicaState:
-        raw = self._client.get(self.keys.meta(version))
+        raw = self._get(self.keys.meta(version))
         if raw is None:
             raise RedisStoreError(
                 f"version {version} of model {self.keys.model!r} is not in Redis at "
@@ -342,18 +368,19 @@ class RedisStore:
         if meta.get("format") != FORMAT:
             raise RedisStoreError(
                 f"{self.keys.meta(version)} at {self.url} has format {meta.get('format')!r}, "
-                f"expected {FORMAT!r}"
+                f"expected {FORMAT!r} (published by another wuliang: publish it again)"
             )
+        layout = Layout.of(meta)
         tables = {
             name: _Table(
                 name,
                 int(info["dim"]),
-                self.keys.row_prefix(version, name),
+                [layout.cell_prefix(s, name) for s in range(layout.shards)],
                 RowCache(self.cache_rows, int(info["dim"])),
             )
             for name, info in meta["tables"].items()
         }
-        return ReplicaState(version, meta, self.keys.meta(version), tables)
+        return ReplicaState(version, meta, layout, tables)
 
     def _switch(self, target: int) -> bool:
         """Loads and prepares version target and makes it the current one
@@ -401,7 +428,7 @@ class RedisStore:
             return False
         with self._switch_lock:
             try:
-                target = int_or_none(self._client.get(self.keys.current))
+                target = int_or_none(self._get(self.keys.current))
                 if target is None:
                     if self._state is None:
                         return False  # not published yet
@@ -418,25 +445,33 @@ class RedisStore:
         return True
 
     def _heartbeat(self) -> None:
-        """Tells publishers which version this replica reads (its reader key)."""
+        """Tells publishers which version this replica reads (its entry in
+        the readers set)."""
         state = self._state
         if not self._heartbeats or state is None:
             return
+        member = f"{state.version}:{self.reader_id}"
         try:
-            self._client.set(self.keys.reader(self.reader_id), state.version, px=self.reader_ttl_ms)
-        except redis.ResponseError as error:  # e.g. a read-only ACL user
-            self._heartbeats = False
+            self._nodes.command(
+                self.keys.slot, "EVAL", _HEARTBEAT, 1, self.keys.readers,
+                member, self.reader_ttl_ms, self._member,
+            )  # fmt: skip
+            self._member = member
+        except RedisStoreError as error:
+            if "refused" not in str(error):  # unreachable: the follower retries
+                raise
+            self._heartbeats = False  # e.g. a read-only ACL user
             log.warning(
                 "model %s: cannot write %s at %s (%s); publishers will not see which "
                 "version this replica reads",
                 self.keys.model,
-                self.keys.reader(self.reader_id),
+                self.keys.readers,
                 self.url,
                 error,
             )
 
     def _subscribe(self) -> redis.client.PubSub:
-        pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        pubsub = self._nodes.client_of_slot(self.keys.slot).pubsub(ignore_subscribe_messages=True)
         pubsub.subscribe(self.keys.channel)
         return pubsub
 
@@ -491,15 +526,15 @@ class RedisStore:
         self._stop.set()
         self._thread.join(timeout=10)
         try:
-            self._client.delete(self.keys.reader(self.reader_id))
-        except redis.RedisError as error:  # it expires by itself
-            log.warning(
-                "could not remove %s at %s: %s", self.keys.reader(self.reader_id), self.url, error
-            )
+            if self._member:
+                self._nodes.command(self.keys.slot, "ZREM", self.keys.readers, self._member)
+        except (redis.RedisError, RedisStoreError) as error:  # it expires by itself
+            log.warning("could not remove %s from %s at %s: %s", self._member,
+                        self.keys.readers, self.url, error)  # fmt: skip
         if self._state is not None:
             for t in self._state.tables.values():
                 t.cache.clear()
-        self._client.close()
+        self._nodes.close()
 
     def __enter__(self) -> RedisStore:
         return self

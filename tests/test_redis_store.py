@@ -31,7 +31,7 @@ from wuliang.ps_server import SGD, Engine, RowChunk, TableSpec, UnknownTableErro
 from wuliang.ps_server.storage import ModelDescription, SparseInput, Version, VersionWriter
 from wuliang.serving import redis_publish, redis_replica
 from wuliang.serving.redis_cache import RowCache
-from wuliang.serving.redis_keys import Keys, RedisStoreError, row_keys
+from wuliang.serving.redis_keys import Keys, Layout, RedisStoreError, row_keys
 from wuliang.serving.redis_publish import publish
 from wuliang.serving.redis_replica import NoVersionError, RedisStore
 from wuliang.serving.versions import apply_chain
@@ -131,13 +131,13 @@ def assert_serves(store: RedisStore, engine: Engine, version: int, tables: list[
 
 
 def namespaces(client: redis.Redis, model: str) -> set[int]:
-    """The versions that have any key (rows or metadata) in Redis."""
-    base = f"wl:{model}:".encode()
-    found = set()
-    for name in client.scan_iter(match=f"wl:{model}:*", count=1000):
-        head = name[len(base) :].split(b":", 1)[0]
-        if head.isdigit():
-            found.add(int(head))
+    """The versions that have any key in Redis: listed in the index, a
+    metadata key, a sentinel."""
+    found = {int(v) for v in client.zrange(Keys(model).index, 0, -1)}
+    for name in client.scan_iter(match=f"wl:{{{model}*", count=1000):
+        parts = name.decode(errors="replace").split("}:", 1)[1].split(":")
+        if parts[-1] == "meta" or (len(parts) == 1 and parts[0].startswith("v")):
+            found.add(int(parts[0].lstrip("v")))
     return found
 
 
@@ -258,8 +258,9 @@ def test_the_pointer_flips_only_after_every_row_is_written(
     expected = {}
     for v in (1, 2):
         engine = engine_at(root, v)
+        layout = Layout.new("m", v, 1)  # generation v, one shard on one Redis
         names = [
-            name for t in DIMS for name in row_keys(keys.row_prefix(v, t), all_keys(engine, t))
+            name for t in DIMS for name in row_keys(layout.cell_prefix(0, t), all_keys(engine, t))
         ]
         expected[v] = names
         engine.close()
@@ -350,7 +351,7 @@ def test_a_lookup_on_a_retired_version_moves_to_the_current_one(
     store = RedisStore(redis_url, "m", cache_rows=0, poll_s=60)
     store._stop.set()  # its follower falls behind: it hears nothing more
     store._thread.join()
-    r.delete(store.keys.reader(store.reader_id))  # and its reader key expired
+    r.zrem(Keys("m").readers, store._member)  # and its reader entry expired
     for v in (2, 3):
         full(root, v, offset=v)
         publish(root, redis_url, retention=1)
@@ -371,7 +372,8 @@ def test_publishing_again_writes_nothing_and_rollback_rewrites_nothing(
 
     def writes() -> int:
         stats = r.info("commandstats")
-        return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("mset", "evalsha"))
+        calls = ("mset", "eval", "evalsha")
+        return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in calls)
 
     before, size = writes(), r.dbsize()
     again = publish(root, redis_url)
@@ -426,7 +428,8 @@ def test_a_publish_killed_midway_leaves_nothing_behind(
     full(root, 3, n=20)
     result = publish(root, redis_url, retention=1)  # removes the dead publish's rows too
     assert result.removed == [1, 2] and namespaces(r, "m") == {3}
-    assert r.dbsize() == 1 + 20 + 10 + 2  # metadata, rows; pointer, index
+    # metadata, cells, sentinel; pointer, index, generation map and counter
+    assert r.dbsize() == 1 + 20 + 10 + 1 + 4
 
 
 def test_a_publisher_that_lost_its_lock_changes_nothing_it_no_longer_owns(
@@ -453,7 +456,7 @@ def test_a_publisher_that_lost_its_lock_changes_nothing_it_no_longer_owns(
     r.set(keys.lock, "another publisher")  # its lock expired and someone took it
     thread.join(timeout=60)
     assert len(outcome) == 1 and isinstance(outcome[0], RedisStoreError), outcome
-    assert "lost the publish lock wl:m:lock" in str(outcome[0])
+    assert "lost the publish lock wl:{m}:lock" in str(outcome[0])
     assert int(r.get(keys.current)) == 1 and r.get(keys.lock) == b"another publisher"
     assert r.zscore(keys.index, "2") == 0  # its rows stay listed, not deleted: not its lock now
     assert 2 in namespaces(r, "m")

@@ -249,7 +249,13 @@ def _publish(args: argparse.Namespace) -> int:
     from wuliang.serving.redis_publish import publish
 
     result = publish(
-        args.export_dir, args.redis, args.model, args.version, retention=args.retention
+        args.export_dir,
+        args.redis,
+        args.model,
+        args.version,
+        retention=args.retention,
+        shards=args.shards,
+        full=args.full,
     )
     print(result.status())
     return 0
@@ -498,8 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--redis",
         metavar="URL",
-        help="serve the version wuliang publish made current in this Redis, through a local "
-        "hot cache, switching on each announcement",
+        help="serve the version wuliang publish made current in this Redis (or Redis Cluster: "
+        "redis+cluster://h1:p1,h2:p2), through a local hot cache, switching on each announcement",
     )
     srv.add_argument(
         "--model-config",
@@ -629,15 +635,19 @@ def build_parser() -> argparse.ArgumentParser:
         "publish",
         _publish,
         help="publish an export version to Redis for a fleet of serving replicas",
-        description="Writes every row of a version of EXPORT_DIR (its chain applied) to Redis "
-        "under the model's versioned keys, then makes it current in one atomic step and "
-        "announces it to the replicas (wuliang.serving.redis_publish); deletes the versions "
-        "beyond --retention that no replica reads. Publishing the current version again "
-        "writes nothing. Prints one status line, exits 1 with a message on failure.",
+        description="Writes a version of EXPORT_DIR to Redis or a Redis Cluster: a delta whose "
+        "parent chain is in Redis writes only the rows it changed or removed, anything else "
+        "every row of the version (its chain applied); then makes it current in one atomic "
+        "step and announces it to the replicas (wuliang.serving.redis_publish); deletes the "
+        "versions beyond --retention that no replica reads. Publishing the current version "
+        "again writes nothing. Prints one status line, exits 1 with a message on failure.",
     )
     pub.add_argument("--export-dir", required=True, help="versions 1/, 2/, ... and LATEST")
     pub.add_argument(
-        "--redis", required=True, metavar="URL", help="redis://[:password@]host:port/db"
+        "--redis",
+        required=True,
+        metavar="URL",
+        help="redis://[:password@]host:port/db, or a cluster: redis+cluster://h1:p1,h2:p2",
     )
     pub.add_argument(
         "--model", help="the model's name in Redis keys (default: the export directory's name)"
@@ -650,6 +660,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=2,
         help="versions kept in Redis, the new one included (and those replicas read)",
+    )
+    pub.add_argument(
+        "--full",
+        action="store_true",
+        help="write a full copy even if the version is a delta on top of what Redis holds",
+    )
+    pub.add_argument(
+        "--shards",
+        type=positive_int,
+        help="hash-tagged shards of a full copy (default: 1 on one Redis, 8 per cluster master)",
     )
     return parser
 
