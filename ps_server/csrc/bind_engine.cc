@@ -19,6 +19,7 @@
 #include "details/cache_twin.h"
 #include "details/cold_index.h"
 #include "details/hash_map.h"
+#include "details/os_memory.h"
 #include "details/row_file.h"
 #include "details/uring_reader.h"
 #include "wuliang/ps/engine.h"
@@ -1068,6 +1069,16 @@ PYBIND11_MODULE(_engine, m) {
       "Whether the disk tier reads through io_uring where the kernel allows it (the "
       "default) or on its thread pool of preads; returns the previous setting. For "
       "benchmarks comparing the two.");
+  m.def(
+      "memory_random_reads",
+      [](size_t bytes, size_t reads, size_t ahead) {
+        py::gil_scoped_release release;
+        return details::MeasureMemoryReads(bytes, reads, ahead);
+      },
+      "bytes"_a, "reads"_a, "ahead"_a,
+      "Random 64-byte reads/s of one thread from `bytes` of memory mapped as the engine "
+      "maps its pool (huge pages asked for), each prefetched `ahead` reads before (0: none): "
+      "what the memory system gives the engine's access pattern at that size.");
   m.attr("IO_URING_DEPTH") = details::UringReader::kDepth;  // reads in flight in one ring
   m.def(
       "io_uring_available",

@@ -2,9 +2,13 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <new>
+#include <random>
+#include <vector>
 
 namespace wuliang::ps::details {
 namespace {
@@ -50,6 +54,27 @@ void* MapPages(size_t bytes, size_t align) {
 
 void UnmapPages(void* p, size_t bytes) noexcept {
   if (p != nullptr) munmap(p, bytes);
+}
+
+double MeasureMemoryReads(size_t bytes, size_t reads, size_t ahead) {
+  constexpr size_t kLine = 64;
+  constexpr size_t kHuge = size_t{2} << 20;
+  bytes = std::max(bytes / kHuge, size_t{1}) * kHuge;
+  auto* base = static_cast<char*>(MapPages(bytes, kHuge));
+  const size_t lines = bytes / kLine;
+  std::vector<uint64_t> at(reads);
+  std::mt19937_64 rng(5);
+  for (uint64_t& a : at) a = (rng() % lines) * kLine;
+  uint64_t sum = 0;
+  const auto start = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < reads; ++i) {
+    if (ahead != 0 && i + ahead < reads) __builtin_prefetch(base + at[i + ahead]);
+    sum += *reinterpret_cast<const volatile uint64_t*>(base + at[i]);
+  }
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  UnmapPages(base, bytes);
+  return sum == 1 ? 0.0 : static_cast<double>(reads) / took;  // sum is 0: the pages are zeroed
 }
 
 }  // namespace wuliang::ps::details
