@@ -281,6 +281,8 @@ class Pools:
         if method == "Lookup":
             return M["LookupRequest"](table=table, keys=self.keys().tobytes(),
                                       missing=r.choice(["zeros", "initial", ""]))  # fmt: skip
+        if method == "Prefetch":
+            return self.pull().pull  # the pull's parts, as a prefetch sends them
         if method in ("Erase", "Contains", "ReadRows"):
             return M["KeysRequest"](table=table, keys=self.keys().tobytes())
         if method in ("Evict", "EvictByAge"):

@@ -686,10 +686,9 @@ void TableShard::Merge(const Overlay& overlay, const Clock& clock) {
   from.index_.ForEach([&](uint64_t key, char* const& src) {
     const uint64_t hash = Mix64(key);
     char** slot = index_.Find(key, hash);
+    // (CreateRow counts a key also on disk as in both tiers: its record is
+    // stale once the row, not backed, is written back.)
     char* row = slot != nullptr ? *slot : CreateRow(key, hash, clock, 0, /*blank=*/true);
-    // A key on disk only is now in both tiers, its record stale once the
-    // row is written back (the row is not backed: it changed).
-    if (slot == nullptr && tier_ && tier_->cold.Find(key, hash) != ColdIndex::kEmpty) ++tier_->both;
     if (layout_.precision == Precision::kFp32) {
       CopyFloats(RowLayout::Weights(row), RowLayout::Weights(src), dim);
     } else {  // same precision (the overlay has the live spec): encoded as is
