@@ -631,19 +631,13 @@ void TableShard::Lookup(const ShardBatch& batch, float* out, uint8_t* found, boo
 
 bool TableShard::ReadRow(uint64_t key, uint64_t hash, float* dst, bool init_missing) const {
   const int dim = layout_.dim;
+  const auto decode = [&](const char* hot) {
+    WithPrecision(layout_.precision,
+                  [&](auto precision) { ReadWeights<decltype(precision)::value>(hot, dim, dst); });
+  };
   char* const* row = index_.Find(key, hash);
   if (row != nullptr) {
-    switch (layout_.precision) {
-      case Precision::kFp32:
-        ReadWeights<Precision::kFp32>(*row, dim, dst);
-        break;
-      case Precision::kFp16:
-        ReadWeights<Precision::kFp16>(*row, dim, dst);
-        break;
-      case Precision::kInt8:
-        ReadWeights<Precision::kInt8>(*row, dim, dst);
-        break;
-    }
+    decode(*row);
     return true;
   }
   if (tier_ && tier_->cold.size() != 0) {
@@ -654,18 +648,7 @@ bool TableShard::ReadRow(uint64_t key, uint64_t hash, float* dst, bool init_miss
       thread_local std::vector<char> record;
       record.resize(RecordBytes());
       tier_->file->Read(loc, record.data());
-      const char* hot = record.data() + sizeof(uint64_t);  // the record: key | hot | cold
-      switch (layout_.precision) {
-        case Precision::kFp32:
-          ReadWeights<Precision::kFp32>(hot, dim, dst);
-          break;
-        case Precision::kFp16:
-          ReadWeights<Precision::kFp16>(hot, dim, dst);
-          break;
-        case Precision::kInt8:
-          ReadWeights<Precision::kInt8>(hot, dim, dst);
-          break;
-      }
+      decode(record.data() + sizeof(uint64_t));  // the record: key | hot | cold
       tier_->lookup_reads.fetch_add(1, std::memory_order_relaxed);
       return true;
     }
