@@ -27,11 +27,21 @@ Every call has a deadline (``timeout`` seconds, per client or per call) and
 raises ``ServingClientError`` (with the gRPC ``code`` name and the server's
 message) instead of a raw ``grpc.RpcError``; ``healthy()`` answers False
 instead when the server is unreachable or not serving.
+
+A call the server shed under overload (RESOURCE_EXHAUSTED carrying
+``grpc-retry-pushback-ms``, ``wuliang.serving.overload``) is sent again, up
+to ``retries`` times, after a pause: the server's pushback (at least
+``RETRY_BASE_SECONDS``) doubled at each try, at most ``RETRY_MAX_SECONDS``,
+times a random factor in [0.5, 1.5) (jitter: clients shed together do not
+come back together), and never past the call's deadline. Any other error,
+a request too large included, is raised at once.
 """
 
 from __future__ import annotations
 
 import os
+import random
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,8 +55,12 @@ from wuliang.ps_server.rpc.auth import bearer
 from wuliang.serving import proto
 from wuliang.serving.errors import InvalidArgument
 from wuliang.serving.features import parse_keys
+from wuliang.serving.grpc_common import PUSHBACK_KEY
 
-__all__ = ["Client", "ServingClientError"]
+__all__ = ["RETRY_BASE_SECONDS", "RETRY_MAX_SECONDS", "Client", "ServingClientError"]
+
+RETRY_BASE_SECONDS = 0.01  # the least pause before sending a shed call again
+RETRY_MAX_SECONDS = 1.0  # the longest
 
 
 class ServingClientError(Exception):
@@ -68,6 +82,7 @@ class Client:
         tls_root: the CA certificate to trust (PEM bytes, or the path of a
             PEM file) for a server speaking TLS; None: plain TCP.
         model: the default model of calls ("": the server's only one).
+        retries: times a call the server shed is sent again (0: never).
     """
 
     def __init__(
@@ -77,7 +92,10 @@ class Client:
         timeout: float = 5.0,
         tls_root: bytes | str | os.PathLike | None = None,
         model: str = "",
+        retries: int = 3,
     ) -> None:
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"retries must be an int >= 0, got {retries!r}")
         options = [("grpc.max_receive_message_length", 256 << 20)]
         if tls_root is None:
             self.channel = grpc.insecure_channel(address, options=options)
@@ -87,6 +105,8 @@ class Client:
             self.channel = grpc.secure_channel(address, credentials, options=options)
         self.timeout = timeout
         self.model = model
+        self.retries = retries
+        self._random = random.Random()
         self.metadata = bearer(token) if token else ()
         self._calls = {
             method: self.channel.unary_unary(
@@ -99,14 +119,39 @@ class Client:
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     def _call(self, method: str, request: Any, timeout: float | None) -> Any:
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        attempt = 0
+        while True:
+            try:
+                return self._calls[method](
+                    request,
+                    timeout=max(deadline - time.monotonic(), 0.0),
+                    metadata=self.metadata,
+                )
+            except grpc.RpcError as error:
+                pause = self._pause(error, attempt)
+                if pause is None or time.monotonic() + pause >= deadline:
+                    raise ServingClientError(error.code().name, error.details() or "") from None
+            time.sleep(pause)
+            attempt += 1
+
+    def _pause(self, error: grpc.RpcError, attempt: int) -> float | None:
+        """Seconds to wait before sending a shed call again; None: raise."""
+        if attempt >= self.retries or error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return None
+        trailers = getattr(error, "trailing_metadata", lambda: None)() or ()
+        pushback = next((value for key, value in trailers if key == PUSHBACK_KEY), None)
+        if pushback is None:  # not shed: a request too large, ...
+            return None
         try:
-            return self._calls[method](
-                request,
-                timeout=self.timeout if timeout is None else timeout,
-                metadata=self.metadata,
-            )
-        except grpc.RpcError as error:
-            raise ServingClientError(error.code().name, error.details() or "") from None
+            wait_ms = int(pushback)
+        except ValueError:
+            wait_ms = 0
+        if wait_ms < 0:  # gRPC's pushback for "do not retry"
+            return None
+        base = max(wait_ms / 1e3, RETRY_BASE_SECONDS)
+        pause = min(base * 2**attempt, RETRY_MAX_SECONDS)
+        return pause * self._random.uniform(0.5, 1.5)
 
     def lookup(
         self, table: str, keys: Any, model: str | None = None, timeout: float | None = None

@@ -62,3 +62,17 @@ class Unimplemented(ServingError):
 
     code = "UNIMPLEMENTED"
     http_status = 501
+
+
+class Overloaded(ServingError):
+    """Shed: the API's queue is full, or the request would wait longer than
+    allowed (``wuliang.serving.overload``). RESOURCE_EXHAUSTED over gRPC
+    with ``grpc-retry-pushback-ms``, HTTP 503 with ``Retry-After``; a client
+    retries it after ``retry_ms`` milliseconds or so."""
+
+    code = "RESOURCE_EXHAUSTED"
+    http_status = 503
+
+    def __init__(self, message: str, retry_ms: int) -> None:
+        super().__init__(message)
+        self.retry_ms = retry_ms

@@ -35,7 +35,8 @@ from wuliang.ps_server.storage import ModelDescription
 from wuliang.serving import proto
 from wuliang.serving.errors import InvalidArgument, ServingError
 from wuliang.serving.features import string_keys_of_bytes
-from wuliang.serving.grpc_common import details, parse, token
+from wuliang.serving.grpc_common import abort, on_pool, parse, token
+from wuliang.serving.overload import Shedding, SheddingPool, take_shed
 from wuliang.serving.predict import FeatureInput
 from wuliang.serving.service import Service
 from wuliang.serving.tfs.grpc import tfs_handlers
@@ -43,6 +44,7 @@ from wuliang.serving.tfs.grpc import tfs_handlers
 __all__ = ["GrpcServer", "features", "serving_handler"]
 
 log = logging.getLogger("wuliang.serving")
+CONTROL_THREADS = 2  # threads answering status, metadata and health (never shed)
 MAX_SEND_BYTES = 256 << 20  # an answer (a lookup of 100,000 keys of dim 128 is 51 MB)
 
 
@@ -67,11 +69,14 @@ class _Handlers:
         def handle(request: bytes, context: grpc.ServicerContext) -> Any:
             try:
                 with self.service.observed("grpc", endpoint):
+                    shed = take_shed()
+                    if shed is not None:
+                        raise shed
                     if self.service.token is not None:
                         self.service.authorize(token(context))
                     return body(parse(message, request))
             except ServingError as error:
-                context.abort(getattr(grpc.StatusCode, error.code), details(error))
+                abort(context, error)
             except Exception:
                 log.exception("gRPC %s failed", endpoint)
                 context.abort(grpc.StatusCode.INTERNAL, f"{endpoint} failed inside the server")
@@ -153,18 +158,18 @@ def features(request: Any, description: ModelDescription) -> tuple[dict[str, Fea
 
 
 def serving_handler(
-    service: Service, lookup_pool: ThreadPoolExecutor | None = None
+    service: Service,
+    lookup_pool: ThreadPoolExecutor | None = None,
+    predict_pool: ThreadPoolExecutor | None = None,
 ) -> grpc.GenericRpcHandler:
-    """The ``wuliang.serving.Serving`` methods over ``service``; lookups run
-    on ``lookup_pool`` when given (else on the server's pool)."""
+    """The ``wuliang.serving.Serving`` methods over ``service``; lookups and
+    predictions run on ``lookup_pool`` and ``predict_pool`` when given (else
+    on the server's pool, as status does)."""
     handlers = _Handlers(service)
     bodies = {"Lookup": handlers.lookup, "Predict": handlers.predict, "Status": handlers.status}
     calls = {method: handlers.call(method, body) for method, body in bodies.items()}
-    if lookup_pool is not None:
-        # grpcio runs a handler carrying this attribute on that pool instead of
-        # the server's (grpc._server._select_thread_pool_for_behavior); a
-        # grpcio without it runs lookups on the server's pool, just slower.
-        calls["Lookup"].experimental_thread_pool = lookup_pool  # type: ignore[attr-defined]
+    on_pool(calls["Lookup"], lookup_pool)
+    on_pool(calls["Predict"], predict_pool)
     return grpc.method_handlers_generic_handler(
         proto.SERVICE,
         {
@@ -184,9 +189,12 @@ def serving_handler(
 class GrpcServer:
     """A started gRPC server (``port``: the bound port); ``stop()`` ends it.
 
-    Lookups run on a pool of ``lookup_threads`` threads, the other calls
-    (predictions, status, health) on one of ``predict_threads``; a slow
-    prediction never holds lookups up. Both default to 2: a request is
+    Lookups run on a pool of ``lookup_threads`` threads, predictions (both
+    APIs') on one of ``predict_threads``; a slow prediction never holds
+    lookups up. Each of the two is a ``SheddingPool``: a call that would
+    wait too long is answered RESOURCE_EXHAUSTED at once (``shedding``,
+    ``wuliang.serving.overload``). Status, metadata and health run on a pool
+    of their own (``CONTROL_THREADS``), never shed. Both default to 2: a request is
     mostly Python work under the GIL (grpcio's and the handler's; the engine
     and TensorFlow release it), so two threads overlap the released part of
     one request with the Python of another, and more threads only contend
@@ -204,7 +212,8 @@ class GrpcServer:
         port: the port (0: a free one).
         tls: serve TLS with this certificate and key (``ServerTls``); None: plain.
         lookup_threads: threads answering lookups.
-        predict_threads: threads answering the other calls.
+        predict_threads: threads answering predictions.
+        shedding: the bounds of both pools' queues (default: ``Shedding()``).
 
     Raises:
         OSError: the port cannot be bound (the message names it and why).
@@ -218,6 +227,7 @@ class GrpcServer:
         tls: ServerTls | None = None,
         lookup_threads: int = 2,
         predict_threads: int = 2,
+        shedding: Shedding | None = None,
     ) -> None:
         for name, value in (
             ("lookup_threads", lookup_threads),
@@ -232,20 +242,27 @@ class GrpcServer:
         ]
         self.service = service
         self.tls = tls
-        self.lookup_pool = ThreadPoolExecutor(lookup_threads, thread_name_prefix="wuliang-lookup")
-        self.pool = ThreadPoolExecutor(predict_threads, thread_name_prefix="wuliang-grpc")
+        shedding = Shedding() if shedding is None else shedding
+        self.lookup_queue = shedding.queue("grpc Lookup", lookup_threads)
+        self.predict_queue = shedding.queue("grpc Predict", predict_threads)
+        self.shed_pool = ThreadPoolExecutor(1, thread_name_prefix="wuliang-shed")
+        self.lookup_pool = SheddingPool(self.lookup_queue, self.shed_pool, "wuliang-lookup")
+        self.predict_pool = SheddingPool(self.predict_queue, self.shed_pool, "wuliang-predict")
+        self.pool = ThreadPoolExecutor(CONTROL_THREADS, thread_name_prefix="wuliang-grpc")
+        self.pools = (self.lookup_pool, self.predict_pool, self.shed_pool, self.pool)
+        service.metrics.queues.extend((self.lookup_queue, self.predict_queue))
         self.server = grpc.server(self.pool, options=options)
-        self.server.add_generic_rpc_handlers((serving_handler(service, self.lookup_pool),))
-        self.server.add_generic_rpc_handlers(tfs_handlers(service))
+        self.server.add_generic_rpc_handlers(
+            (serving_handler(service, self.lookup_pool, self.predict_pool),)
+        )
+        self.server.add_generic_rpc_handlers(tfs_handlers(service, self.predict_pool))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = grpc_address(host, port)
         if port:  # a port that cannot be bound: said here, not in grpcio's log
             probe = listen_error(host, port, "gRPC", probe_only=True)
             if probe is not None:
-                self.server.stop(None)
-                self.lookup_pool.shutdown(wait=False)
-                self.pool.shutdown(wait=False)
+                self._end_pools(wait=False)
                 raise probe
         try:
             if tls is None:
@@ -255,9 +272,7 @@ class GrpcServer:
         except RuntimeError:  # grpcio: "Failed to bind to address ..."
             self.port = 0
         if self.port == 0:
-            self.server.stop(None)
-            self.lookup_pool.shutdown(wait=False)
-            self.pool.shutdown(wait=False)
+            self._end_pools(wait=False)
             raise listen_error(host, port, "gRPC")
         service.listeners.append(self.update_health)  # versions applied, models changed
         self.update_health()
@@ -273,7 +288,15 @@ class GrpcServer:
         for name in ("", proto.SERVICE, "tensorflow.serving.PredictionService"):
             self.health.set(name, status)
 
+    def _end_pools(self, wait: bool) -> None:
+        if not wait:
+            self.server.stop(None)
+        for pool in self.pools:
+            pool.shutdown(wait=wait)
+        for queue in (self.lookup_queue, self.predict_queue):
+            if queue in self.service.metrics.queues:
+                self.service.metrics.queues.remove(queue)
+
     def stop(self, grace: float | None = 1.0) -> None:
         self.server.stop(grace).wait()
-        self.lookup_pool.shutdown(wait=True)
-        self.pool.shutdown(wait=True)
+        self._end_pools(wait=True)

@@ -74,6 +74,12 @@ Design:
   lookups/s, with 146 vs 174 predictions/s). So small lookups stay inline.
   Bigger ones go to the pool (parsing 100,000 keys takes 18 ms as numbers,
   85 ms as strings), so the loop is never held long.
+* Overload is shed early (``wuliang.serving.overload``): once its body is
+  read, a lookup or prediction is answered 503 with ``Retry-After`` at once
+  while the event loop runs late (``LoopLag``: the wait of every request
+  the loop has not read yet) beyond ``max_queue_ms``, and a request for the
+  pool also when the pool's queue (``ApiQueue``) is full or would keep it
+  waiting too long. Health, metrics, status and metadata are never shed.
 """
 
 from __future__ import annotations
@@ -81,9 +87,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import socket
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -96,9 +104,17 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from wuliang.ps_server.rpc.net import listen_error
 from wuliang.ps_server.rpc.tls import ServerTls
-from wuliang.serving.errors import InvalidArgument, NotFound, ServingError, TooLarge, Unimplemented
+from wuliang.serving.errors import (
+    InvalidArgument,
+    NotFound,
+    Overloaded,
+    ServingError,
+    TooLarge,
+    Unimplemented,
+)
 from wuliang.serving.http_json import PredictRequest, lookup_keys
 from wuliang.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from wuliang.serving.overload import LoopLag, Shedding
 from wuliang.serving.service import Service
 from wuliang.serving.tfs import answers
 
@@ -161,8 +177,14 @@ def _json(payload: Any, status: int = 200) -> web.Response:
     )
 
 
-def _error(status: int, message: str) -> web.Response:
-    response = _json({"error": message}, status)
+def _error(status: int, message: str, retry_ms: int | None = None) -> web.Response:
+    """``{"error": message}``; a shed request's also says when to retry
+    (``retry_after_ms``, and ``Retry-After`` in whole seconds, at least 1)."""
+    if retry_ms is None:
+        response = _json({"error": message}, status)
+    else:
+        response = _json({"error": message, "retry_after_ms": retry_ms}, status)
+        response.headers["Retry-After"] = str(max(1, math.ceil(retry_ms / 1e3)))
     if status == 401:
         response.headers["WWW-Authenticate"] = 'Bearer realm="wuliang"'
     return response
@@ -224,12 +246,18 @@ class _Api:
         executor: ThreadPoolExecutor,
         inline_bytes: int,
         body_seconds: float = 30.0,
+        shedding: Shedding | None = None,
+        workers: int = WORKERS,
     ) -> None:
+        shedding = Shedding() if shedding is None else shedding
         self.service = service
         self.executor = executor
         self.max_body_bytes = service.max_request_bytes
         self.body_seconds = body_seconds
         self.inline_bytes = inline_bytes
+        self.pool_queue = shedding.queue("http pool", workers)
+        self.max_lag = shedding.max_queue_ms / 1e3
+        self.lag = LoopLag()
 
     def application(self) -> web.Application:
         @web.middleware
@@ -289,7 +317,7 @@ class _Api:
                 except web.HTTPRequestEntityTooLarge:
                     raise self._too_large(None) from None
         except ServingError as error:
-            response = _error(error.http_status, str(error))
+            response = _error(error.http_status, str(error), getattr(error, "retry_ms", None))
             if isinstance(error, BodyError):  # the rest of the body cannot be trusted
                 response.force_close()
             return response
@@ -321,10 +349,36 @@ class _Api:
             reason = getattr(error.__cause__, "message", None) or str(error).split("\n")[-1]
             raise UnreadableBody(f"the request body cannot be read: {reason.strip()}") from None
 
+    def _admit(self) -> None:
+        """Overloaded while the loop runs later than ``max_queue_ms``."""
+        lag = self.lag.seconds
+        if self.max_lag and lag > self.max_lag:
+            retry_ms = max(1, round(lag * 1e3))
+            raise Overloaded(
+                f"overloaded: the HTTP server runs {lag * 1e3:.1f} ms behind "
+                f"(max_queue_ms {self.max_lag * 1e3:g}); retry in {retry_ms} ms",
+                retry_ms,
+            )
+
     async def _run(self, inline: bool, work: Callable[..., Any], *args: Any) -> Any:
+        """``work(*args)`` on the loop (``inline``) or in the pool, once admitted."""
+        self._admit()
         if inline:
             return work(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.executor, work, *args)
+        self.pool_queue.admit(self.lag.seconds)
+        took: list[float] = []
+
+        def timed() -> Any:
+            start = time.perf_counter()
+            try:
+                return work(*args)
+            finally:
+                took.append(time.perf_counter() - start)
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, timed)
+        finally:
+            self.pool_queue.done(took[0] if took else None)
 
     # -- endpoints ------------------------------------------------------------------
 
@@ -406,6 +460,8 @@ class HttpServer:
             the pool.
         body_seconds: how long a request body may take to arrive (408 after).
         grace: seconds ``stop()`` lets requests in flight finish.
+        shedding: the bounds of the loop's lag and the pool's queue
+            (default: ``Shedding()``).
     """
 
     def __init__(
@@ -418,6 +474,7 @@ class HttpServer:
         inline_bytes: int = INLINE_BYTES,
         body_seconds: float = 30.0,
         grace: float = 1.0,
+        shedding: Shedding | None = None,
     ) -> None:
         self.service = service
         self.tls = tls
@@ -428,7 +485,9 @@ class HttpServer:
             raise listen_error(host, port, "HTTP", error) from None
         self.port: int = self._socket.getsockname()[1]
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="wuliang-http")
-        api = _Api(service, self._executor, inline_bytes, body_seconds)
+        api = _Api(service, self._executor, inline_bytes, body_seconds, shedding, workers)
+        self._api = api
+        service.metrics.queues.append(api.pool_queue)
         self._runner = web.AppRunner(
             api.application(),
             access_log=None,
@@ -449,6 +508,7 @@ class HttpServer:
             self._thread.join()
             self._executor.shutdown()
             self._socket.close()
+            service.metrics.queues.remove(api.pool_queue)
             raise
         self._stopped = False
 
@@ -458,6 +518,7 @@ class HttpServer:
             self._loop.run_until_complete(self._runner.setup())
             site = web.SockSite(self._runner, self._socket, ssl_context=self._ssl)
             self._loop.run_until_complete(site.start())
+            self._api.lag.start(self._loop)
         except BaseException as error:
             self._loop.close()
             started.set_exception(error)
@@ -485,10 +546,13 @@ class HttpServer:
         try:
             cleanup.result(timeout=self._grace + 10)
         finally:
+            self._loop.call_soon_threadsafe(self._api.lag.stop)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             self._executor.shutdown(wait=True)
             self._socket.close()
+            if self._api.pool_queue in self.service.metrics.queues:
+                self.service.metrics.queues.remove(self._api.pool_queue)
 
     def __enter__(self) -> HttpServer:
         return self

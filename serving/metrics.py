@@ -6,6 +6,10 @@ one process, as in tests, keep their own counts):
 * ``wuliang_requests_total{transport, endpoint, code}``: requests answered,
   by gRPC status name (``OK``, ``INVALID_ARGUMENT`` …);
 * ``wuliang_request_seconds{transport, endpoint}``: latency histogram;
+* ``wuliang_shed_total{transport, endpoint}``: requests shed by overload
+  (``overload``; also counted as ``RESOURCE_EXHAUSTED`` above), and
+  ``wuliang_queue_requests{queue}``: each bounded queue's requests admitted
+  and not yet answered, read at scrape time;
 * ``wuliang_lookup_keys_total{model, table}``: keys looked up;
 * ``wuliang_served_version{model}``, ``wuliang_served_step{model}``;
 * ``wuliang_table_rows{model, table}``, ``wuliang_table_bytes{model, table}``
@@ -78,7 +82,15 @@ class Metrics:
             buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300),
             registry=self.registry,
         )
+        self.shed = Counter(
+            "wuliang_shed_total",
+            "Requests shed by overload (RESOURCE_EXHAUSTED, HTTP 503), by transport and endpoint.",
+            ["transport", "endpoint"],
+            registry=self.registry,
+        )
+        self.queues: list[Any] = []  # overload.ApiQueue s, added by the servers
         self.registry.register(_StoreCollector(stores))
+        self.registry.register(_QueueCollector(self.queues))
         self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         self._keys: dict[tuple[str, str], Any] = {}
 
@@ -99,6 +111,26 @@ class Metrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _QueueCollector:
+    """Each bounded queue's in-flight requests, when scraped."""
+
+    def __init__(self, queues: list[Any]) -> None:
+        self.queues = queues
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterable[Any]:
+        family = GaugeMetricFamily(
+            "wuliang_queue_requests",
+            "Requests a bounded queue admitted and has not answered yet.",
+            labels=["queue"],
+        )
+        for queue in self.queues:
+            family.add_metric([queue.name], queue.in_flight)
+        yield family
 
 
 class _StoreCollector:

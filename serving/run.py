@@ -36,6 +36,7 @@ from wuliang.serving.device_cache import check_cache_rows
 from wuliang.serving.grpc_server import GrpcServer
 from wuliang.serving.model import ServedModel
 from wuliang.serving.model_config import ModelConfigWatcher
+from wuliang.serving.overload import DEFAULT_MAX_QUEUE_MS, Shedding
 from wuliang.serving.service import MAX_REQUEST_BYTES, Service
 from wuliang.serving.store import ModelStore
 from wuliang.serving.tfs.config import ModelEntry
@@ -72,6 +73,8 @@ class ServeOptions:
     memory_gb: float | None = None
     model_config: Path | None = None  # TensorFlow Serving's model config file
     model_config_poll_secs: float = 0.0  # 0: re-read on SIGHUP only
+    max_queue: int | None = None  # requests waiting per pool (None: 4 per worker; 0: no bound)
+    max_queue_ms: float = DEFAULT_MAX_QUEUE_MS  # the longest admitted wait (0: no bound)
 
 
 @dataclass
@@ -127,6 +130,7 @@ def check_options(options: ServeOptions) -> None:
     if (options.tls_cert is None) != (options.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
     check_cache_rows(options.gpu_cache_rows, "--gpu-cache-rows")
+    shedding(options)
     if options.memory_gb is not None and options.disk_dir is None:
         raise ValueError("--memory-gb is the disk tier's budget: it goes with --disk-dir")
     if options.memory_gb is not None and not options.memory_gb > 0:
@@ -150,6 +154,12 @@ def check_options(options: ServeOptions) -> None:
                 "by the embedded engine; with --redis rows come through its own host cache "
                 "(leave --gpu-cache-rows out or 0)"
             )
+
+
+def shedding(options: ServeOptions) -> Shedding:
+    """The queues' bounds (``--max-queue``, ``--max-queue-ms``); ValueError
+    for values out of range."""
+    return Shedding(options.max_queue, options.max_queue_ms)
 
 
 def make_store(options: ServeOptions) -> ServedModel:
@@ -236,14 +246,18 @@ def start(options: ServeOptions) -> Running:
     grpc_server = http = None
     try:
         try:
-            grpc_server = GrpcServer(service, options.host, options.port, tls=tls)
+            grpc_server = GrpcServer(
+                service, options.host, options.port, tls=tls, shedding=shedding(options)
+            )
         except OSError as error:
             raise OSError(f"{error} (--port {options.port})") from None
         if options.http_port >= 0:
             from wuliang.serving.http_server import HttpServer
 
             try:
-                http = HttpServer(service, options.host, options.http_port, tls=tls)
+                http = HttpServer(
+                    service, options.host, options.http_port, tls=tls, shedding=shedding(options)
+                )
             except OSError as error:
                 raise OSError(f"{error} (--http-port {options.http_port})") from None
         for store in stores:

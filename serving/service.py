@@ -42,6 +42,7 @@ from wuliang.ps_server.rpc.auth import token_matches
 from wuliang.serving.errors import (
     InvalidArgument,
     NotFound,
+    Overloaded,
     ServingError,
     TooLarge,
     Unauthenticated,
@@ -80,6 +81,8 @@ class _Observed:
             code = "OK"
         else:
             code = error.code if isinstance(error, ServingError) else "INTERNAL"
+            if isinstance(error, Overloaded):
+                self.metrics.shed.labels(self.transport, self.endpoint).inc()
         self.metrics.observe(self.transport, self.endpoint, code, time.perf_counter() - self.start)
 
 

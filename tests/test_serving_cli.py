@@ -116,6 +116,8 @@ def test_bad_tls_files_are_named(tmp_path: Path, certificate: tuple[Path, Path])
         (["--redis", "redis://127.0.0.1:1/0"], "--redis needs --model"),
         (["--exports", ".", "--port", "70000"], "--port"),
         (["--exports", ".", "--max-request-bytes", "0"], "--max-request-bytes"),
+        (["--exports", ".", "--max-queue", "-1"], "--max-queue"),
+        (["--exports", ".", "--max-queue-ms", "nan"], "--max-queue-ms"),
     ],
 )  # fmt: skip
 def test_options_that_do_not_go_together_are_usage_errors(args: list[str], named: str) -> None:

@@ -29,7 +29,13 @@ Design:
   oracle's: the same error (gRPC code and details, HTTP status and
   ``{"error": message}``) or the same result; a deadline (10 s a request)
   or a connection reset is a failure.
-* Requests go 8 to 16 at a time (gRPC futures, asyncio tasks for HTTP).
+* Requests go 8 to 16 at a time (gRPC futures, asyncio tasks for HTTP),
+  more than the server's pools answer at once, so some are shed
+  (``wuliang.serving.overload``): a shed answer is a correct one when it is
+  well formed (RESOURCE_EXHAUSTED "overloaded: ..." with a retry pushback;
+  503 with ``Retry-After`` and ``retry_after_ms``), and at most
+  ``MAX_SHED_SHARE`` of an endpoint's answers may be shed, so that the rest
+  still check the parsing.
 * Afterwards the valid pool is sent again over both transports and checked
   against the trainer's engine, and a batch's predictions against the
   trainer's (1e-5); the metrics must show no INTERNAL, the log no ERROR
@@ -66,7 +72,7 @@ from small_model import trained_export
 
 from wuliang.serving import proto
 from wuliang.serving.errors import ServingError
-from wuliang.serving.grpc_common import details, parse
+from wuliang.serving.grpc_common import PUSHBACK_KEY, details, parse
 from wuliang.serving.grpc_server import _Handlers
 from wuliang.serving.http_server import _Api, _json
 from wuliang.serving.service import Service
@@ -81,6 +87,7 @@ MAX_KEYS = 2048
 MAX_BODY = 256 << 10
 TIMEOUT = 10.0
 GRPC_IN_FLIGHT = 8
+MAX_SHED_SHARE = 0.5
 HTTP_IN_FLIGHT = 16
 RSS_GROWTH_MB = 40
 SCRIPT = Path(__file__).with_name("serving_process.py")
@@ -396,6 +403,12 @@ def run_grpc(
                 got: tuple[str, Any] = ("OK", proto.RESPONSES[method].FromString(data))
             except grpc.RpcError as error:
                 got = (error.code().name, error.details())
+                if got[0] == "RESOURCE_EXHAUSTED" and got[1].startswith("overloaded: "):
+                    pushback = dict(error.trailing_metadata() or ()).get(PUSHBACK_KEY, "")
+                    counts[f"grpc {method} shed"] += 1
+                    if not pushback.isdigit():
+                        failures.append(f"gRPC {method} {name}: shed without a pushback")
+                    return
             want = oracle(method, payload)
             counts[f"grpc {method} {got[0]}"] += 1
             if got[0] != want[0] or (
@@ -724,11 +737,18 @@ async def run_http(
                 data = await response.read()
                 status = response.status
                 content_type = response.content_type
+                retry_after = response.headers.get("Retry-After")
         except Exception as error:  # a reset, a deadline …
             failures.append(f"HTTP {endpoint} {name} {method} {path!r}: {error!r}")
             return
-        counts[f"http {endpoint} {status}"] += 1
         where = f"HTTP {endpoint} {name} {method} {path!r} {(body or b'')[:80]!r}"
+        if status == 503 and retry_after is not None:  # shed
+            counts[f"http {endpoint} shed"] += 1
+            answer = json.loads(data)
+            if not retry_after.isdigit() or not answer["error"].startswith("overloaded: "):
+                failures.append(f"{where}: shed as {retry_after!r} {answer}")
+            return
+        counts[f"http {endpoint} {status}"] += 1
         if expect[0] == "encoding":
             if status not in expect[1]:
                 failures.append(f"{where} {headers}: got {status} {data[:200]!r}")
@@ -813,7 +833,9 @@ def test_random_and_mutated_requests(
     every = {k.rsplit(" ", 1)[0] for k in counts}
     for endpoint in ("grpc Lookup", "grpc Predict", "grpc Status", "http Predict",
                      "http Lookup", "http Status"):  # fmt: skip
-        assert sum(n for k, n in counts.items() if k.startswith(endpoint + " ")) >= PER_ENDPOINT
+        answered = sum(n for k, n in counts.items() if k.startswith(endpoint + " "))
+        assert answered >= PER_ENDPOINT
+        assert counts[f"{endpoint} shed"] <= MAX_SHED_SHARE * answered, summary
         assert endpoint in every
 
     # Valid requests still answer correctly: lookups equal the trainer's

@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
 
 from wuliang.ps_server.storage import ModelDescription
 from wuliang.serving.errors import FailedPrecondition, InvalidArgument, ServingError, Unimplemented
-from wuliang.serving.grpc_common import details, parse, token
+from wuliang.serving.grpc_common import abort, on_pool, parse, token
+from wuliang.serving.overload import take_shed
 from wuliang.serving.service import Service
 from wuliang.serving.tfs import answers, proto, tensors
 
@@ -146,9 +148,11 @@ class _Methods:
         return response
 
 
-def tfs_handlers(service: Service) -> list[grpc.GenericRpcHandler]:
+def tfs_handlers(
+    service: Service, predict_pool: ThreadPoolExecutor | None = None
+) -> list[grpc.GenericRpcHandler]:
     """TensorFlow Serving's two services over ``service`` (see the module
-    docstring)."""
+    docstring); predictions run on ``predict_pool`` when given."""
     methods = _Methods(service)
 
     def call(endpoint: str, message: Any, body: Callable[[Any], Any] | None) -> Any:
@@ -157,13 +161,16 @@ def tfs_handlers(service: Service) -> list[grpc.GenericRpcHandler]:
         def handle(request: bytes, context: grpc.ServicerContext) -> Any:
             try:
                 with service.observed("grpc", metric):
+                    shed = take_shed()
+                    if shed is not None:
+                        raise shed
                     if service.token is not None:
                         service.authorize(token(context))
                     if body is None:
                         raise Unimplemented(_UNIMPLEMENTED[endpoint])
                     return body(parse(message, request)).SerializeToString()
             except ServingError as error:
-                context.abort(getattr(grpc.StatusCode, error.code), details(error))
+                abort(context, error)
             except Exception:
                 log.exception("gRPC %s failed", metric)
                 context.abort(grpc.StatusCode.INTERNAL, f"{endpoint} failed inside the server")
@@ -172,8 +179,10 @@ def tfs_handlers(service: Service) -> list[grpc.GenericRpcHandler]:
             handle, request_deserializer=None, response_serializer=None
         )
 
+    predict = call("Predict", proto.PredictRequest, methods.predict)
+    on_pool(predict.unary_unary, predict_pool)
     prediction = {
-        "Predict": call("Predict", proto.PredictRequest, methods.predict),
+        "Predict": predict,
         "GetModelMetadata": call(
             "GetModelMetadata", proto.GetModelMetadataRequest, methods.metadata
         ),

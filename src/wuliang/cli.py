@@ -219,6 +219,8 @@ def _serve_options(args: argparse.Namespace) -> Any:
         memory_gb=args.memory_gb,
         model_config=path(args.model_config),
         model_config_poll_secs=args.model_config_poll_secs,
+        max_queue=args.max_queue,
+        max_queue_ms=args.max_queue_ms,
     )
 
 
@@ -477,6 +479,22 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=16 << 20,
         help="bytes of one request (HTTP body or gRPC message)",
+    )
+    srv.add_argument(
+        "--max-queue",
+        type=bounded_int(0),
+        metavar="N",
+        help="requests that may wait for a busy pool (lookups, predictions; each transport) "
+        "before more are shed at once: RESOURCE_EXHAUSTED, HTTP 503 with Retry-After "
+        "(default: 4 per thread of the pool; 0: no bound)",
+    )
+    srv.add_argument(
+        "--max-queue-ms",
+        type=non_negative_float,
+        default=10.0,
+        metavar="MS",
+        help="shed at once a lookup or prediction that would wait longer than MS for a "
+        "thread (0: no bound; with --max-queue 0, nothing is shed)",
     )
     srv.add_argument("--shards", type=bounded_int(1, 1024), default=2, help="engine shard threads")
     srv.add_argument(

@@ -1,0 +1,355 @@
+"""Overload is shed early: a lookup or prediction that would wait too long
+is answered at once (gRPC RESOURCE_EXHAUSTED with a retry pushback, HTTP 503
+with Retry-After), counted in /metrics; health, status and metrics are never
+shed; the client retries shed calls with backoff; the queues' counts come
+back to zero."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from small_model import trained_export
+
+from wuliang.serving import proto
+from wuliang.serving.client import Client, ServingClientError
+from wuliang.serving.errors import Overloaded
+from wuliang.serving.grpc_common import PUSHBACK_KEY
+from wuliang.serving.grpc_server import GrpcServer
+from wuliang.serving.http_server import HttpServer
+from wuliang.serving.overload import ApiQueue, LoopLag, Shedding
+from wuliang.serving.service import Service
+from wuliang.serving.store import ModelStore
+
+KEYS = np.arange(0, 40, 3, dtype=np.uint64)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    trained = trained_export(tmp_path_factory.mktemp("overload"))
+    served = Service([ModelStore(trained["exports"], "m", poll_secs=0).start()])
+    yield served
+    served.close()
+    trained["session"].context.close()
+
+
+def shed_count(service: Service, transport: str, endpoint: str) -> float:
+    value = service.metrics.registry.get_sample_value(
+        "wuliang_shed_total", {"transport": transport, "endpoint": endpoint}
+    )
+    return value or 0.0
+
+
+# -- the queue --------------------------------------------------------------------------
+
+
+def test_a_queue_admits_up_to_its_bound_then_sheds_with_a_retry_delay() -> None:
+    queue = ApiQueue("grpc Lookup", workers=2, max_queue=3, max_queue_ms=0)
+    for _ in range(5):  # 2 working, 3 waiting
+        queue.admit()
+    with pytest.raises(Overloaded, match=r"grpc Lookup: 3 requests wait already \(max_queue 3\)"):
+        queue.admit()
+    queue.done(0.004)
+    queue.admit()  # one left: room for one
+    assert queue.in_flight == 5
+
+
+def test_a_queue_sheds_a_request_that_would_wait_too_long() -> None:
+    queue = ApiQueue("http pool", workers=2, max_queue=100, max_queue_ms=9)
+    queue.admit()
+    queue.done(0.04)  # the running mean service time: 4 ms
+    assert queue.service == pytest.approx(0.004)
+    for _ in range(2 + 4):  # both workers busy, then 4 waiting: the 4th waits 8 ms
+        queue.admit()
+    with pytest.raises(Overloaded, match=r"would wait 10\.0 ms \(max_queue_ms 9\)") as shed:
+        queue.admit()
+    assert shed.value.retry_ms == 10  # the queue drains in 10 ms
+    assert queue.in_flight == 6
+    empty = ApiQueue("http pool", workers=2, max_queue=100, max_queue_ms=10)
+    with pytest.raises(Overloaded, match=r"would wait 11\.0 ms"):
+        empty.admit(lag=0.011)  # the server noticed it 11 ms late
+
+
+def test_without_bounds_nothing_is_shed() -> None:
+    queue = Shedding(max_queue=0, max_queue_ms=0).queue("grpc Lookup", 1)
+    queue.service = 1.0
+    for _ in range(1000):
+        queue.admit(lag=5.0)
+    assert queue.in_flight == 1000
+    assert Shedding().queue("q", 3).max_queue == 12  # default: 4 per worker
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [({"max_queue": -1}, "max_queue"), ({"max_queue_ms": float("nan")}, "max_queue_ms")],
+)
+def test_bad_bounds_are_named(kwargs: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        Shedding(**kwargs)
+
+
+def test_the_loop_lag_is_how_late_its_timer_runs() -> None:
+    lag = LoopLag()
+
+    async def block() -> tuple[float, float]:
+        lag.start(asyncio.get_running_loop())
+        await asyncio.sleep(0.02)
+        quiet = lag.last
+        time.sleep(0.03)  # the loop is held: its tick comes late
+        await asyncio.sleep(0.0005)  # the late tick runs first
+        late = lag.last
+        lag.stop()
+        return quiet, late
+
+    quiet, late = asyncio.run(block())
+    assert quiet < 0.015 and late >= 0.02
+    loop = asyncio.new_event_loop()
+    try:
+        lag._tick(loop, loop.time() - 0.03)
+        assert lag.seconds < 0.03  # one late tick is not a late loop
+        lag._tick(loop, loop.time() - 0.03)
+        assert lag.seconds >= 0.03
+        lag.stop()
+    finally:
+        loop.close()
+
+
+# -- gRPC -------------------------------------------------------------------------------
+
+
+def busy(pool: ThreadPoolExecutor, release: threading.Event, n: int) -> list[Any]:
+    """``n`` requests that hold their worker until ``release`` (they pass
+    the pool's admission like any call)."""
+    return [pool.submit(release.wait, 30) for _ in range(n)]
+
+
+def test_grpc_sheds_at_once_and_never_sheds_health_or_status(service: Service) -> None:
+    server = GrpcServer(
+        service, lookup_threads=1, predict_threads=1, shedding=Shedding(1, max_queue_ms=0)
+    )
+    release = threading.Event()
+    try:
+        held = busy(server.lookup_pool, release, 2)  # the worker and the one place queued
+        before = shed_count(service, "grpc", "Lookup")
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+        lookup = channel.unary_unary(
+            proto.method_path("Lookup"),
+            request_serializer=proto.LookupRequest.SerializeToString,
+            response_deserializer=proto.LookupResponse.FromString,
+        )
+        request = proto.LookupRequest(model="m", table="users", keys=KEYS.tobytes())
+        start = time.perf_counter()
+        with pytest.raises(grpc.RpcError) as shed:
+            lookup(request, timeout=10)
+        assert time.perf_counter() - start < 2  # at once, not after the held ones
+        error = shed.value
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "overloaded: grpc Lookup: 1 requests wait already (max_queue 1)" in error.details()
+        pushback = dict(error.trailing_metadata())[PUSHBACK_KEY]
+        assert int(pushback) >= 1
+        with Client(f"127.0.0.1:{server.port}", retries=0) as client:
+            assert client.healthy()  # never shed
+            assert client.status()[0]["name"] == "m"
+            with pytest.raises(ServingClientError, match="RESOURCE_EXHAUSTED"):
+                client.lookup("users", KEYS)
+        assert shed_count(service, "grpc", "Lookup") - before == 2
+        text = service.metrics.text().decode()
+        assert 'wuliang_queue_requests{queue="grpc Lookup"} 2.0' in text
+        release.set()
+        for future in held:
+            future.result(timeout=30)
+        rows = lookup(request, timeout=10)
+        assert rows.version == 1
+        channel.close()
+    finally:
+        release.set()
+        server.stop()
+    assert server.lookup_queue.in_flight == 0
+
+
+def test_grpc_predictions_of_both_apis_are_shed_by_their_pool(service: Service) -> None:
+    """Predictions wait in their own pool: a full one sheds wuliang's and
+    TensorFlow Serving's Predict, and lookups still answer."""
+    from wuliang.serving.tfs import proto as tfs_proto
+
+    server = GrpcServer(service, predict_threads=1, shedding=Shedding(1, max_queue_ms=0))
+    release = threading.Event()
+    try:
+        held = busy(server.predict_pool, release, 2)
+        before = {e: shed_count(service, "grpc", e) for e in ("Predict", "tfs.Predict")}
+        with Client(f"127.0.0.1:{server.port}", retries=0) as client:
+            with pytest.raises(ServingClientError, match="RESOURCE_EXHAUSTED: overloaded"):
+                client.predict({"user": np.array([1], np.uint64)}, rows=1)
+            channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+            tfs_predict = channel.unary_unary(
+                f"/{tfs_proto.PREDICTION_SERVICE}/Predict",
+                request_serializer=tfs_proto.PredictRequest.SerializeToString,
+                response_deserializer=tfs_proto.PredictResponse.FromString,
+            )
+            with pytest.raises(grpc.RpcError) as shed:
+                tfs_predict(tfs_proto.PredictRequest(), timeout=10)
+            assert shed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            channel.close()
+            assert client.lookup("users", KEYS).version == 1
+        assert shed_count(service, "grpc", "Predict") - before["Predict"] == 1
+        assert shed_count(service, "grpc", "tfs.Predict") - before["tfs.Predict"] == 1
+        release.set()
+        for future in held:
+            future.result(timeout=30)
+    finally:
+        release.set()
+        server.stop()
+
+
+def test_a_request_expected_to_wait_too_long_is_shed(service: Service) -> None:
+    server = GrpcServer(service, lookup_threads=1, shedding=Shedding(100, max_queue_ms=10))
+    release = threading.Event()
+    try:
+        server.lookup_queue.service = 0.5  # each lookup takes 500 ms, say
+        held = busy(server.lookup_pool, release, 1)
+        with (
+            Client(f"127.0.0.1:{server.port}", retries=0) as client,
+            pytest.raises(ServingClientError, match=r"would wait 500\.0 ms"),
+        ):
+            client.lookup("users", KEYS)
+        release.set()
+        held[0].result(timeout=30)
+    finally:
+        release.set()
+        server.stop()
+
+
+def test_the_client_retries_shed_calls_with_backoff(service: Service) -> None:
+    server = GrpcServer(service, lookup_threads=1, shedding=Shedding(1, max_queue_ms=0))
+    release = threading.Event()
+    try:
+        held = busy(server.lookup_pool, release, 2)
+        threading.Timer(0.3, release.set).start()
+        before = shed_count(service, "grpc", "Lookup")
+        start = time.perf_counter()
+        with Client(f"127.0.0.1:{server.port}", retries=8, timeout=20) as client:
+            result = client.lookup("users", KEYS)
+        assert result.version == 1 and time.perf_counter() - start >= 0.3
+        shed = shed_count(service, "grpc", "Lookup") - before
+        assert 1 <= shed <= 8  # backed off: not a retry per millisecond
+        for future in held:
+            future.result(timeout=30)
+        # a deadline shorter than the pause: the shed answer, not a retry past it
+        again = threading.Event()
+        held = busy(server.lookup_pool, again, 2)
+        try:
+            with Client(f"127.0.0.1:{server.port}", retries=5, timeout=0.5) as client:
+                client.lookup("users", KEYS, timeout=0.001 + 0.01)
+        except ServingClientError as error:
+            assert error.code in ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED")
+        else:
+            raise AssertionError("a held pool answered")
+        again.set()
+        for future in held:
+            future.result(timeout=30)
+    finally:
+        release.set()
+        server.stop()
+
+
+def test_under_real_overload_every_answer_is_served_or_shed(service: Service) -> None:
+    """64 calls at once on one lookup thread with room for 2 waiting: some
+    are shed, none fails otherwise, and the queue empties."""
+    server = GrpcServer(service, lookup_threads=1, shedding=Shedding(2, max_queue_ms=0))
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+        lookup = channel.unary_unary(
+            proto.method_path("Lookup"),
+            request_serializer=proto.LookupRequest.SerializeToString,
+            response_deserializer=proto.LookupResponse.FromString,
+        )
+        keys = np.arange(20_000, dtype=np.uint64).tobytes()
+        request = proto.LookupRequest(model="m", table="users", keys=keys)
+        codes: dict[str, int] = {}
+        for _ in range(3):
+            calls = [lookup.future(request, timeout=30) for _ in range(64)]
+            for call in calls:
+                code = call.code().name
+                codes[code] = codes.get(code, 0) + 1
+        channel.close()
+        assert set(codes) == {"OK", "RESOURCE_EXHAUSTED"}, codes
+        assert codes["OK"] >= 3
+    finally:
+        server.stop()
+    assert server.lookup_queue.in_flight == 0
+
+
+# -- HTTP -------------------------------------------------------------------------------
+
+
+def http_call(port: int, method: str, path: str, body: Any = None) -> tuple[int, Any, Any]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request(method, path, None if body is None else json.dumps(body))
+        response = connection.getresponse()
+        data = response.read()
+    finally:
+        connection.close()
+    if response.getheader("Content-Type", "").startswith("application/json"):
+        return response.status, json.loads(data), response
+    return response.status, data, response
+
+
+def test_http_sheds_a_full_pool_with_503_and_retry_after(service: Service) -> None:
+    server = HttpServer(service, workers=1, shedding=Shedding(1, max_queue_ms=0))
+    pool = server._api.pool_queue
+    try:
+        pool.admit()
+        pool.admit()  # one working, one waiting: full
+        before = shed_count(service, "http", "Predict")
+        predict = {"instances": [{"user": 1, "items": [2, 3], "x": 0.5}]}
+        status, answer, response = http_call(server.port, "POST", "/v1/models/m:predict", predict)
+        assert status == 503, answer
+        assert response.getheader("Retry-After") == "1"
+        assert answer["retry_after_ms"] >= 1
+        assert "overloaded: http pool: 1 requests wait already" in answer["error"]
+        assert http_call(server.port, "GET", "/healthz")[0] == 200
+        assert http_call(server.port, "GET", "/v1/models/m")[0] == 200
+        status, text, _ = http_call(server.port, "GET", "/metrics")
+        assert status == 200 and b"wuliang_shed_total{" in text
+        assert shed_count(service, "http", "Predict") - before == 1
+        small = {"keys": [1, 2]}
+        path = "/v1/models/m/tables/users:lookup"
+        assert http_call(server.port, "POST", path, small)[0] == 200  # inline: no pool
+        pool.done(None)
+        pool.done(None)
+        status, answer, _ = http_call(server.port, "POST", "/v1/models/m:predict", predict)
+        assert status == 200, answer
+    finally:
+        server.stop()
+    assert pool.in_flight == 0
+
+
+def test_http_sheds_while_its_loop_runs_late(service: Service) -> None:
+    server = HttpServer(service, shedding=Shedding(max_queue_ms=10))
+    lag = server._api.lag
+    try:
+        server._loop.call_soon_threadsafe(lag.stop)  # samples set by hand below
+        time.sleep(0.05)
+        lag.last = lag.previous = 0.025
+        before = shed_count(service, "http", "Lookup")
+        path = "/v1/models/m/tables/users:lookup"
+        status, answer, response = http_call(server.port, "POST", path, {"keys": [1]})
+        assert status == 503 and response.getheader("Retry-After") == "1"
+        assert "runs 25.0 ms behind (max_queue_ms 10)" in answer["error"]
+        assert answer["retry_after_ms"] == 25
+        assert http_call(server.port, "GET", "/healthz")[0] == 200
+        lag.last = 0.001  # one late tick is not a late loop
+        assert http_call(server.port, "POST", path, {"keys": [1]})[0] == 200
+        assert shed_count(service, "http", "Lookup") - before == 1
+    finally:
+        server.stop()
