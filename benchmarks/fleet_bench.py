@@ -1,5 +1,6 @@
-"""Serving a fleet from Redis: ``python benchmarks/serving_bench.py --fleet
-[--quick]`` (this module is its ``--fleet`` part).
+"""Serving a fleet from Redis, and one server overloaded: ``python
+benchmarks/serving_bench.py --fleet [--quick]`` (this module is its
+``--fleet`` part).
 
 Setup (not timed): ``serving_bench.build_model`` 's model, its ``item``
 table of ``rows`` rows (1M; ``--quick`` 200K) exported as version 1 (every
@@ -25,9 +26,16 @@ Figures, side by side in one run:
   weight: an answer whose rows do not all carry the version it names (or
   that misses a row that exists) is torn.
 
+Then the overload figures (``overload_bench.py``, its own model and
+``wuliang serve``): lookups over HTTP and gRPC at 4x the load that
+saturates the server, with its default shedding and with none, side by
+side: accepted and shed latencies, failures, goodput and the server's RSS.
+
 Returns one JSON object (``serving_bench.py`` prints it last); targets:
 ``delta_publish_vs_full`` <= 0.05, ``cluster_vs_single_redis`` >= 0.8,
-``torn_during_publishes`` == 0.
+``torn_during_publishes`` == 0; under overload, with shedding on,
+``overload_accepted_p99_ms`` <= 20, ``overload_shed_p99_ms`` <= 5,
+``overload_failed`` == 0 and ``overload_rss_growth_mb`` <= 50.
 """
 
 from __future__ import annotations
@@ -192,6 +200,20 @@ def run_lookups(
 
 
 def fleet(quick: bool = False, clients: int = 4) -> dict[str, Any]:
+    """The Redis fleet's figures, then the overload figures
+    (``overload_bench.overload``), in one dict: their targets side by side."""
+    from overload_bench import overload  # benchmarks/, the script's folder
+
+    result = redis_fleet(quick, clients)
+    over = overload(quick=quick)
+    targets, met = result.pop("targets"), result.pop("targets_met")
+    targets.update(over.pop("targets"))
+    met.update(over.pop("targets_met"))
+    return {**result, **over, "targets": targets, "targets_met": met}
+
+
+def redis_fleet(quick: bool = False, clients: int = 4) -> dict[str, Any]:
+    """The figures of the Redis fleet (publishes, the cluster, torn answers)."""
     from wuliang.serving.redis_publish import publish
 
     rows = 200_000 if quick else 1_000_000
@@ -277,7 +299,7 @@ def fleet(quick: bool = False, clients: int = 4) -> dict[str, Any]:
             "failed_lookups_during_publishes": during["failed"],
             "torn_during_publishes": during["torn"],
         }
-        result["targets"] = TARGETS
+        result["targets"] = dict(TARGETS)
         result["targets_met"] = {
             "delta_publish_vs_full": result["delta_publish_vs_full"]
             <= TARGETS["delta_publish_vs_full"],

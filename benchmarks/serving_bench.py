@@ -40,7 +40,13 @@ on loopback, each sending one request at a time:
    copies of the export as two models; half the clients predict (TensorFlow
    Serving's API) from one, half from the other: ``two_models_p99_ms``.
 
-``--tfs`` runs phases 4, 6 and 7 only.
+``--tfs`` runs phases 4, 6 and 7 only. ``--fleet`` runs none of these but
+``fleet_bench.py`` 's figures: publishes of deltas to Redis, a Redis Cluster
+against one Redis, torn answers while deltas are published, and
+(``overload_bench.py``) lookups at 4x the load that saturates ``wuliang
+serve``, with its default shedding and with none: the accepted and the shed
+answers' p99, failures, goodput and the server's RSS growth (targets:
+accepted p99 <= 20 ms, shed p99 <= 5 ms, no failure, RSS growth <= 50 MB).
 
 Each phase also reports the CPU one request cost the server and the clients
 (``cpu_us_per_request``): on this 2-core machine clients and server share
@@ -58,6 +64,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -66,6 +73,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -156,17 +164,28 @@ def free_port() -> int:
 
 
 def start_server(
-    export_dir: Path, gpu_cache_rows: int = 0, model_config: Path | None = None
+    export_dir: Path,
+    gpu_cache_rows: int = 0,
+    model_config: Path | None = None,
+    extra_args: Sequence[str] = (),
+    timeout: float = 300.0,
 ) -> tuple[subprocess.Popen, int, int]:
+    """``wuliang serve`` of the export (or ``model_config``) with
+    ``extra_args``; (process, gRPC port, HTTP port) once it listens (killed
+    if it has not said so within ``timeout`` seconds)."""
     script = Path(sys.executable).parent / "wuliang"
     if model_config is None:
         args = [str(script), "serve", "--exports", str(export_dir), "--model", "bench"]
     else:
         args = [str(script), "serve", "--model-config", str(model_config)]
     args += ["--port", "0", "--http-port", "0", "--poll-secs", "0.2"]
-    args += ["--gpu-cache-rows", str(gpu_cache_rows)]
+    args += ["--gpu-cache-rows", str(gpu_cache_rows), *extra_args]
     child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
+    if not select.select([child.stdout], [], [], timeout)[0]:
+        child.kill()
+        child.wait(timeout=30)
+        raise RuntimeError(f"wuliang serve did not start in {timeout:g} s")
     line = child.stdout.readline()
     match = re.search(r"grpc [\d.]+:(\d+), http [\d.]+:(\d+)$", line.strip())
     if not match:
@@ -530,7 +549,8 @@ def main() -> None:
         "--fleet",
         action="store_true",
         help="only the fleet figures (fleet_bench.py): delta vs full publish, a 3-node Redis "
-        "Cluster vs one Redis, torn answers during delta publishes",
+        "Cluster vs one Redis, torn answers during delta publishes; and lookups at 4x the "
+        "saturating load, shed or not (overload_bench.py)",
     )
     parser.add_argument(
         "--gpu-cache-rows",

@@ -245,11 +245,10 @@ class GrpcServer:
         shedding = Shedding() if shedding is None else shedding
         self.lookup_queue = shedding.queue("grpc Lookup", lookup_threads)
         self.predict_queue = shedding.queue("grpc Predict", predict_threads)
-        self.shed_pool = ThreadPoolExecutor(1, thread_name_prefix="wuliang-shed")
-        self.lookup_pool = SheddingPool(self.lookup_queue, self.shed_pool, "wuliang-lookup")
-        self.predict_pool = SheddingPool(self.predict_queue, self.shed_pool, "wuliang-predict")
+        self.lookup_pool = SheddingPool(self.lookup_queue, "wuliang-lookup")
+        self.predict_pool = SheddingPool(self.predict_queue, "wuliang-predict")
         self.pool = ThreadPoolExecutor(CONTROL_THREADS, thread_name_prefix="wuliang-grpc")
-        self.pools = (self.lookup_pool, self.predict_pool, self.shed_pool, self.pool)
+        self.pools = (self.lookup_pool, self.predict_pool, self.pool)
         service.metrics.queues.extend((self.lookup_queue, self.predict_queue))
         self.server = grpc.server(self.pool, options=options)
         self.server.add_generic_rpc_handlers(

@@ -177,6 +177,13 @@ def _json(payload: Any, status: int = 200) -> web.Response:
     )
 
 
+def _encoded(work: Callable[..., Any], *args: Any) -> web.Response:
+    """``work(*args)`` 's answer as JSON, encoded where the work ran (a
+    lookup of 1,000 keys of dim 16 is 160 KB of JSON: in the pool, not on
+    the event loop)."""
+    return _json(work(*args))
+
+
 def _error(status: int, message: str, retry_ms: int | None = None) -> web.Response:
     """``{"error": message}``; a shed request's also says when to retry
     (``retry_after_ms``, and ``Retry-After`` in whole seconds, at least 1)."""
@@ -350,12 +357,13 @@ class _Api:
             raise UnreadableBody(f"the request body cannot be read: {reason.strip()}") from None
 
     def _admit(self) -> None:
-        """Overloaded while the loop runs later than ``max_queue_ms``."""
-        lag = self.lag.seconds
-        if self.max_lag and lag > self.max_lag:
-            retry_ms = max(1, round(lag * 1e3))
+        """Overloaded while a request waits for the loop longer than
+        ``max_queue_ms`` (``LoopLag.wait``)."""
+        wait = self.lag.wait
+        if self.max_lag and wait > self.max_lag:
+            retry_ms = max(1, round(wait * 1e3))
             raise Overloaded(
-                f"overloaded: the HTTP server runs {lag * 1e3:.1f} ms behind "
+                f"overloaded: requests wait {wait * 1e3:.1f} ms for the HTTP server's loop "
                 f"(max_queue_ms {self.max_lag * 1e3:g}); retry in {retry_ms} ms",
                 retry_ms,
             )
@@ -365,7 +373,7 @@ class _Api:
         self._admit()
         if inline:
             return work(*args)
-        self.pool_queue.admit(self.lag.seconds)
+        self.pool_queue.admit(self.lag.wait)
         took: list[float] = []
 
         def timed() -> Any:
@@ -385,14 +393,15 @@ class _Api:
     async def predict(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         model, version, label = _target(request)
-        return _json(await self._run(False, self._predict, model, body, version, label))
+        return await self._run(False, _encoded, self._predict, model, body, version, label)
 
     async def lookup(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         model, version, label = _target(request)
         table = request.match_info["table"]
         inline = len(body) <= self.inline_bytes
-        return _json(await self._run(inline, self._lookup, model, table, body, version, label))
+        work = (self._lookup, model, table, body, version, label)
+        return await self._run(inline, _encoded, *work)
 
     async def status(self, request: web.Request) -> web.StreamResponse:
         states = answers.model_status(self.service, *_target(request))
@@ -488,6 +497,7 @@ class HttpServer:
         api = _Api(service, self._executor, inline_bytes, body_seconds, shedding, workers)
         self._api = api
         service.metrics.queues.append(api.pool_queue)
+        service.metrics.loop_lags.append(api.lag)
         self._runner = web.AppRunner(
             api.application(),
             access_log=None,
@@ -509,6 +519,7 @@ class HttpServer:
             self._executor.shutdown()
             self._socket.close()
             service.metrics.queues.remove(api.pool_queue)
+            service.metrics.loop_lags.remove(api.lag)
             raise
         self._stopped = False
 
@@ -551,8 +562,11 @@ class HttpServer:
             self._thread.join()
             self._executor.shutdown(wait=True)
             self._socket.close()
-            if self._api.pool_queue in self.service.metrics.queues:
-                self.service.metrics.queues.remove(self._api.pool_queue)
+            metrics = self.service.metrics
+            if self._api.pool_queue in metrics.queues:
+                metrics.queues.remove(self._api.pool_queue)
+            if self._api.lag in metrics.loop_lags:
+                metrics.loop_lags.remove(self._api.lag)
 
     def __enter__(self) -> HttpServer:
         return self

@@ -9,7 +9,8 @@ one process, as in tests, keep their own counts):
 * ``wuliang_shed_total{transport, endpoint}``: requests shed by overload
   (``overload``; also counted as ``RESOURCE_EXHAUSTED`` above), and
   ``wuliang_queue_requests{queue}``: each bounded queue's requests admitted
-  and not yet answered, read at scrape time;
+  and not yet answered, and ``wuliang_http_loop_lag_seconds``: how late the
+  HTTP server's event loop runs (``overload.LoopLag``), read at scrape time;
 * ``wuliang_lookup_keys_total{model, table}``: keys looked up;
 * ``wuliang_served_version{model}``, ``wuliang_served_step{model}``;
 * ``wuliang_table_rows{model, table}``, ``wuliang_table_bytes{model, table}``
@@ -89,8 +90,9 @@ class Metrics:
             registry=self.registry,
         )
         self.queues: list[Any] = []  # overload.ApiQueue s, added by the servers
+        self.loop_lags: list[Any] = []  # overload.LoopLag s, added by HTTP servers
         self.registry.register(_StoreCollector(stores))
-        self.registry.register(_QueueCollector(self.queues))
+        self.registry.register(_QueueCollector(self.queues, self.loop_lags))
         self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         self._keys: dict[tuple[str, str], Any] = {}
 
@@ -116,8 +118,9 @@ class Metrics:
 class _QueueCollector:
     """Each bounded queue's in-flight requests, when scraped."""
 
-    def __init__(self, queues: list[Any]) -> None:
+    def __init__(self, queues: list[Any], loop_lags: list[Any]) -> None:
         self.queues = queues
+        self.loop_lags = loop_lags
 
     def describe(self) -> list[Any]:
         return []
@@ -131,6 +134,14 @@ class _QueueCollector:
         for queue in self.queues:
             family.add_metric([queue.name], queue.in_flight)
         yield family
+        if self.loop_lags:
+            lag = GaugeMetricFamily(
+                "wuliang_http_loop_lag_seconds",
+                "How late the HTTP server's event loop runs a timer (the smaller of its last two "
+                "samples).",
+            )
+            lag.add_metric([], max(each.seconds for each in self.loop_lags))
+            yield lag
 
 
 class _StoreCollector:

@@ -9,26 +9,27 @@ and answers the rest at once, so that clients back off or go to another
 replica while the admitted requests keep their latency:
 
 * ``ApiQueue``: one API's requests admitted and not yet answered
-  (``in_flight``) over its ``workers``, and a running mean of their service
-  time (an exponentially weighted one, ``EWMA`` for the newest). ``admit``
-  takes a request when fewer than ``workers + max_queue`` are in flight and
-  its expected wait (the ``lag`` before the server noticed it, plus the
-  requests ahead of it shared among the workers times the mean service time)
-  is at most ``max_queue_ms``; otherwise it raises ``Overloaded`` with a
-  suggested retry delay (the time the queue needs to drain). ``done`` ends
-  an admitted request.
+  (``in_flight``) over its ``workers``, and how fast they drain: a running
+  mean (exponentially weighted, ``EWMA`` for the newest) of the time between
+  two of them ending while every worker is busy. ``admit`` takes a request
+  when fewer than ``workers + max_queue`` are in flight and its expected
+  wait (the ``lag`` before the server noticed it, plus the requests ahead of
+  it times that mean, ``drain``) is at most ``max_queue_ms``; otherwise it
+  raises ``Overloaded`` with a suggested retry delay (the time the queue
+  needs to drain). ``done`` ends an admitted request.
 * gRPC: the lookup and prediction pools are ``SheddingPool`` s. grpcio hands
   each call to its pool's ``submit`` on the server's polling thread, which
-  admits it or sheds it there: a shed call runs on a one-thread pool of its
-  own (never behind the queue it was refused by), where the handler finds
-  it marked (``take_shed``) and answers RESOURCE_EXHAUSTED before parsing
-  anything, with the trailing metadata ``grpc-retry-pushback-ms`` (gRPC's
-  retry pushback).
+  admits it or marks it shed there. The pool's threads take shed calls and
+  admitted ones in turn, and one more thread takes only shed calls (never
+  behind the queue that refused them); the handler finds the mark
+  (``take_shed``) and answers RESOURCE_EXHAUSTED before parsing anything,
+  with the trailing metadata ``grpc-retry-pushback-ms`` (gRPC's retry
+  pushback).
 * HTTP: a small lookup is answered on the event loop, so its wait is the
   loop's: ``LoopLag`` samples how late the loop runs a timer every
-  ``LoopLag.INTERVAL``, and a lookup or prediction is shed while the last two
-  samples both exceed ``max_queue_ms`` (one late tick, a collection or a
-  scheduler hiccup, sheds nothing). Predictions and big lookups run in the
+  ``LoopLag.INTERVAL``, and a lookup or prediction is shed while twice the
+  smaller of the last two samples (``LoopLag.wait``: a request waits up to
+  two passes of a busy loop) exceeds ``max_queue_ms``. Predictions and big lookups run in the
   HTTP pool, which has an ``ApiQueue`` too (its lag: the loop's). The
   answer is 503 with ``Retry-After`` (whole seconds, at least 1, as HTTP
   has it) and ``{"error": ..., "retry_after_ms": N}``.
@@ -39,7 +40,7 @@ replica while the admitted requests keep their latency:
   cheap, and they are what tells an orchestrator the server is alive. On
   gRPC they run on the server's own pool, apart from the shedding pools.
 
-Defaults (``DEFAULT_QUEUE_PER_WORKER``, ``DEFAULT_MAX_QUEUE_MS``): up to 4
+Defaults (``DEFAULT_QUEUE_PER_WORKER``, ``DEFAULT_MAX_QUEUE_MS``): up to 32
 requests waiting per worker, and no request admitted to wait more than
 ``DEFAULT_MAX_QUEUE_MS``. ``max_queue=0`` and ``max_queue_ms=0`` switch each
 bound off; both off, nothing is shed.
@@ -50,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -67,7 +69,7 @@ __all__ = [
     "take_shed",
 ]
 
-DEFAULT_QUEUE_PER_WORKER = 4  # requests that may wait per worker of a pool
+DEFAULT_QUEUE_PER_WORKER = 32  # requests that may wait per worker of a pool
 DEFAULT_MAX_QUEUE_MS = 10.0  # the longest a request is admitted to wait
 EWMA = 0.1  # weight of the newest service time in the running mean
 
@@ -112,7 +114,8 @@ class ApiQueue:
         self.max_queue = max_queue
         self.max_wait = max_queue_ms / 1e3
         self.in_flight = 0
-        self.service = 0.0  # seconds, the running mean
+        self.drain = 0.0  # seconds between two requests ending, the running mean
+        self._ended = 0.0  # when the last one ended (time.perf_counter())
         self._lock = threading.Lock()
 
     def admit(self, lag: float = 0.0) -> None:
@@ -120,7 +123,7 @@ class ApiQueue:
         with self._lock:
             n = self.in_flight
             ahead = n - self.workers + 1  # waiting before this one, and this one
-            wait = lag + (ahead * self.service / self.workers if ahead > 0 else 0.0)
+            wait = lag + (ahead * self.drain if ahead > 0 else 0.0)
             if self.max_queue and ahead > self.max_queue:
                 why = f"{ahead - 1} requests wait already (max_queue {self.max_queue})"
             elif self.max_wait and wait > self.max_wait:
@@ -128,17 +131,25 @@ class ApiQueue:
             else:
                 self.in_flight = n + 1
                 return
-            drain = max(n - self.workers + 1, 1) * self.service / self.workers
+            drain = max(ahead, 1) * self.drain
         retry_ms = max(1, round(max(drain, self.max_wait) * 1e3))
         raise Overloaded(f"overloaded: {self.name}: {why}; retry in {retry_ms} ms", retry_ms)
 
     def done(self, seconds: float | None) -> None:
         """Ends an admitted request that took ``seconds`` to serve (None:
-        it never ran)."""
+        it never ran). The queue drains a request every ``drain`` seconds:
+        while every worker is busy, the time since the last request ended
+        (what the workers' service times come to, whatever they spent
+        waiting for the GIL or for grpcio); otherwise a service time shared
+        among the workers."""
+        now = time.perf_counter()
         with self._lock:
+            busy = self.in_flight >= self.workers
             self.in_flight -= 1
             if seconds is not None:
-                self.service += EWMA * (seconds - self.service)
+                sample = now - self._ended if busy else seconds / self.workers
+                self.drain += EWMA * (min(sample, seconds) - self.drain)
+            self._ended = now
 
 
 # -- gRPC -----------------------------------------------------------------------------
@@ -155,40 +166,103 @@ def take_shed() -> Overloaded | None:
     return error
 
 
-def _run_shed(error: Overloaded, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-    _marks.shed = error
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        _marks.shed = None
-
-
 class SheddingPool(ThreadPoolExecutor):
     """A pool for grpcio's ``experimental_thread_pool`` that admits each call
-    to its ``ApiQueue`` or runs it, marked shed, on ``shed_pool``."""
+    to its ``ApiQueue`` or marks it shed.
 
-    def __init__(self, queue: ApiQueue, shed_pool: ThreadPoolExecutor, name: str) -> None:
-        super().__init__(queue.workers, thread_name_prefix=name)
+    A shed call is answered by the first thread free to: while both kinds
+    wait, the pool's threads take a shed call and an admitted one in turn
+    (shed calls must not starve the work, as they would under clients
+    that send again at once), and one more thread takes shed calls only,
+    for when every worker is held by a long request. So it never
+    waits behind the queue that refused it. (Its answer costs about as much
+    as a small lookup, grpcio's per-call work, so more threads of its own
+    would only contend for the GIL.) It is a ``ThreadPoolExecutor`` for
+    grpcio's sake (grpcio checks the type); ``submit`` and ``shutdown`` are
+    its own.
+    """
+
+    def __init__(self, queue: ApiQueue, name: str) -> None:
+        super().__init__(1, thread_name_prefix=name)  # its own threads are never started
         self.queue = queue
-        self.shed_pool = shed_pool
+        self._admitted: deque[tuple[Future, Callable[..., Any], Any, Any]] = deque()
+        self._shed: deque[tuple[Future, Callable[..., Any], Any, Any, Overloaded]] = deque()
+        lock = threading.Lock()
+        self._work_ready = threading.Condition(lock)  # the workers wait on it
+        self._shed_ready = threading.Condition(lock)  # the thread for shed calls waits on it
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._work, args=(False,), name=f"{name}_{i}", daemon=True)
+            for i in range(queue.workers)
+        ]
+        self._threads.append(
+            threading.Thread(target=self._work, args=(True,), name=f"{name}_shed", daemon=True)
+        )
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
         try:
             self.queue.admit()
+            shed = None
         except Overloaded as error:
-            return self.shed_pool.submit(_run_shed, error, fn, args, kwargs)
-        try:
-            return super().submit(self._run, fn, args, kwargs)
-        except BaseException:  # shut down: grpcio sees the error, the count stays right
-            self.queue.done(None)
-            raise
+            shed = error
+        with self._work_ready:
+            if self._closed:
+                if shed is None:
+                    self.queue.done(None)
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            if shed is None:
+                self._admitted.append((future, fn, args, kwargs))
+            else:
+                self._shed.append((future, fn, args, kwargs, shed))
+                self._shed_ready.notify()
+            self._work_ready.notify()
+        return future
 
-    def _run(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self.queue.done(time.perf_counter() - start)
+    def _take(
+        self, shed_only: bool, shed_first: bool
+    ) -> tuple[Future, Callable[..., Any], Any, Any, Any] | None:
+        ready = self._shed_ready if shed_only else self._work_ready
+        with ready:
+            while not self._shed and (shed_only or not self._admitted) and not self._closed:
+                ready.wait()
+            if self._shed and (shed_first or shed_only or not self._admitted):
+                return self._shed.popleft()
+            if self._admitted and not shed_only:
+                return (*self._admitted.popleft(), None)
+            return None  # closed, and nothing left
+
+    def _work(self, shed_only: bool) -> None:
+        shed_first = True  # a worker alternates while both kinds wait: sheds never starve work
+        while (task := self._take(shed_only, shed_first)) is not None:
+            shed_first = task[4] is None
+            future, fn, args, kwargs, shed = task
+            start = time.perf_counter()
+            try:
+                if future.set_running_or_notify_cancel():
+                    _marks.shed = shed
+                    try:
+                        future.set_result(fn(*args, **kwargs))
+                    except BaseException as error:
+                        future.set_exception(error)
+                    finally:
+                        _marks.shed = None
+            finally:
+                if shed is None:
+                    self.queue.done(time.perf_counter() - start)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Ends the threads once the calls submitted are done (``wait``: waits for that)."""
+        with self._work_ready:
+            self._closed = True
+            self._work_ready.notify_all()
+            self._shed_ready.notify_all()
+        if wait:
+            for thread in self._threads:
+                thread.join()
+        super().shutdown(wait=False)
 
 
 # -- HTTP -----------------------------------------------------------------------------
@@ -207,8 +281,17 @@ class LoopLag:
 
     @property
     def seconds(self) -> float:
-        """The lag a new request meets: the smaller of the last two samples."""
+        """The loop's lag: the smaller of the last two samples (one late
+        tick, a collection or a scheduler hiccup, is not a late loop)."""
         return min(self.last, self.previous)
+
+    @property
+    def wait(self) -> float:
+        """A new request's expected wait for the loop: two of its lags. A
+        busy loop's timer runs up to one pass of the loop late, and a
+        request arriving during a pass is read in the next and answered
+        in the one after (aiohttp hands it to its handler with call_soon)."""
+        return 2 * self.seconds
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         due = loop.time() + self.INTERVAL

@@ -66,8 +66,8 @@ def test_a_queue_admits_up_to_its_bound_then_sheds_with_a_retry_delay() -> None:
 def test_a_queue_sheds_a_request_that_would_wait_too_long() -> None:
     queue = ApiQueue("http pool", workers=2, max_queue=100, max_queue_ms=9)
     queue.admit()
-    queue.done(0.04)  # the running mean service time: 4 ms
-    assert queue.service == pytest.approx(0.004)
+    queue.done(0.04)  # one worker of two busy: drains one per 20 ms; the mean moves a tenth
+    assert queue.drain == pytest.approx(0.002)
     for _ in range(2 + 4):  # both workers busy, then 4 waiting: the 4th waits 8 ms
         queue.admit()
     with pytest.raises(Overloaded, match=r"would wait 10\.0 ms \(max_queue_ms 9\)") as shed:
@@ -81,11 +81,11 @@ def test_a_queue_sheds_a_request_that_would_wait_too_long() -> None:
 
 def test_without_bounds_nothing_is_shed() -> None:
     queue = Shedding(max_queue=0, max_queue_ms=0).queue("grpc Lookup", 1)
-    queue.service = 1.0
+    queue.drain = 1.0
     for _ in range(1000):
         queue.admit(lag=5.0)
     assert queue.in_flight == 1000
-    assert Shedding().queue("q", 3).max_queue == 12  # default: 4 per worker
+    assert Shedding().queue("q", 3).max_queue == 96  # default: 32 per worker
 
 
 @pytest.mark.parametrize(
@@ -214,7 +214,7 @@ def test_a_request_expected_to_wait_too_long_is_shed(service: Service) -> None:
     server = GrpcServer(service, lookup_threads=1, shedding=Shedding(100, max_queue_ms=10))
     release = threading.Event()
     try:
-        server.lookup_queue.service = 0.5  # each lookup takes 500 ms, say
+        server.lookup_queue.drain = 0.5  # a lookup ends every 500 ms, say
         held = busy(server.lookup_pool, release, 1)
         with (
             Client(f"127.0.0.1:{server.port}", retries=0) as client,
@@ -345,9 +345,14 @@ def test_http_sheds_while_its_loop_runs_late(service: Service) -> None:
         path = "/v1/models/m/tables/users:lookup"
         status, answer, response = http_call(server.port, "POST", path, {"keys": [1]})
         assert status == 503 and response.getheader("Retry-After") == "1"
-        assert "runs 25.0 ms behind (max_queue_ms 10)" in answer["error"]
-        assert answer["retry_after_ms"] == 25
+        assert (
+            "requests wait 50.0 ms for the HTTP server's loop (max_queue_ms 10)"
+            in (answer["error"])
+        )  # twice its lag
+        assert answer["retry_after_ms"] == 50
         assert http_call(server.port, "GET", "/healthz")[0] == 200
+        text = http_call(server.port, "GET", "/metrics")[1].decode()
+        assert "wuliang_http_loop_lag_seconds 0.025" in text
         lag.last = 0.001  # one late tick is not a late loop
         assert http_call(server.port, "POST", path, {"keys": [1]})[0] == 200
         assert shed_count(service, "http", "Lookup") - before == 1
