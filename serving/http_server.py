@@ -72,14 +72,16 @@ Design:
   bottleneck); 16 lookup clients beside 4 predicting 256 rows, 1,148 vs
   1,019 lookups/s at the same 149 predictions/s (busier: 980 vs 897
   lookups/s, with 146 vs 174 predictions/s). So small lookups stay inline.
-  Bigger ones go to the pool (parsing 100,000 keys takes 18 ms as numbers,
-  85 ms as strings), so the loop is never held long.
+  Bigger ones go to a pool of their own (``lookup_workers`` threads:
+  parsing 100,000 keys takes 18 ms as numbers, 85 ms as strings, and a
+  lookup's answer is encoded there too), so the loop is never held long;
+  it is Python under the GIL, so two threads, as for gRPC's lookups.
 * Overload is shed early (``wuliang.serving.overload``): once its body is
   read, a lookup or prediction is answered 503 with ``Retry-After`` at once
-  while the event loop runs late (``LoopLag``: the wait of every request
-  the loop has not read yet) beyond ``max_queue_ms``, and a request for the
-  pool also when the pool's queue (``ApiQueue``) is full or would keep it
-  waiting too long. Health, metrics, status and metadata are never shed.
+  while a request would wait for the event loop (``LoopLag.wait``) longer
+  than ``max_queue_ms``, and a request for a pool also when the pool's
+  queue (``ApiQueue``) is full or would keep it waiting too long. Health,
+  metrics, status and metadata are never shed.
 """
 
 from __future__ import annotations
@@ -121,7 +123,8 @@ from wuliang.serving.tfs import answers
 log = logging.getLogger("wuliang.serving")
 
 INLINE_BYTES = 4096  # lookup bodies up to this size are answered on the event loop
-WORKERS = 8  # threads of the pool that runs predictions and big lookups
+WORKERS = 8  # threads of the pool that runs predictions
+LOOKUP_WORKERS = 2  # threads of the pool that runs big lookups
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ENDPOINTS = ("Predict", "Lookup", "Status", "Metadata", "Unimplemented", "Health", "Metrics")
 
@@ -255,14 +258,21 @@ class _Api:
         body_seconds: float = 30.0,
         shedding: Shedding | None = None,
         workers: int = WORKERS,
+        lookup_executor: ThreadPoolExecutor | None = None,
+        lookup_workers: int = LOOKUP_WORKERS,
     ) -> None:
         shedding = Shedding() if shedding is None else shedding
         self.service = service
-        self.executor = executor
         self.max_body_bytes = service.max_request_bytes
         self.body_seconds = body_seconds
         self.inline_bytes = inline_bytes
-        self.pool_queue = shedding.queue("http pool", workers)
+        self.pools = {"predict": (executor, shedding.queue("http Predict", workers))}
+        self.pools["lookup"] = (
+            self.pools["predict"]
+            if lookup_executor is None
+            else (lookup_executor, shedding.queue("http Lookup", lookup_workers))
+        )
+        self.queues = list({id(q): q for _, q in self.pools.values()}.values())
         self.max_lag = shedding.max_queue_ms / 1e3
         self.lag = LoopLag()
 
@@ -368,12 +378,14 @@ class _Api:
                 retry_ms,
             )
 
-    async def _run(self, inline: bool, work: Callable[..., Any], *args: Any) -> Any:
-        """``work(*args)`` on the loop (``inline``) or in the pool, once admitted."""
+    async def _run(self, where: str, work: Callable[..., Any], *args: Any) -> Any:
+        """``work(*args)`` on the loop (``where`` "inline") or in the
+        "lookup" or "predict" pool, once admitted."""
         self._admit()
-        if inline:
+        if where == "inline":
             return work(*args)
-        self.pool_queue.admit(self.lag.wait)
+        executor, queue = self.pools[where]
+        queue.admit(self.lag.wait)
         took: list[float] = []
 
         def timed() -> Any:
@@ -384,24 +396,24 @@ class _Api:
                 took.append(time.perf_counter() - start)
 
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, timed)
+            return await asyncio.get_running_loop().run_in_executor(executor, timed)
         finally:
-            self.pool_queue.done(took[0] if took else None)
+            queue.done(took[0] if took else None)
 
     # -- endpoints ------------------------------------------------------------------
 
     async def predict(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         model, version, label = _target(request)
-        return await self._run(False, _encoded, self._predict, model, body, version, label)
+        return await self._run("predict", _encoded, self._predict, model, body, version, label)
 
     async def lookup(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         model, version, label = _target(request)
         table = request.match_info["table"]
-        inline = len(body) <= self.inline_bytes
+        where = "inline" if len(body) <= self.inline_bytes else "lookup"
         work = (self._lookup, model, table, body, version, label)
-        return await self._run(inline, _encoded, *work)
+        return await self._run(where, _encoded, *work)
 
     async def status(self, request: web.Request) -> web.StreamResponse:
         states = answers.model_status(self.service, *_target(request))
@@ -463,13 +475,16 @@ class HttpServer:
         host: the address to listen on.
         port: the port (0: a free one).
         tls: serve HTTPS with this certificate and key (``ServerTls``); None: HTTP.
-        workers: threads running predictions and big lookups.
+        workers: threads running predictions.
+        lookup_workers: threads running big lookups (JSON parsing and
+            encoding: Python under the GIL, where more threads only share
+            it, as gRPC's lookup pool).
         inline_bytes: lookup bodies up to this many bytes are answered on
             the event loop (see the module docstring); 0: every lookup in
             the pool.
         body_seconds: how long a request body may take to arrive (408 after).
         grace: seconds ``stop()`` lets requests in flight finish.
-        shedding: the bounds of the loop's lag and the pool's queue
+        shedding: the bounds of the loop's lag and the pools' queues
             (default: ``Shedding()``).
     """
 
@@ -484,6 +499,7 @@ class HttpServer:
         body_seconds: float = 30.0,
         grace: float = 1.0,
         shedding: Shedding | None = None,
+        lookup_workers: int = LOOKUP_WORKERS,
     ) -> None:
         self.service = service
         self.tls = tls
@@ -494,9 +510,21 @@ class HttpServer:
             raise listen_error(host, port, "HTTP", error) from None
         self.port: int = self._socket.getsockname()[1]
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="wuliang-http")
-        api = _Api(service, self._executor, inline_bytes, body_seconds, shedding, workers)
+        self._lookup_executor = ThreadPoolExecutor(
+            lookup_workers, thread_name_prefix="wuliang-http-lookup"
+        )
+        api = _Api(
+            service,
+            self._executor,
+            inline_bytes,
+            body_seconds,
+            shedding,
+            workers,
+            self._lookup_executor,
+            lookup_workers,
+        )
         self._api = api
-        service.metrics.queues.append(api.pool_queue)
+        service.metrics.queues.extend(api.queues)
         service.metrics.loop_lags.append(api.lag)
         self._runner = web.AppRunner(
             api.application(),
@@ -517,8 +545,10 @@ class HttpServer:
         except BaseException:
             self._thread.join()
             self._executor.shutdown()
+            self._lookup_executor.shutdown()
             self._socket.close()
-            service.metrics.queues.remove(api.pool_queue)
+            for queue in api.queues:
+                service.metrics.queues.remove(queue)
             service.metrics.loop_lags.remove(api.lag)
             raise
         self._stopped = False
@@ -561,10 +591,12 @@ class HttpServer:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             self._executor.shutdown(wait=True)
+            self._lookup_executor.shutdown(wait=True)
             self._socket.close()
             metrics = self.service.metrics
-            if self._api.pool_queue in metrics.queues:
-                metrics.queues.remove(self._api.pool_queue)
+            for queue in self._api.queues:
+                if queue in metrics.queues:
+                    metrics.queues.remove(queue)
             if self._api.lag in metrics.loop_lags:
                 metrics.loop_lags.remove(self._api.lag)
 

@@ -306,7 +306,8 @@ def http_call(port: int, method: str, path: str, body: Any = None) -> tuple[int,
 
 def test_http_sheds_a_full_pool_with_503_and_retry_after(service: Service) -> None:
     server = HttpServer(service, workers=1, shedding=Shedding(1, max_queue_ms=0))
-    pool = server._api.pool_queue
+    assert server._api.pools["lookup"][1].workers == 2
+    pool = server._api.pools["predict"][1]
     try:
         pool.admit()
         pool.admit()  # one working, one waiting: full
@@ -316,7 +317,7 @@ def test_http_sheds_a_full_pool_with_503_and_retry_after(service: Service) -> No
         assert status == 503, answer
         assert response.getheader("Retry-After") == "1"
         assert answer["retry_after_ms"] >= 1
-        assert "overloaded: http pool: 1 requests wait already" in answer["error"]
+        assert "overloaded: http Predict: 1 requests wait already" in answer["error"]
         assert http_call(server.port, "GET", "/healthz")[0] == 200
         assert http_call(server.port, "GET", "/v1/models/m")[0] == 200
         status, text, _ = http_call(server.port, "GET", "/metrics")
@@ -325,6 +326,15 @@ def test_http_sheds_a_full_pool_with_503_and_retry_after(service: Service) -> No
         small = {"keys": [1, 2]}
         path = "/v1/models/m/tables/users:lookup"
         assert http_call(server.port, "POST", path, small)[0] == 200  # inline: no pool
+        big = {"keys": list(range(2000))}  # over inline_bytes: the lookup pool, not full
+        assert http_call(server.port, "POST", path, big)[0] == 200
+        lookups = server._api.pools["lookup"][1]
+        for _ in range(lookups.workers + 1):
+            lookups.admit()
+        status, answer, _ = http_call(server.port, "POST", path, big)
+        assert status == 503 and "http Lookup" in answer["error"], answer
+        for _ in range(lookups.workers + 1):
+            lookups.done(None)
         pool.done(None)
         pool.done(None)
         status, answer, _ = http_call(server.port, "POST", "/v1/models/m:predict", predict)
@@ -358,3 +368,33 @@ def test_http_sheds_while_its_loop_runs_late(service: Service) -> None:
         assert shed_count(service, "http", "Lookup") - before == 1
     finally:
         server.stop()
+
+
+# -- the serving process's heap -----------------------------------------------------
+
+
+def test_the_heap_is_frozen_and_retired_garbage_is_collected_at_the_next_freeze() -> None:
+    """``wuliang serve`` freezes its heap after each version, so collections
+    skip the models' objects; a cycle that became garbage after a freeze
+    (a retired version's) is collected by the next one."""
+    import gc
+    import weakref
+
+    from wuliang.serving.run import freeze_heap
+
+    class Node:
+        pass
+
+    try:
+        first = Node()
+        first.me = first  # a cycle: only the collector frees it
+        gone = weakref.ref(first)
+        freeze_heap()
+        assert gc.get_freeze_count() > 0
+        del first
+        gc.collect()
+        assert gone() is not None  # frozen: the collector does not look at it
+        freeze_heap()
+        assert gone() is None
+    finally:
+        gc.unfreeze()
