@@ -4,8 +4,9 @@
 Rows live in numpy arrays by slot, a dict maps each key to its slot, and
 CLOCK eviction is done a window of slots at a time; keys Redis has no row
 for are cached too (zeros, not found). Versions are immutable, so entries
-never go stale; a replica's switch to another version starts new, empty
-caches. A warm lookup is one dict probe per key and numpy gathers (measured
+never go stale; a replica's switch to another version starts new caches,
+filled before the switch with the old caches' keys read at the new version
+(``RedisStore._warm``). A warm lookup is one dict probe per key and numpy gathers (measured
 costs: ``docs/export.md``).
 """
 

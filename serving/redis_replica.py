@@ -6,8 +6,11 @@ Switch protocol: a replica subscribes to the model's channel before it reads
 the pointer, so no announcement falls between. A background thread re-reads
 the pointer when a message arrives, and every ``poll_s`` seconds in case one
 was missed; a new pointer loads that version's metadata (and whatever the
-owner prepares for it: ``prepare``, e.g. the tower) and swaps the replica's
-state (version, tables, caches) in one assignment. The pointer, not the
+owner prepares for it: ``prepare``, e.g. the tower), reads the keys its
+caches hold at the new version into the new caches (``_warm``: the hot rows
+stay cached across versions, and a publish does not send every replica's
+misses to Redis at once), and swaps the replica's state (version, tables,
+caches) in one assignment. The pointer, not the
 message, is the truth, so out-of-order announcements and rollbacks are
 followed alike. A version whose preparation fails is refused: the replica
 keeps its version until another is published. The thread also renews the
@@ -68,6 +71,7 @@ __all__ = ["NoVersionError", "RedisStore", "ReplicaState", "VersionRetired"]
 log = logging.getLogger("wuliang.serving")
 
 READ_BATCH = 10_000  # keys per MGET (a larger lookup pipelines several)
+WARM_BATCH = 50_000  # keys of a cache warmed per pipelined read at a switch
 _RETRIES = 5  # attempts of a lookup whose version is retired under it
 
 # Renews a replica's entry in the readers set (ARGV: member, ttl ms, the
@@ -171,6 +175,7 @@ class RedisStore:
         self.reader_ttl_ms = int(max(10.0, 3 * self.poll_s) * 1000)
         self.switches = 0
         self.retries = 0  # lookups restarted because their version was retired under them
+        self.warmed = 0  # rows read into the caches at the last switch
         self.refused: set[int] = set()
         self.last_error: BaseException | None = None  # the follower thread's latest
         self._nodes = connect_deployment(redis_url, socket_timeout=10)
@@ -242,13 +247,14 @@ class RedisStore:
         return {} if state is None else json.loads(json.dumps(state.meta))
 
     def stats(self) -> dict[str, Any]:
-        """Version, switches, retried lookups, and per table the cache's
-        rows, hits and misses."""
+        """Version, switches, retried lookups, rows read into the caches at
+        the last switch, and per table the cache's rows, hits and misses."""
         state = self._state
         return {
             "version": 0 if state is None else state.version,
             "switches": self.switches,
             "retries": self.retries,
+            "warmed": self.warmed,
             "tables": {
                 name: {
                     "cached": len(t.cache.slot_of),
@@ -404,7 +410,9 @@ class RedisStore:
                     self.on_refuse(target, str(error))
                 return False
         old = self._state
+        warmed = 0 if old is None else self._warm(old, state)
         self._state = state
+        self.warmed = warmed
         seconds = time.perf_counter() - start
         if old is not None:
             self.switches += 1
@@ -416,11 +424,44 @@ class RedisStore:
             target,
             state.meta.get("kind", "full"),
             seconds,
-            f" (was {old.version})" if old is not None else "",
+            f" (was {old.version}; {warmed} cached rows read again)" if old is not None else "",
         )
         if self.on_switch is not None:
             self.on_switch(state, seconds)
         return True
+
+    def _warm(self, old: ReplicaState, new: ReplicaState) -> int:
+        """Reads the rows the old version's caches hold, at the new version,
+        into its caches, before the switch; the number of rows read. So a
+        replica's hot rows stay cached across versions instead of all
+        missing at once after each publish (every replica of a fleet at the
+        same moment, at Redis). A Redis error ends the warming, not the
+        switch: the rest are read as lookups miss them."""
+        warmed = 0
+        for name, t in new.tables.items():
+            before = old.tables.get(name)
+            if before is None or before.dim != t.dim or not t.cache.capacity:
+                continue
+            with before.cache.lock:
+                hot = np.fromiter(before.cache.slot_of, np.uint64, len(before.cache.slot_of))
+            hot = hot[: t.cache.capacity]
+            for begin in range(0, len(hot), WARM_BATCH):
+                keys = hot[begin : begin + WARM_BATCH]
+                try:
+                    fetched = self._read(new, t, keys)
+                except (RedisStoreError, redis.RedisError) as error:
+                    log.warning(
+                        "model %s: warming the cache of version %d stopped: %s",
+                        self.keys.model,
+                        new.version,
+                        error,
+                    )
+                    return warmed
+                if fetched is None:  # retired before it was current
+                    return warmed
+                t.cache.insert(keys, *fetched)
+                warmed += len(keys)
+        return warmed
 
     def _refresh(self) -> bool:
         """Switches to the pointer's version if it is another; True if it did."""

@@ -640,3 +640,40 @@ def test_the_clock_cache_stays_bounded_and_exact() -> None:
     cache.clear()
     rows, found, missing = cache.read(np.arange(3, dtype=np.uint64))
     assert len(missing) == 3 and cache.slot_of == {}
+
+
+def test_a_switch_carries_the_hot_rows_read_at_the_new_version(
+    tmp_path: Path, redis_url: str, r: redis.Redis
+) -> None:
+    """The keys a replica's cache holds are read again at the new version
+    before it switches: after a publish its lookups of them hit the cache,
+    and the rows are the new version's (changed ones changed, removed ones
+    gone)."""
+    root = tmp_path / "m"
+    full(root, 1)
+    publish(root, redis_url)
+    hot = np.arange(1, 120, dtype=np.uint64)
+    changed = hot[::3]
+    removed = np.setdiff1d(hot[1::10], changed)  # an export never lists a key in both
+    nothing = np.zeros(0, np.uint64)
+    write_version(
+        root, 2, {"users": changed, "items": nothing}, parent=1, removed={"users": removed}
+    )
+    with RedisStore(redis_url, "m", poll_s=60) as store:
+        store.lookup("users", hot)  # cached at version 1
+        assert store.stats()["tables"]["users"]["cached"] == len(hot)
+        publish(root, redis_url)
+        wait_for(lambda: store.version == 2, timeout=5)
+        stats = store.stats()
+        assert stats["warmed"] >= len(hot)
+        assert stats["tables"]["users"]["cached"] == len(hot)
+        got = store.lookup("users", hot)
+        assert store.stats()["tables"]["users"]["misses"] == 0  # every one was cached
+        engine = engine_at(root)
+        want = engine.lookup("users", hot)
+        engine.close()
+        assert got.version == 2
+        np.testing.assert_array_equal(got.rows, want.rows)
+        np.testing.assert_array_equal(got.found, want.found)
+        assert not got.found[np.isin(hot, removed)].any()
+        assert (got.rows[np.isin(hot, changed), 0] == 2).all()
