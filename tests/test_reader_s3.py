@@ -358,9 +358,16 @@ class Recorded:
         return self.f.tell()
 
     def read(self, n: int = -1) -> bytes:
+        at = self.f.tell()
         with self.lock:
-            self.offsets.append(self.f.tell())
-        return self.f.read(n)
+            self.offsets.append(at)
+        data = self.f.read(n)
+        for _ in range(3):  # moto's server has answered a ranged GET empty under load
+            if n < 0 or len(data) >= n or at + len(data) >= self.f.size():
+                break
+            self.f.seek(at + len(data))
+            data += self.f.read(n - len(data))
+        return data
 
     def readable(self) -> bool:
         return True
