@@ -17,13 +17,14 @@ live versions still need.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from wuliang.serving.redis_keys import TOMBSTONE, cell_dtype
 
-__all__ = ["decode", "rewrite"]
+__all__ = ["Rewritten", "decode", "rewrite"]
 
 _CLEAN = ~TOMBSTONE
 
@@ -73,6 +74,41 @@ def decode(
     return rows, found
 
 
+@dataclass
+class Rewritten:
+    """Cells after ``rewrite``: their entries, grouped per cell (``entries``
+    and ``counts``, a count of 0: delete the cell), what changed, and whether
+    each cell's newest entry was (``before``) and is (``after``) a row."""
+
+    entries: np.ndarray  # cell_dtype, the cells' entries one cell after another
+    counts: np.ndarray  # int64 [n]
+    changed: np.ndarray  # bool [n]: differs from the cell read (write or delete it)
+    before: np.ndarray  # bool [n]
+    after: np.ndarray  # bool [n]
+
+    def cells(self) -> list[bytes | None]:
+        """Each cell's bytes, None where it is to be deleted."""
+        size = self.entries.dtype.itemsize
+        blob = self.entries.tobytes()
+        ends = np.cumsum(self.counts) * size
+        begins = ends - self.counts * size
+        return [
+            blob[b:e] if e > b else None
+            for b, e in zip(begins.tolist(), ends.tolist(), strict=True)
+        ]
+
+    def by_count(self, cells: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """For the given cells (indexes) that are kept, grouped by their entry
+        count: (those cells, their bytes as a uint8 array [m, count * entry])."""
+        ends = np.cumsum(self.counts)
+        counts = self.counts[cells]
+        raw = self.entries.view(np.uint8).reshape(len(self.entries), -1)
+        for count in np.unique(counts[counts > 0]).tolist():
+            mine = cells[counts == count]
+            first = (ends[mine] - count)[:, None] + np.arange(count)
+            yield mine, raw[first].reshape(len(mine), -1)
+
+
 def rewrite(
     values: Sequence[bytes | None],
     dim: int,
@@ -80,14 +116,13 @@ def rewrite(
     new: np.ndarray | None = None,
     drop: int | None = None,
     what: str = "cells",
-) -> tuple[list[bytes | None], np.ndarray, np.ndarray]:
+) -> Rewritten:
     """Cells rewritten: ``new`` (one entry per cell, ``cell_dtype``) put
     first, entries of version ``drop`` removed, then trimmed for the sorted
-    versions ``live`` (see the module docstring). Returns (the new cells,
-    None: delete it; whether each cell's newest entry was a row before;
-    whether it is after)."""
+    versions ``live`` (see the module docstring)."""
     n = len(values)
     flat, counts = _entries(values, dim, what)
+    read = counts
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     before = np.zeros(n, bool)
     has = counts > 0
@@ -120,14 +155,9 @@ def rewrite(
     flat, cell_of = flat[keep], cell_of[keep]
     counts = np.bincount(cell_of, minlength=n)
     after = np.zeros(n, bool)
-    ends = np.cumsum(counts)
     has = counts > 0
-    after[has] = (flat["version"][(ends - counts)[has]] & TOMBSTONE) == 0
-    size = flat.dtype.itemsize
-    blob = flat.tobytes()
-    bounds = (ends * size).tolist()
-    begins = ((ends - counts) * size).tolist()
-    cells: list[bytes | None] = [
-        blob[b:e] if e > b else None for b, e in zip(begins, bounds, strict=True)
-    ]
-    return cells, before, after
+    after[has] = (flat["version"][(np.cumsum(counts) - counts)[has]] & TOMBSTONE) == 0
+    # entries are only ever removed, and a new one is put first: a cell
+    # changed if it has a new entry or lost one
+    changed = counts != read if new is None else (counts > 0) | (read > 0)
+    return Rewritten(flat, counts, changed, before, after)

@@ -383,8 +383,9 @@ class _Publisher:
 
     def start_version(self, number: int, layout: Layout) -> None:
         """Lists the version (index score 0, its generation) before any of its keys."""
-        self.cmd("ZADD", self.keys.index, 0, str(number))
-        self.cmd("HSET", self.keys.generation, str(number), f"{layout.generation}:{layout.shards}")
+        slot, place = self.keys.slot, f"{layout.generation}:{layout.shards}"
+        self.d.run([Command(slot, ("ZADD", self.keys.index, 0, str(number))),
+                    Command(slot, ("HSET", self.keys.generation, str(number), place))])  # fmt: skip
 
     def write_full(
         self, versions_: Sequence[Version], source: dict[str, Any], shards: int | None
@@ -439,12 +440,13 @@ class _Publisher:
                 yield Command(int(layout.slots[s]), packed=pack(b"MSET", [], names, raw[part]))
 
     def send(self, commands: list[Command]) -> list[Any]:
-        """A batch of writes; the lock renewed after it."""
+        """A batch of commands, with the lock's renewal in the same round
+        (RedisStoreError if the lock was lost)."""
         if not commands:
             return []
-        replies = self.d.run(commands)
         assert self.lock is not None
-        self.lock.renew()
+        *replies, renewed = self.d.run([*commands, self.lock.renewal()])
+        self.lock.check(renewed)
         return replies
 
     def meta_of(
@@ -503,10 +505,13 @@ class _Publisher:
             keys, cells = _changes(after, table, number, dim)
             if not len(keys):
                 continue
-            self.write_touched(layout, number, table, keys)
+            lead = self.touched_lists(layout, number, table, keys)  # before any cell
             for begin in range(0, len(keys), DELTA_BATCH):
                 part = slice(begin, begin + DELTA_BATCH)
-                before, now = self.rewrite(layout, table, dim, keys[part], live, cells[part])
+                before, now = self.rewrite(
+                    layout, table, dim, keys[part], live, cells[part], lead=lead
+                )
+                lead = []
                 rows[table] = rows.get(table, 0) + int(now.sum()) - int(before.sum())
             tomb = (cells["version"] & TOMBSTONE) != 0
             result.rows[table] = int((~tomb).sum())
@@ -517,8 +522,10 @@ class _Publisher:
         chain_ = [*base.get("chain", [base["version"]]), number]
         return self.meta_of(top, source, layout, chain_, rows, "delta")
 
-    def write_touched(self, layout: Layout, number: int, table: str, keys: np.ndarray) -> None:
-        """The lists of the keys a delta changes, per shard (before any cell)."""
+    def touched_lists(
+        self, layout: Layout, number: int, table: str, keys: np.ndarray
+    ) -> list[Command]:
+        """The writes of the lists of the keys a delta changes, per shard."""
         shard = layout.shard_of(keys)
         commands = []
         for s in np.unique(shard):
@@ -527,7 +534,7 @@ class _Publisher:
             for begin in range(0, len(mine), TOUCHED_CHUNK):
                 chunk = mine[begin : begin + TOUCHED_CHUNK].tobytes()
                 commands.append(Command(int(layout.slots[s]), ("RPUSH", name, chunk)))
-        self.send(commands)
+        return commands
 
     def read_touched(self, layout: Layout, number: int, table: str) -> np.ndarray:
         commands = [
@@ -548,9 +555,11 @@ class _Publisher:
         live: np.ndarray,
         cells: np.ndarray | None = None,
         drop: int | None = None,
+        lead: Sequence[Command] = (),
     ) -> tuple[np.ndarray, np.ndarray]:
         """Reads the cells of keys, rewrites them (``redis_cells.rewrite``)
-        and writes them back (one round trip per node each way)."""
+        and writes them back (one round trip per node each way; ``lead``:
+        writes sent ahead of the reads, in their round)."""
         shard = layout.shard_of(keys)
         order = np.argsort(shard, kind="stable")
         keys = keys[order]
@@ -565,29 +574,28 @@ class _Publisher:
             mine = row_keys(layout.cell_prefix(s, table), keys[bounds[s] : bounds[s + 1]])
             names += mine
             reads.append(Command(int(layout.slots[s]), packed=pack(b"MGET", [], mine)))
-        values = [v for reply in self.d.run(reads) for v in reply]
+        values = [v for reply in self.send([*lead, *reads])[len(lead) :] for v in reply]
         what = f"table {table!r} of model {self.keys.model!r} at {self.result.url}"
-        new, before, after = rewrite(values, dim, live, cells, drop, what)
+        out = rewrite(values, dim, live, cells, drop, what)
         writes = []
+        name_array = np.array(names, dtype=object)
         for s in range(layout.shards):
             lo, hi = int(bounds[s]), int(bounds[s + 1])
             if lo == hi:
                 continue
             slot = int(layout.slots[s])
-            sets: list[bytes] = []
-            dels: list[bytes] = []
-            for name, old, cell in zip(names[lo:hi], values[lo:hi], new[lo:hi], strict=True):
-                if cell is None:
-                    if old is not None:
-                        dels.append(name)
-                elif cell != old:
-                    sets += [name, cell]
-            for begin in range(0, len(sets), 2 * WRITE_BATCH):
-                writes.append(Command(slot, ("MSET", *sets[begin : begin + 2 * WRITE_BATCH])))
+            mine = lo + np.flatnonzero(out.changed[lo:hi])
+            for group, raw in out.by_count(mine):
+                group_names = name_array[group].tolist()
+                for begin in range(0, len(group), WRITE_BATCH):
+                    part = slice(begin, begin + WRITE_BATCH)
+                    packed = pack(b"MSET", [], group_names[part], raw[part])
+                    writes.append(Command(slot, packed=packed))
+            dels = name_array[mine[out.counts[mine] == 0]].tolist()
             for begin in range(0, len(dels), WRITE_BATCH):
                 writes.append(Command(slot, ("UNLINK", *dels[begin : begin + WRITE_BATCH])))
         self.send(writes)
-        return before, after
+        return out.before, out.after
 
     # -- removing versions ---------------------------------------------------------------
 
@@ -793,8 +801,12 @@ class _Lock:
     def ours(self) -> bool:
         return self.cmd("GET", self.keys.lock) == self.token.encode()
 
-    def renew(self) -> None:
-        if not self.cmd("EVAL", _LOCK, 1, self.keys.lock, self.token, LOCK_TTL_MS):
+    def renewal(self) -> Command:
+        """The command that renews the lock (``check`` its reply)."""
+        return Command(self.keys.slot, ("EVAL", _LOCK, 1, self.keys.lock, self.token, LOCK_TTL_MS))
+
+    def check(self, renewed: Any) -> None:
+        if not renewed:
             raise self.lost()
 
     def flip(self, version: int, meta: str, score: float) -> None:
