@@ -116,13 +116,13 @@ from wuliang.serving.errors import (
 )
 from wuliang.serving.http_json import PredictRequest, lookup_keys
 from wuliang.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from wuliang.serving.overload import LoopLag, Shedding
+from wuliang.serving.overload import LoopLag, PassClock, Shedding
 from wuliang.serving.service import Service
 from wuliang.serving.tfs import answers
 
 log = logging.getLogger("wuliang.serving")
 
-INLINE_BYTES = 4096  # lookup bodies up to this size are answered on the event loop
+INLINE_BYTES = 16384  # lookup bodies up to this size are answered on the event loop
 WORKERS = 8  # threads of the pool that runs predictions
 LOOKUP_WORKERS = 2  # threads of the pool that runs big lookups
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -275,6 +275,7 @@ class _Api:
         self.queues = list({id(q): q for _, q in self.pools.values()}.values())
         self.max_lag = shedding.max_queue_ms / 1e3
         self.lag = LoopLag()
+        self.clock = PassClock()
 
     def application(self) -> web.Application:
         @web.middleware
@@ -366,10 +367,15 @@ class _Api:
             reason = getattr(error.__cause__, "message", None) or str(error).split("\n")[-1]
             raise UnreadableBody(f"the request body cannot be read: {reason.strip()}") from None
 
-    def _admit(self) -> None:
-        """Overloaded while a request waits for the loop longer than
-        ``max_queue_ms`` (``LoopLag.wait``)."""
-        wait = self.lag.wait
+    def _wait(self) -> float:
+        """How long a request handled now waits for the loop: the part of
+        the previous pass it waited (the loop's lag), and this pass so far."""
+        return self.lag.seconds + self.clock.in_pass()
+
+    def _admit(self) -> float:
+        """The request's wait for the loop (``_wait``); Overloaded if it
+        exceeds ``max_queue_ms``."""
+        wait = self._wait()
         if self.max_lag and wait > self.max_lag:
             retry_ms = max(1, round(wait * 1e3))
             raise Overloaded(
@@ -377,28 +383,32 @@ class _Api:
                 f"(max_queue_ms {self.max_lag * 1e3:g}); retry in {retry_ms} ms",
                 retry_ms,
             )
+        return wait
 
     async def _run(self, where: str, work: Callable[..., Any], *args: Any) -> Any:
         """``work(*args)`` on the loop (``where`` "inline") or in the
         "lookup" or "predict" pool, once admitted."""
-        self._admit()
+        wait = self._admit()
         if where == "inline":
             return work(*args)
         executor, queue = self.pools[where]
-        queue.admit(self.lag.wait)
-        took: list[float] = []
+        queue.admit(wait)
+        ran = False
 
         def timed() -> Any:
+            nonlocal ran
+            ran = True
             start = time.perf_counter()
             try:
                 return work(*args)
-            finally:
-                took.append(time.perf_counter() - start)
+            finally:  # here, not on the loop: the loop may take its time to resume
+                queue.done(time.perf_counter() - start)
 
         try:
             return await asyncio.get_running_loop().run_in_executor(executor, timed)
         finally:
-            queue.done(took[0] if took else None)
+            if not ran:
+                queue.done(None)
 
     # -- endpoints ------------------------------------------------------------------
 
@@ -532,7 +542,7 @@ class HttpServer:
             logger=_ProtocolLog(logging.getLogger("aiohttp.server"), {}),
             shutdown_timeout=grace,
         )
-        self._loop = asyncio.new_event_loop()
+        self._loop = asyncio.SelectorEventLoop(api.clock)
         self._ssl = None if tls is None else tls.ssl_context()
         self._grace = grace
         started: concurrent.futures.Future[None] = concurrent.futures.Future()

@@ -49,6 +49,7 @@ bound off; both off, nothing is shed.
 from __future__ import annotations
 
 import asyncio
+import selectors
 import threading
 import time
 from collections import deque
@@ -64,13 +65,14 @@ __all__ = [
     "ApiQueue",
     "LoopLag",
     "Overloaded",
+    "PassClock",
     "Shedding",
     "SheddingPool",
     "take_shed",
 ]
 
 DEFAULT_QUEUE_PER_WORKER = 32  # requests that may wait per worker of a pool
-DEFAULT_MAX_QUEUE_MS = 10.0  # the longest a request is admitted to wait
+DEFAULT_MAX_QUEUE_MS = 5.0  # the longest a request is admitted to wait
 EWMA = 0.1  # weight of the newest service time in the running mean
 
 
@@ -306,3 +308,24 @@ class LoopLag:
     def stop(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
+
+
+class PassClock(selectors.DefaultSelector):
+    """The selector of an event loop (``asyncio.SelectorEventLoop(clock)``)
+    that notes when each pass of the loop starts: when its ``select``
+    returns. The loop then runs the handlers of the requests it read in the
+    previous pass one after another, so a handler running now has waited
+    at least ``in_pass()`` for those ahead of it in this pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = time.perf_counter()
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        ready = super().select(timeout)
+        self.started = time.perf_counter()
+        return ready
+
+    def in_pass(self) -> float:
+        """Seconds since the loop's current pass started."""
+        return time.perf_counter() - self.started

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from wuliang import __version__
+from wuliang.serving.overload import DEFAULT_MAX_QUEUE_MS
 
 # What ``main`` reports as ``wuliang <command>: error: ...`` instead of a
 # traceback (``CorruptVersionError`` is a ValueError).
@@ -491,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--max-queue-ms",
         type=non_negative_float,
-        default=10.0,
+        default=DEFAULT_MAX_QUEUE_MS,
         metavar="MS",
         help="shed at once a lookup or prediction that would wait longer than MS for a "
         "thread (0: no bound; with --max-queue 0, nothing is shed)",
