@@ -71,15 +71,20 @@ Design:
   2,338 lookups/s (busier: 1,634 vs 1,657, the client process being the
   bottleneck); 16 lookup clients beside 4 predicting 256 rows, 1,148 vs
   1,019 lookups/s at the same 149 predictions/s (busier: 980 vs 897
-  lookups/s, with 146 vs 174 predictions/s). So small lookups stay inline.
-  Bigger ones go to a pool of their own (``lookup_workers`` threads:
+  lookups/s, with 146 vs 174 predictions/s). So lookups stay inline up to
+  16 KB (about 1,500 keys, ~1.5 ms of the loop): under overload an answer
+  computed on a pool thread waited 7-23 ms (p50-p99) for the loop to get
+  the GIL back from the pool's threads, and the server spent 510 µs an
+  answer against 370 inline (``benchmarks/overload_bench.py``, 1000-key
+  lookups). Bigger ones go to a pool of their own (``lookup_workers`` threads:
   parsing 100,000 keys takes 18 ms as numbers, 85 ms as strings, and a
   lookup's answer is encoded there too), so the loop is never held long;
   it is Python under the GIL, so two threads, as for gRPC's lookups.
 * Overload is shed early (``wuliang.serving.overload``): once its body is
   read, a lookup or prediction is answered 503 with ``Retry-After`` at once
-  while a request would wait for the event loop (``LoopLag.wait``) longer
-  than ``max_queue_ms``, and a request for a pool also when the pool's
+  while it has waited for the event loop (the loop's lag, plus the time
+  since the loop's current pass began: ``PassClock``) longer than
+  ``max_queue_ms``, and a request for a pool also when the pool's
   queue (``ApiQueue``) is full or would keep it waiting too long. Health,
   metrics, status and metadata are never shed.
 """

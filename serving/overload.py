@@ -25,12 +25,17 @@ replica while the admitted requests keep their latency:
   (``take_shed``) and answers RESOURCE_EXHAUSTED before parsing anything,
   with the trailing metadata ``grpc-retry-pushback-ms`` (gRPC's retry
   pushback).
-* HTTP: a small lookup is answered on the event loop, so its wait is the
-  loop's: ``LoopLag`` samples how late the loop runs a timer every
-  ``LoopLag.INTERVAL``, and a lookup or prediction is shed while twice the
-  smaller of the last two samples (``LoopLag.wait``: a request waits up to
-  two passes of a busy loop) exceeds ``max_queue_ms``. Predictions and big lookups run in the
-  HTTP pool, which has an ``ApiQueue`` too (its lag: the loop's). The
+* HTTP: a lookup up to 16 KB is answered on the event loop, so its wait
+  is the loop's. A busy loop reads a request in one pass and runs its
+  handler in the next, handlers one after another: a handler has waited
+  about one pass, the loop's lag (``LoopLag`` samples how late the loop
+  runs a timer every ``LoopLag.INTERVAL``; the smaller of the last two
+  samples), plus the time since the current pass began (``PassClock``, the
+  loop's selector, notes when each pass starts). A lookup or prediction
+  is shed while that sum exceeds ``max_queue_ms``, so a pass admits about
+  ``max_queue_ms`` of work and sheds the rest. Predictions and big lookups
+  run in the HTTP pools, which have an ``ApiQueue`` each (its lag: that
+  sum), ended on the pool's thread. The
   answer is 503 with ``Retry-After`` (whole seconds, at least 1, as HTTP
   has it) and ``{"error": ..., "retry_after_ms": N}``.
 * Counted: ``wuliang_requests_total{code="RESOURCE_EXHAUSTED"}`` and
@@ -286,14 +291,6 @@ class LoopLag:
         """The loop's lag: the smaller of the last two samples (one late
         tick, a collection or a scheduler hiccup, is not a late loop)."""
         return min(self.last, self.previous)
-
-    @property
-    def wait(self) -> float:
-        """A new request's expected wait for the loop: two of its lags. A
-        busy loop's timer runs up to one pass of the loop late, and a
-        request arriving during a pass is read in the next and answered
-        in the one after (aiohttp hands it to its handler with call_soon)."""
-        return 2 * self.seconds
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         due = loop.time() + self.INTERVAL
