@@ -102,7 +102,7 @@ class Rewritten:
         count: (those cells, their bytes as a uint8 array [m, count * entry])."""
         ends = np.cumsum(self.counts)
         counts = self.counts[cells]
-        raw = self.entries.view(np.uint8).reshape(len(self.entries), -1)
+        raw = self.entries.view(np.uint8).reshape(len(self.entries), self.entries.dtype.itemsize)
         for count in np.unique(counts[counts > 0]).tolist():
             mine = cells[counts == count]
             first = (ends[mine] - count)[:, None] + np.arange(count)

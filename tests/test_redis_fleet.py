@@ -231,6 +231,9 @@ def test_cells_read_the_newest_entry_at_or_below_a_version_and_trim_to_the_live_
     assert stripped.cells() == [base[0], None, base[2]]
     two = [(g.tolist(), raw.tobytes()) for g, raw in out.by_count(np.array([0, 2]))]
     assert two == [([0, 2], cells[0] + cells[2])]
+    gone = rewrite([entry(3, 0, removed=True).tobytes()], dim, np.array([3], np.uint64))
+    assert gone.cells() == [None] and gone.changed.tolist() == [True]
+    assert list(gone.by_count(np.arange(1))) == []  # nothing left to write: deleted
     with pytest.raises(ValueError, match=r"test: a cell of 7 bytes, expected a multiple of 16"):
         decode([b"1234567"], dim, 1, "test")
 
