@@ -1,0 +1,145 @@
+"""The floor of a shed answer on this machine: ``python benchmarks/shed_floor.py``.
+
+How fast can a Python server answer "overloaded" at all, under the
+overload of ``overload_bench.py``? A bare server (a subprocess of this
+script) answers *every* lookup as shed, doing nothing else:
+
+* gRPC: a grpcio sync server, pool of 2 threads (as ``wuliang serve`` 's
+  lookup pool), whose handler for ``/wuliang.serving.Serving/Lookup``
+  aborts RESOURCE_EXHAUSTED with ``grpc-retry-pushback-ms`` (no parsing);
+* HTTP: an aiohttp server on one event loop whose every ``POST`` reads the
+  body and answers 503 with ``Retry-After`` and a JSON body.
+
+The same load processes as ``overload_bench.py`` (its ``LoadProcess``,
+``run_load``: ``LOAD_PROCS`` processes a transport, closed-loop
+connections, 1000-key bodies) drive it with
+``CONNS`` connections for ``SECONDS`` s, once from clients that back off as
+``wuliang.serving.Client`` does and once from clients that send again at
+once. Printed last, one JSON line: per transport and client kind, shed
+answers/s and p50/p99 ms, and the server's and clients' CPU per answer.
+A real server's shed answers cannot beat these: its shed ones also wait
+behind the work it admitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+CONNS = 64
+SECONDS = 5.0
+ROWS = 1_000_000  # the key range of the requests (as overload_bench.py's)
+LOOKUP = "/wuliang.serving.Serving/Lookup"
+
+
+def serve() -> None:
+    """The bare shedding server: prints ``grpc PORT http PORT``, runs until SIGTERM."""
+    import grpc
+    from aiohttp import web
+
+    def abort(_request: bytes, context: grpc.ServicerContext) -> bytes:
+        context.set_trailing_metadata((("grpc-retry-pushback-ms", "10"),))
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded: shed floor")
+
+    handler = grpc.method_handlers_generic_handler(
+        "wuliang.serving.Serving", {"Lookup": grpc.unary_unary_rpc_method_handler(abort)}
+    )
+    server = grpc.server(ThreadPoolExecutor(2), handlers=[handler])
+    grpc_port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+
+    async def shed(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response(
+            {"error": "overloaded: shed floor", "retry_after_ms": 10},
+            status=503,
+            headers={"Retry-After": "1"},
+        )
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", shed)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app, access_log=None)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    http_port = runner.addresses[0][1]
+    signal.signal(signal.SIGTERM, lambda *_: loop.call_soon_threadsafe(loop.stop))
+    print(f"grpc {grpc_port} http {http_port}", flush=True)
+    loop.run_forever()
+    loop.run_until_complete(runner.cleanup())
+    server.stop(0)
+
+
+def floor(conns: int = CONNS, seconds: float = SECONDS) -> dict[str, Any]:
+    """The figures of the module docstring."""
+    from overload_bench import LOAD_PROCS, TRANSPORTS, LoadProcess, payloads, run_load, summary
+
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True
+    )
+    loads: dict[str, list[LoadProcess]] = {}
+    try:
+        assert child.stdout is not None
+        words = child.stdout.readline().split()
+        ports = {"grpc": int(words[1]), "http": int(words[3])}
+        requests = payloads(ROWS)
+        loads = {t: [LoadProcess() for _ in range(LOAD_PROCS)] for t in TRANSPORTS}
+        out: dict[str, Any] = {}
+        for transport in TRANSPORTS:
+            run_load(
+                loads[transport],
+                transport,
+                ports[transport],
+                requests[transport],
+                4,
+                1.0,
+                child.pid,
+            )  # fmt: skip  (warm-up)
+            for backoff in (True, False):
+                run = run_load(
+                    loads[transport], transport, ports[transport], requests[transport],
+                    conns, seconds, child.pid, backoff,
+                )  # fmt: skip
+                run["rss_before_mb"] = run["rss_end_mb"]
+                s = summary([run])
+                kind = "backing_off" if backoff else "eager"
+                out[f"{transport}_{kind}"] = {
+                    k: s[k]
+                    for k in ("conns", "shed_qps", "shed_p50_ms", "shed_p99_ms", "accepted_qps",
+                              "failed", "shed_without_retry", "server_cpu_us", "client_cpu_us")
+                }  # fmt: skip
+        return {"shed_floor": out, "conns": conns, "seconds": seconds, "cores": os.cpu_count()}
+    finally:
+        for group in loads.values():
+            for proc in group:
+                proc.close()
+        child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(timeout=30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--conns", type=int, default=CONNS)
+    parser.add_argument("--seconds", type=float, default=SECONDS)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve()
+        return
+    print(json.dumps(floor(args.conns, args.seconds)))
+
+
+if __name__ == "__main__":
+    main()
