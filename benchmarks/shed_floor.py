@@ -94,21 +94,15 @@ def floor(conns: int = CONNS, seconds: float = SECONDS) -> dict[str, Any]:
         loads = {t: [LoadProcess() for _ in range(LOAD_PROCS)] for t in TRANSPORTS}
         out: dict[str, Any] = {}
         for transport in TRANSPORTS:
-            run_load(
-                loads[transport],
-                transport,
-                ports[transport],
-                requests[transport],
-                4,
-                1.0,
-                child.pid,
-            )  # fmt: skip  (warm-up)
+            # warm-up: the server's and the load process's first calls
+            run_load(loads[transport], transport, ports[transport], requests[transport], 4, 1.0,
+                     child.pid)  # fmt: skip
             for backoff in (True, False):
                 run = run_load(
                     loads[transport], transport, ports[transport], requests[transport],
                     conns, seconds, child.pid, backoff,
                 )  # fmt: skip
-                run["rss_before_mb"] = run["rss_end_mb"]
+                run["rss_before_mb"] = run["rss_end_mb"]  # summary() wants one; not a figure here
                 s = summary([run])
                 kind = "backing_off" if backoff else "eager"
                 out[f"{transport}_{kind}"] = {

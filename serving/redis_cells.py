@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -86,11 +87,16 @@ class Rewritten:
     before: np.ndarray  # bool [n]
     after: np.ndarray  # bool [n]
 
+    @cached_property
+    def ends(self) -> np.ndarray:
+        """Where each cell's entries end in ``entries``."""
+        return np.cumsum(self.counts)
+
     def cells(self) -> list[bytes | None]:
         """Each cell's bytes, None where it is to be deleted."""
         size = self.entries.dtype.itemsize
         blob = self.entries.tobytes()
-        ends = np.cumsum(self.counts) * size
+        ends = self.ends * size
         begins = ends - self.counts * size
         return [
             blob[b:e] if e > b else None
@@ -100,12 +106,11 @@ class Rewritten:
     def by_count(self, cells: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """For the given cells (indexes) that are kept, grouped by their entry
         count: (those cells, their bytes as a uint8 array [m, count * entry])."""
-        ends = np.cumsum(self.counts)
         counts = self.counts[cells]
         raw = self.entries.view(np.uint8).reshape(len(self.entries), self.entries.dtype.itemsize)
         for count in np.unique(counts[counts > 0]).tolist():
             mine = cells[counts == count]
-            first = (ends[mine] - count)[:, None] + np.arange(count)
+            first = (self.ends[mine] - count)[:, None] + np.arange(count)
             yield mine, raw[first].reshape(len(mine), -1)
 
 
