@@ -8,7 +8,8 @@ table of ``rows`` rows (1M; quick 200K) exported as version 1, served by
 ``wuliang serve`` (a subprocess, ``serving_bench.start_server``) in two
 settings, one after the other in one run: ``shed``, the default bounds of
 each API's queue, and ``unshed``, ``--max-queue 0 --max-queue-ms 0`` (the
-baseline that never sheds). They alternate ABBA (quick: AB); a phase's
+baseline that never sheds; ``--baseline-args`` puts other flags there, to
+compare two bounds). They alternate ABBA (quick: AB); a phase's
 figures are over all its rounds.
 
 Load: lookups of ``KEYS`` item keys drawn Zipf(1.1) (``BODIES`` distinct
@@ -876,6 +877,13 @@ def main() -> None:
         default=MIN_OVERLOAD_CONNS,
         help="the fewest connections of an overload (else 4 c_sat)",
     )
+    parser.add_argument(
+        "--baseline-args",
+        default=" ".join(NO_SHEDDING),
+        metavar="ARGS",
+        help="the flags of the second server, reported as 'unshed' (default: %(default)s, "
+        "never shedding; e.g. '--max-queue-ms 10' compares two bounds side by side)",
+    )
     parser.add_argument("--load-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load_worker:
@@ -883,7 +891,11 @@ def main() -> None:
         return
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     result = overload(
-        quick=args.quick, seconds=args.seconds, procs=args.procs, min_conns=args.min_conns
+        quick=args.quick,
+        seconds=args.seconds,
+        procs=args.procs,
+        min_conns=args.min_conns,
+        unshed_args=tuple(args.baseline_args.split()),
     )
     print(json.dumps(result))
 
