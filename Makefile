@@ -99,7 +99,7 @@ bench-quick: $(VENV)/.bench
 constraints: $(BIN)/python
 	$(BIN)/python tools/pin_image.py
 
-# After editing serving/serving.proto: rebuilds the descriptor in serving/proto.py.
+# After editing serving/grpc/serving.proto: rebuilds the descriptor in serving/grpc/proto.py.
 protos: install
 	$(BIN)/python tools/regen_proto.py
 

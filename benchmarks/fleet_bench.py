@@ -2,7 +2,7 @@
 benchmarks/serving_bench.py --fleet [--quick]`` (this module is its
 ``--fleet`` part).
 
-Setup (not timed): ``serving_bench.build_model`` 's model, its ``item``
+Setup (not timed): ``serving_setup.build_model`` 's model, its ``item``
 table of ``rows`` rows (1M; ``--quick`` 200K) exported as version 1 (every
 row's first weight 1), then the export benchmark's delta as version 2: 1%
 of the item rows rewritten (same values: the rows still read 1) and 0.01%
@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 from bench_data import zipf_keys
-from serving_bench import KEYS_PER_LOOKUP, build_model, free_port, signed_rows, start_redis
+from serving_setup import KEYS_PER_LOOKUP, build_model, free_port, signed_rows, start_redis
 
 ROUNDS = 2
 CACHE_ROWS = 100_000
@@ -115,7 +115,7 @@ def start_cluster(folder: Path) -> tuple[list[subprocess.Popen], str]:
 
 
 def flush(url: str) -> None:
-    from wuliang.serving.redis_nodes import Deployment
+    from wuliang.serving.redis.nodes import Deployment
 
     deployment = Deployment(url, 60)
     for node in deployment.masters():
@@ -135,7 +135,7 @@ def lookup_client(
 ) -> None:
     """Lookups through a RedisStore for ``seconds`` after ``ready`` (or until
     ``stop``); puts (lookups, torn answers, versions seen, failures)."""
-    from wuliang.serving.redis_replica import RedisStore
+    from wuliang.serving.redis.replica import RedisStore
 
     rng = np.random.default_rng(seed)
     draws = [zipf_keys(rng, rows, KEYS_PER_LOOKUP) for _ in range(64)]
@@ -214,7 +214,7 @@ def fleet(quick: bool = False, clients: int = 4) -> dict[str, Any]:
 
 def redis_fleet(quick: bool = False, clients: int = 4) -> dict[str, Any]:
     """The figures of the Redis fleet (publishes, the cluster, torn answers)."""
-    from wuliang.serving.redis_publish import publish
+    from wuliang.serving.redis.publish import publish
 
     rows = 200_000 if quick else 1_000_000
     seconds = 3.0 if quick else 5.0

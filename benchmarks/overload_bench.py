@@ -3,9 +3,9 @@ or queued: ``python benchmarks/serving_bench.py --fleet [--quick]`` (this
 module's ``overload()`` is part of ``fleet_bench.fleet()``), or alone,
 ``python benchmarks/overload_bench.py [--quick]``.
 
-Setup (not timed): ``serving_bench.build_model`` 's model, its ``item``
+Setup (not timed): ``serving_setup.build_model`` 's model, its ``item``
 table of ``rows`` rows (1M; quick 200K) exported as version 1, served by
-``wuliang serve`` (a subprocess, ``serving_bench.start_server``) in two
+``wuliang serve`` (a subprocess, ``serving_setup.start_server``) in two
 settings, one after the other in one run: ``shed``, the default bounds of
 each API's queue, and ``unshed``, ``--max-queue 0 --max-queue-ms 0`` (the
 baseline that never sheds; ``--baseline-args`` puts other flags there, to
@@ -676,7 +676,7 @@ def payloads(rows: int) -> dict[str, list[str]]:
     """The prebuilt requests of each transport (base64, for the load processes)."""
     from bench_data import zipf_keys
 
-    from wuliang.serving import proto
+    from wuliang.serving.grpc import proto
 
     rng = np.random.default_rng(7)
     draws = [zipf_keys(rng, rows, KEYS) for _ in range(BODIES)]
@@ -718,7 +718,7 @@ def server_round(
 ) -> None:
     """One server of ``setting``: (the sweeps, the first time,) then a
     warm-up and an overload of each transport."""
-    from serving_bench import start_server
+    from serving_setup import start_server
 
     server, grpc_port, http_port = start_server(exports, extra_args=server_args)
     try:
@@ -783,7 +783,7 @@ def overload(
     ``targets_met``); ``procs``: load processes a transport; ``min_conns``:
     the fewest connections of an overload; ``unshed_args``: the baseline
     server's flags."""
-    from serving_bench import build_model
+    from serving_setup import build_model
 
     rows = rows or (200_000 if quick else 1_000_000)
     seconds = seconds or (3.0 if quick else 5.0)

@@ -135,7 +135,7 @@ def main() -> None:
         print(json.dumps(result))
         return
 
-    from wuliang.serving.http_server import HttpServer
+    from wuliang.serving.http.server import HttpServer
     from wuliang.serving.service import Service
     from wuliang.serving.store import ModelStore
 

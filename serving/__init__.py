@@ -22,13 +22,13 @@ Modules:
 * ``versioned``: ``VersionedModel``, the versions a ``VersionPolicy`` keeps
   (a ``ModelStore`` each) and labels; ``model_config``: several models from
   TensorFlow Serving's model config file, followed on SIGHUP;
-* ``redis_model``: ``RedisModelStore``, a published model read from Redis
-  (``redis_replica``: the replica's reader and its cache ``redis_cache``;
-  ``redis_publish``: ``wuliang publish``; ``redis_keys``: the key layout);
+* ``redis.model``: ``RedisModelStore``, a published model read from Redis
+  (``redis.replica``: the replica's reader and its cache ``redis.cache``;
+  ``redis.publish``: ``wuliang publish``; ``redis.keys``: the key layout);
 * ``service``: the transport-neutral ``Service`` (tokens, limits, metrics,
   one version per request), with ``predict`` (pooling and the tower) and
   ``features`` (keys from integers, digit strings and raw strings);
-* ``grpc_server``, ``http_server`` (``http_json``), ``client``: transports
+* ``grpc.server``, ``http.server`` (``http.codec``), ``client``: transports
   and the Python client; ``tls``: one ``ServerTls`` for both servers;
 * ``tfs``: TensorFlow Serving's gRPC API (its messages, tensors, metadata,
   model config), and ``signature``: a version's ``serving_default``;
@@ -46,16 +46,16 @@ _NAMES = {
     "ModelStore": "wuliang.serving.store",
     "VersionedModel": "wuliang.serving.versioned",
     "VersionPolicy": "wuliang.serving.versioned",
-    "RedisModelStore": "wuliang.serving.redis_model",
-    "RedisStore": "wuliang.serving.redis_replica",
-    "publish": "wuliang.serving.redis_publish",
+    "RedisModelStore": "wuliang.serving.redis.model",
+    "RedisStore": "wuliang.serving.redis.replica",
+    "publish": "wuliang.serving.redis.publish",
     "ServedModel": "wuliang.serving.model",
     "ServedVersion": "wuliang.serving.model",
     "Service": "wuliang.serving.service",
     "FeatureInput": "wuliang.serving.predict",
     "PredictAnswer": "wuliang.serving.predict",
-    "GrpcServer": "wuliang.serving.grpc_server",
-    "HttpServer": "wuliang.serving.http_server",
+    "GrpcServer": "wuliang.serving.grpc.server",
+    "HttpServer": "wuliang.serving.http.server",
     "ServerTls": "wuliang.ps_server.rpc.tls",
     "TlsError": "wuliang.ps_server.rpc.tls",
     "ServingError": "wuliang.serving.errors",

@@ -52,10 +52,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from wuliang.ps_server import LookupResult
 from wuliang.ps_server.rpc.auth import bearer
-from wuliang.serving import proto
 from wuliang.serving.errors import InvalidArgument
 from wuliang.serving.features import parse_keys
-from wuliang.serving.grpc_common import PUSHBACK_KEY
+from wuliang.serving.grpc import proto
+from wuliang.serving.grpc.common import PUSHBACK_KEY
 
 __all__ = ["RETRY_BASE_SECONDS", "RETRY_MAX_SECONDS", "Client", "ServingClientError"]
 

@@ -9,7 +9,10 @@ one process, as in tests, keep their own counts):
 * ``wuliang_shed_total{transport, endpoint}``: requests shed by overload
   (``overload``; also counted as ``RESOURCE_EXHAUSTED`` above), and
   ``wuliang_queue_requests{queue}``: each bounded queue's requests admitted
-  and not yet answered, and ``wuliang_http_loop_lag_seconds``: how late the
+  and not yet answered (the HTTP loop's: handled in its current pass),
+  ``wuliang_queue_overloaded{queue}`` (1 while overloaded),
+  ``wuliang_queue_overloads_total{queue}`` (times it became overloaded),
+  and ``wuliang_http_loop_lag_seconds``: how late the
   HTTP server's event loop runs (``overload.LoopLag``), read at scrape time;
 * ``wuliang_lookup_keys_total{model, table}``: keys looked up;
 * ``wuliang_served_version{model}``, ``wuliang_served_step{model}``;
@@ -131,9 +134,24 @@ class _QueueCollector:
             "Requests a bounded queue admitted and has not answered yet.",
             labels=["queue"],
         )
+        overloaded = GaugeMetricFamily(
+            "wuliang_queue_overloaded",
+            "1 while a queue is overloaded (it sheds requests that would wait longer than "
+            "max_queue_ms), else 0.",
+            labels=["queue"],
+        )
+        overloads = CounterMetricFamily(
+            "wuliang_queue_overloads",
+            "Times a queue became overloaded (a request found max_queue requests waiting).",
+            labels=["queue"],
+        )
         for queue in self.queues:
             family.add_metric([queue.name], queue.in_flight)
+            overloaded.add_metric([queue.name], int(queue.detector.overloaded))
+            overloads.add_metric([queue.name], queue.detector.overloads)
         yield family
+        yield overloaded
+        yield overloads
         if self.loop_lags:
             lag = GaugeMetricFamily(
                 "wuliang_http_loop_lag_seconds",

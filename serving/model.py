@@ -4,7 +4,7 @@ description and tower).
 
 Two stores implement the protocol: ``ModelStore`` (``store.py``: an export
 directory applied to an embedded engine) and ``RedisModelStore``
-(``redis_model.py``: the copy ``wuliang publish`` wrote to Redis, read
+(``redis.model.py``: the copy ``wuliang publish`` wrote to Redis, read
 through a local cache). One suite (``tests/test_store_conformance.py``)
 runs both.
 

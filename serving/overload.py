@@ -1,54 +1,91 @@
-"""Shedding overload early: each API's bounded queue (``wuliang serve
---max-queue N --max-queue-ms MS``).
+"""Shedding overload, and only overload (``wuliang serve --max-queue N
+--max-queue-ms MS``).
 
 A server that queues without bound answers everything late once requests
-come faster than it answers them, and keeps growing its queue (and its
-memory) while clients time out and send more. Here each API (lookups,
-predictions) of each transport admits a request only if it will start soon,
-and answers the rest at once, so that clients back off or go to another
-replica while the admitted requests keep their latency:
+come faster than it can answer them, and keeps growing its queue (and its
+memory) while clients time out and send more. A server that refuses every
+request that would wait a little refuses normal load: N callers that each
+wait for their answer before sending the next (a closed loop, how most
+clients are written) keep up to N requests queued for as long as they
+run, and a few dozen such callers are a normal load. Overload is arrivals
+the server cannot finish (an open loop above capacity): its queue grows
+for as long as it lasts. So each queue (an API's pool of each transport,
+and the HTTP server's event loop) sheds as follows, per queue:
 
-* ``ApiQueue``: one API's requests admitted and not yet answered
+* **Normal**: every request is admitted while fewer than ``max_queue``
+  (default ``DEFAULT_MAX_QUEUE``) wait ahead of it, however long they take:
+  a closed loop of up to that many callers is never refused, and what
+  they wait follows each API's own service time (128 lookups of 1000 keys
+  are a shorter wait than 128 predictions). A request that finds the queue
+  full is shed, and the queue becomes overloaded: a standing queue of that
+  many requests is not a burst.
+* **Overloaded**: a request is admitted only if it would start within
+  ``max_queue_ms`` (default ``DEFAULT_MAX_QUEUE_MS``), or within one
+  service time of the API where that is longer (at least one request
+  queued per worker, so the workers never idle); the rest are shed at
+  once. This is controlled delay as Facebook's servers apply it ("Fail at
+  Scale", ACM Queue 2015): a long queue allowed while the queue drains, a
+  short one while it stands. The queue stays short, so admitted requests
+  keep their latency while the excess is refused, and an answer shed costs
+  the server its parsing only. Adaptive LIFO is not used: with the excess
+  refused at the door the admitted queue is within ``max_queue_ms``, and
+  serving it newest first would change the order of a few requests while
+  leaving the backlog of the moment it became overloaded to time out.
+* **Back to normal**: after a whole ``INTERVAL`` with no request shed (the
+  arrivals fell below what the queue finishes), or after a probe: once
+  overloaded for ``HOLD`` seconds the queue admits everything (up to
+  ``max_queue``) for a short while (``PROBE_S``, or ``PROBE_SERVICES``
+  service times if longer) and watches the requests waiting. Closed-loop
+  callers that were being refused all come back within their round trip
+  and then the queue stands still: normal again. Arrivals above capacity
+  keep it growing through the probe's second half: overloaded for twice
+  the hold (up to ``MAX_HOLD``). A probe costs an open-loop overload a few
+  milliseconds of queue; it spares closed-loop callers caught by a burst
+  from being refused for good (each refused caller sends again at once,
+  which no rate measurement can tell from new arrivals).
+
+The pieces:
+
+* ``OverloadDetector``: one queue's state (normal, overloaded, probing);
+  ``check`` says whether a request is admitted, or why it is shed.
+* ``ApiQueue``: a pool's requests admitted and not yet answered
   (``in_flight``) over its ``workers``, and how fast they drain: a running
   mean (exponentially weighted, ``EWMA`` for the newest) of the time between
-  two of them ending while every worker is busy. ``admit`` takes a request
-  when fewer than ``workers + max_queue`` are in flight and its expected
-  wait (the ``lag`` before the server noticed it, plus the requests ahead of
-  it times that mean, ``drain``) is at most ``max_queue_ms``; otherwise it
-  raises ``Overloaded`` with a suggested retry delay (the time the queue
-  needs to drain). ``done`` ends an admitted request.
+  two of them ending while every worker is busy. A request's expected wait
+  is the ``lag`` before the server noticed it plus the requests ahead of it
+  times that mean (``drain``). ``admit`` takes a request or raises
+  ``Overloaded`` with a suggested retry delay; ``done`` ends one.
 * gRPC: the lookup and prediction pools are ``SheddingPool`` s. grpcio hands
   each call to its pool's ``submit`` on the server's polling thread, which
   admits it or marks it shed there. The pool's threads take shed calls and
   admitted ones in turn, and one more thread takes only shed calls (never
-  behind the queue that refused them); the handler finds the mark
+  behind the queue that refused it); the handler finds the mark
   (``take_shed``) and answers RESOURCE_EXHAUSTED before parsing anything,
   with the trailing metadata ``grpc-retry-pushback-ms`` (gRPC's retry
   pushback).
-* HTTP: a lookup up to 16 KB is answered on the event loop, so its wait
-  is the loop's. A busy loop reads a request in one pass and runs its
-  handler in the next, handlers one after another: a handler has waited
-  about one pass, the loop's lag (``LoopLag`` samples how late the loop
-  runs a timer every ``LoopLag.INTERVAL``; the smaller of the last two
-  samples), plus the time since the current pass began (``PassClock``, the
-  loop's selector, notes when each pass starts). A lookup or prediction
-  is shed while that sum exceeds ``max_queue_ms``, so a pass admits about
-  ``max_queue_ms`` of work and sheds the rest. Predictions and big lookups
-  run in the HTTP pools, which have an ``ApiQueue`` each (its lag: that
-  sum), ended on the pool's thread. The
-  answer is 503 with ``Retry-After`` (whole seconds, at least 1, as HTTP
-  has it) and ``{"error": ..., "retry_after_ms": N}``.
+* HTTP: a lookup up to 16 KB is answered on the event loop
+  (``LoopQueue``). A busy loop reads requests in one pass and runs their
+  handlers in the next, one after another: a handler has as many requests
+  ahead of it as handlers ran before it in this pass (``PassClock``, the
+  loop's selector, notes when each pass starts and counts them), and has
+  waited the loop's lag (``LoopLag`` samples how late the loop runs a timer
+  every ``LoopLag.INTERVAL``; the smaller of the last two samples) plus the
+  time since the pass began. Predictions and big lookups then wait in the
+  HTTP pools, an ``ApiQueue`` each (its lag: the loop's wait), ended on the
+  pool's thread. The answer is 503 with ``Retry-After`` (whole seconds, at
+  least 1, as HTTP has it) and ``{"error": ..., "retry_after_ms": N}``.
 * Counted: ``wuliang_requests_total{code="RESOURCE_EXHAUSTED"}`` and
   ``wuliang_shed_total{transport, endpoint}``; ``wuliang_queue_requests
-  {queue}`` is each queue's in-flight count when scraped.
+  {queue}`` (each queue's requests when scraped), ``wuliang_queue_overloaded
+  {queue}`` (1 while overloaded) and ``wuliang_queue_overloads_total
+  {queue}`` (times it became overloaded).
 * Never shed: health checks, ``/metrics``, status and metadata: they are
   cheap, and they are what tells an orchestrator the server is alive. On
   gRPC they run on the server's own pool, apart from the shedding pools.
 
-Defaults (``DEFAULT_QUEUE_PER_WORKER``, ``DEFAULT_MAX_QUEUE_MS``): up to 32
-requests waiting per worker, and no request admitted to wait more than
-``DEFAULT_MAX_QUEUE_MS``. ``max_queue=0`` and ``max_queue_ms=0`` switch each
-bound off; both off, nothing is shed.
+``max_queue=0`` admits any number of waiting requests (a queue then never
+becomes overloaded, so nothing is shed); ``max_queue_ms=0`` keeps an
+overloaded queue at ``max_queue`` (it sheds only beyond it).
 """
 
 from __future__ import annotations
@@ -65,10 +102,12 @@ from typing import Any
 from wuliang.serving.errors import Overloaded
 
 __all__ = [
+    "DEFAULT_MAX_QUEUE",
     "DEFAULT_MAX_QUEUE_MS",
-    "DEFAULT_QUEUE_PER_WORKER",
     "ApiQueue",
     "LoopLag",
+    "LoopQueue",
+    "OverloadDetector",
     "Overloaded",
     "PassClock",
     "Shedding",
@@ -76,15 +115,21 @@ __all__ = [
     "take_shed",
 ]
 
-DEFAULT_QUEUE_PER_WORKER = 32  # requests that may wait per worker of a pool
-DEFAULT_MAX_QUEUE_MS = 5.0  # the longest a request is admitted to wait
+DEFAULT_MAX_QUEUE = 128  # requests that may wait in a queue: closed-loop callers never refused
+DEFAULT_MAX_QUEUE_MS = 5.0  # the longest wait admitted while a queue is overloaded
 EWMA = 0.1  # weight of the newest service time in the running mean
+INTERVAL = 0.1  # seconds without a shed that end an overload
+HOLD = 1.0  # seconds overloaded before the first probe
+MAX_HOLD = 8.0  # the longest hold, doubled from HOLD by each probe that finds overload
+PROBE_S = 0.02  # the shortest probe
+PROBE_SERVICES = 10  # a probe lasts at least this many service times
 
 
 class Shedding:
     """The bounds of every queue of a serving process: ``max_queue``
-    requests waiting (None: ``DEFAULT_QUEUE_PER_WORKER`` per worker of the
-    pool; 0: no bound) and ``max_queue_ms`` of expected wait (0: no bound)."""
+    requests waiting before a queue is overloaded (None:
+    ``DEFAULT_MAX_QUEUE``; 0: no bound, nothing shed) and ``max_queue_ms``,
+    the longest wait admitted while it is (0: no bound)."""
 
     def __init__(
         self, max_queue: int | None = None, max_queue_ms: float = DEFAULT_MAX_QUEUE_MS
@@ -97,22 +142,109 @@ class Shedding:
             raise ValueError(
                 f"max_queue_ms must be a finite number >= 0 (0: no bound), got {max_queue_ms!r}"
             )
-        self.max_queue = max_queue
+        self.max_queue = DEFAULT_MAX_QUEUE if max_queue is None else max_queue
         self.max_queue_ms = float(max_queue_ms)
 
     def queue(self, name: str, workers: int) -> ApiQueue:
-        waiting = DEFAULT_QUEUE_PER_WORKER * workers if self.max_queue is None else self.max_queue
-        return ApiQueue(name, workers, waiting, self.max_queue_ms)
+        return ApiQueue(name, workers, self.max_queue, self.max_queue_ms)
+
+    def loop(self, name: str) -> LoopQueue:
+        return LoopQueue(name, self.max_queue, self.max_queue_ms)
+
+
+class OverloadDetector:
+    """Whether one queue is overloaded, and so which requests it sheds (the
+    module docstring's three states). Not thread-safe: its queue calls it
+    under its own lock, or from its one thread.
+
+    Args:
+        max_queue: requests that may wait (0: no bound, never overloaded).
+        max_wait: seconds, the longest wait admitted while overloaded (0:
+            no bound: only ``max_queue`` sheds).
+    """
+
+    def __init__(self, max_queue: int, max_wait: float) -> None:
+        self.max_queue = max_queue
+        self.max_wait = max_wait
+        self.overloaded = False
+        self.overloads = 0  # times it became overloaded
+        self.since = 0.0  # when the current overload began
+        self._hold = HOLD
+        self._probe_at = 0.0  # when the next probe starts
+        self._probe_mid = 0.0
+        self._probe_end: float | None = None  # while probing: when the probe ends
+        self._first = self._second = 0  # the most waiting in each half of the probe
+        self._last_shed = 0.0
+        self._calm_at = -MAX_HOLD  # when the last overload ended
+
+    def check(
+        self, now: float, waiting: int, wait: float, limit: float, probe_s: float
+    ) -> str | None:
+        """None: admit a request that finds ``waiting`` requests ahead of it
+        and would start in ``wait`` seconds; else why it is shed. ``limit``:
+        the longest wait admitted while overloaded (``max_wait``, or more
+        for an API slower than that); ``probe_s``: how long a probe lasts."""
+        if self.max_queue and waiting >= self.max_queue:
+            self._overload(now)
+            return f"{waiting} requests wait already (max_queue {self.max_queue})"
+        if not self.overloaded:
+            return None
+        if self._probe_end is not None:
+            if now < self._probe_end:
+                if now < self._probe_mid:
+                    self._first = max(self._first, waiting)
+                else:
+                    self._second = max(self._second, waiting)
+                return None
+            self._probe_end = None
+            if self._second <= self._first + max(2, self._first // 4):
+                self._calm(now)  # it stood still: callers waiting for their answers
+                return None
+            self._hold = min(2 * self._hold, MAX_HOLD)  # it kept growing: arrivals over capacity
+            self._probe_at = now + self._hold
+        elif now - self._last_shed >= INTERVAL:
+            self._calm(now)  # a whole interval without a shed: the arrivals fell
+            return None
+        elif now >= self._probe_at:
+            self._probe_end = now + probe_s
+            self._probe_mid = now + probe_s / 2
+            self._first, self._second = waiting, 0
+            return None
+        if self.max_wait and wait > limit:
+            self._last_shed = now
+            return (
+                f"its queue has stood for {now - self.since:.1f} s and this request would wait "
+                f"{wait * 1e3:.1f} ms (max_queue_ms {self.max_wait * 1e3:g})"
+            )
+        return None
+
+    def _overload(self, now: float) -> None:
+        self._last_shed = now
+        if self._probe_end is not None:  # a probe filled the queue: still overloaded
+            self._probe_end = None
+            self._hold = min(2 * self._hold, MAX_HOLD)
+            self._probe_at = now + self._hold
+        if not self.overloaded:
+            if now - self._calm_at > MAX_HOLD:
+                self._hold = HOLD  # calm long enough: the hold starts short again
+            self.overloaded = True
+            self.overloads += 1
+            self.since = now
+            self._probe_at = now + self._hold
+
+    def _calm(self, now: float) -> None:
+        self.overloaded = False
+        self._calm_at = now
 
 
 class ApiQueue:
-    """One API's bounded queue (see the module docstring).
+    """One API's queue in front of its pool (see the module docstring).
 
     Args:
         name: how errors and metrics name it (``grpc Lookup`` …).
         workers: threads answering its requests.
         max_queue: requests that may wait for a worker (0: no bound).
-        max_queue_ms: the longest expected wait admitted (0: no bound).
+        max_queue_ms: the longest wait admitted while overloaded (0: no bound).
     """
 
     def __init__(self, name: str, workers: int, max_queue: int, max_queue_ms: float) -> None:
@@ -120,26 +252,34 @@ class ApiQueue:
         self.workers = workers
         self.max_queue = max_queue
         self.max_wait = max_queue_ms / 1e3
+        self.detector = OverloadDetector(max_queue, self.max_wait)
         self.in_flight = 0
         self.drain = 0.0  # seconds between two requests ending, the running mean
         self._ended = 0.0  # when the last one ended (time.perf_counter())
         self._lock = threading.Lock()
 
+    @property
+    def overloaded(self) -> bool:
+        return self.detector.overloaded
+
     def admit(self, lag: float = 0.0) -> None:
-        """Takes one request, or raises ``Overloaded`` (see the module docstring)."""
+        """Takes one request, or raises ``Overloaded`` (see the module
+        docstring); ``lag``: seconds it waited before the queue saw it."""
+        now = time.perf_counter()
         with self._lock:
             n = self.in_flight
-            ahead = n - self.workers + 1  # waiting before this one, and this one
-            wait = lag + (ahead * self.drain if ahead > 0 else 0.0)
-            if self.max_queue and ahead > self.max_queue:
-                why = f"{ahead - 1} requests wait already (max_queue {self.max_queue})"
-            elif self.max_wait and wait > self.max_wait:
-                why = f"it would wait {wait * 1e3:.1f} ms (max_queue_ms {self.max_wait * 1e3:g})"
-            else:
+            waiting = max(n - self.workers, 0)  # ahead of this one
+            drains = n - self.workers + 1  # requests to end before this one starts
+            wait = lag + (drains * self.drain if drains > 0 else 0.0)
+            service = self.drain * self.workers
+            limit = max(self.max_wait, service)
+            probe_s = max(PROBE_S, PROBE_SERVICES * service)
+            why = self.detector.check(now, waiting, wait, limit, probe_s)
+            if why is None:
                 self.in_flight = n + 1
                 return
-            drain = max(ahead, 1) * self.drain
-        retry_ms = max(1, round(max(drain, self.max_wait) * 1e3))
+            retry = max(wait - lag, limit)  # about when the queue drains to admit it
+        retry_ms = max(1, round(retry * 1e3))
         raise Overloaded(f"overloaded: {self.name}: {why}; retry in {retry_ms} ms", retry_ms)
 
     def done(self, seconds: float | None) -> None:
@@ -309,20 +449,72 @@ class LoopLag:
 
 class PassClock(selectors.DefaultSelector):
     """The selector of an event loop (``asyncio.SelectorEventLoop(clock)``)
-    that notes when each pass of the loop starts: when its ``select``
-    returns. The loop then runs the handlers of the requests it read in the
-    previous pass one after another, so a handler running now has waited
-    at least ``in_pass()`` for those ahead of it in this pass."""
+    that notes when each pass of the loop starts (when its ``select``
+    returns) and counts the requests handled in it (``handled``, counted
+    by ``LoopQueue.admit``). The loop runs the handlers of the requests it
+    read in the previous pass one after another, so a handler running now
+    has ``handled`` requests ahead of it and has waited at least
+    ``in_pass()`` for them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.started = time.perf_counter()
+        self.handled = 0
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         ready = super().select(timeout)
         self.started = time.perf_counter()
+        self.handled = 0
         return ready
 
     def in_pass(self) -> float:
         """Seconds since the loop's current pass started."""
         return time.perf_counter() - self.started
+
+
+class LoopQueue:
+    """An event loop as the queue of the requests it answers itself (the
+    HTTP server's small lookups; see the module docstring): the requests
+    ahead of a handler are those handled before it in the loop's pass, and
+    its wait is the loop's lag plus the time since the pass began. Used
+    from the loop's thread only.
+
+    Args:
+        name: how errors and metrics name it (``http loop``).
+        max_queue: requests that may wait ahead of one (0: no bound).
+        max_queue_ms: the longest wait admitted while overloaded (0: no bound).
+    """
+
+    def __init__(self, name: str, max_queue: int, max_queue_ms: float) -> None:
+        self.name = name
+        self.max_wait = max_queue_ms / 1e3
+        self.detector = OverloadDetector(max_queue, self.max_wait)
+        self.lag = LoopLag()
+        self.clock = PassClock()
+
+    @property
+    def overloaded(self) -> bool:
+        return self.detector.overloaded
+
+    @property
+    def in_flight(self) -> int:
+        """The requests handled so far in the loop's current pass."""
+        return self.clock.handled
+
+    def wait(self) -> float:
+        """How long a request handled now has waited for the loop: the part
+        of the previous pass it waited (the loop's lag), and this pass so far."""
+        return self.lag.seconds + self.clock.in_pass()
+
+    def admit(self) -> float:
+        """Takes one request handled now, or raises ``Overloaded``; returns
+        its wait (``wait()``), for the pool it goes on to, if any."""
+        waiting = self.clock.handled
+        self.clock.handled = waiting + 1
+        wait = self.wait()
+        probe_s = max(PROBE_S, 4 * wait)  # a few passes: closed loops fill one pass
+        why = self.detector.check(time.perf_counter(), waiting, wait, self.max_wait, probe_s)
+        if why is None:
+            return wait
+        retry_ms = max(1, round(max(wait, self.max_wait) * 1e3))
+        raise Overloaded(f"overloaded: {self.name}: {why}; retry in {retry_ms} ms", retry_ms)

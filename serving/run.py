@@ -43,10 +43,10 @@ from wuliang.ps_server.rpc.signals import StopSignals
 from wuliang.ps_server.rpc.tls import ServerTls
 from wuliang.ps_server.storage import location
 from wuliang.serving.device_cache import check_cache_rows
-from wuliang.serving.grpc_server import GrpcServer
+from wuliang.serving.grpc.server import GrpcServer
 from wuliang.serving.model import ServedModel
 from wuliang.serving.model_config import ModelConfigWatcher
-from wuliang.serving.overload import DEFAULT_MAX_QUEUE_MS, Shedding
+from wuliang.serving.overload import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_MS, Shedding
 from wuliang.serving.service import MAX_REQUEST_BYTES, Service
 from wuliang.serving.store import ModelStore
 from wuliang.serving.tfs.config import ModelEntry
@@ -83,8 +83,8 @@ class ServeOptions:
     memory_gb: float | None = None
     model_config: Path | None = None  # TensorFlow Serving's model config file
     model_config_poll_secs: float = 0.0  # 0: re-read on SIGHUP only
-    max_queue: int | None = None  # requests waiting per pool (None: 4 per worker; 0: no bound)
-    max_queue_ms: float = DEFAULT_MAX_QUEUE_MS  # the longest admitted wait (0: no bound)
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests that may wait in a queue (0: no bound)
+    max_queue_ms: float = DEFAULT_MAX_QUEUE_MS  # the longest wait admitted while overloaded
 
 
 @dataclass
@@ -194,7 +194,7 @@ def make_store(options: ServeOptions) -> ServedModel:
             disk_dir=options.disk_dir,
             memory_gb=options.memory_gb,
         )
-    from wuliang.serving.redis_model import RedisModelStore
+    from wuliang.serving.redis.model import RedisModelStore
 
     name = options.model or (exports.resolve().name if exports is not None else "")
     return RedisModelStore(options.redis, name, exports, poll_secs=options.poll_secs)
@@ -262,7 +262,7 @@ def start(options: ServeOptions) -> Running:
         except OSError as error:
             raise OSError(f"{error} (--port {options.port})") from None
         if options.http_port >= 0:
-            from wuliang.serving.http_server import HttpServer
+            from wuliang.serving.http.server import HttpServer
 
             try:
                 http = HttpServer(

@@ -17,8 +17,8 @@ import logging
 import os
 import sys
 
-from wuliang.serving.grpc_server import GrpcServer
-from wuliang.serving.http_server import HttpServer
+from wuliang.serving.grpc.server import GrpcServer
+from wuliang.serving.http.server import HttpServer
 from wuliang.serving.service import Service
 from wuliang.serving.store import ModelStore
 

@@ -1,5 +1,5 @@
-"""Deltas published to Redis and Redis Cluster (``redis_publish``,
-``redis_replica``, ``redis_nodes``, ``redis_cells``), against real
+"""Deltas published to Redis and Redis Cluster (``redis.publish``,
+``redis.replica``, ``redis.nodes``, ``redis.cells``), against real
 redis-servers on free loopback ports: a delta writes only its rows and
 reads exactly as its chain applied; retention frees the deltas' entries;
 lookups never mix versions while deltas land; a 3-node cluster
@@ -31,13 +31,13 @@ from test_redis_store import (
     write_version,
 )
 
-from wuliang.serving import redis_nodes
 from wuliang.serving.errors import Unavailable
-from wuliang.serving.redis_cells import decode, rewrite
-from wuliang.serving.redis_keys import TOMBSTONE, Keys, Layout, RedisStoreError, cell_dtype
-from wuliang.serving.redis_model import RedisModelStore
-from wuliang.serving.redis_publish import publish
-from wuliang.serving.redis_replica import RedisStore
+from wuliang.serving.redis import nodes as redis_nodes
+from wuliang.serving.redis.cells import decode, rewrite
+from wuliang.serving.redis.keys import TOMBSTONE, Keys, Layout, RedisStoreError, cell_dtype
+from wuliang.serving.redis.model import RedisModelStore
+from wuliang.serving.redis.publish import publish
+from wuliang.serving.redis.replica import RedisStore
 
 
 @pytest.fixture

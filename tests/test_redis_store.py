@@ -1,5 +1,5 @@
-"""The Redis store for a fleet (``wuliang publish``: ``redis_publish``; the
-replica's ``RedisStore``: ``redis_replica``, ``redis_cache``) against a real
+"""The Redis store for a fleet (``wuliang publish``: ``redis.publish``; the
+replica's ``RedisStore``: ``redis.replica``, ``redis.cache``) against a real
 redis-server started on a free loopback port: lookups equal ``apply_chain``
 into an engine; replicas switch on an announcement (and by polling the
 pointer when one is missed), and may start before the first publish; the
@@ -29,11 +29,12 @@ from small_model import make_session, reader, write_data
 from wuliang.export import SessionSource, export
 from wuliang.ps_server import SGD, Engine, RowChunk, TableSpec, UnknownTableError
 from wuliang.ps_server.storage import ModelDescription, SparseInput, Version, VersionWriter
-from wuliang.serving import redis_publish, redis_replica
-from wuliang.serving.redis_cache import RowCache
-from wuliang.serving.redis_keys import Keys, Layout, RedisStoreError, row_keys
-from wuliang.serving.redis_publish import publish
-from wuliang.serving.redis_replica import NoVersionError, RedisStore
+from wuliang.serving.redis import publish as redis_publish
+from wuliang.serving.redis import replica as redis_replica
+from wuliang.serving.redis.cache import RowCache
+from wuliang.serving.redis.keys import Keys, Layout, RedisStoreError, row_keys
+from wuliang.serving.redis.publish import publish
+from wuliang.serving.redis.replica import NoVersionError, RedisStore
 from wuliang.serving.versions import apply_chain
 
 SCRIPT = Path(sys.executable).parent / "wuliang"

@@ -28,7 +28,7 @@ from small_model import trained_export
 from wuliang.ps_server import SGD, TableSpec
 from wuliang.ps_server.storage import ModelDescription, SparseInput, VersionWriter
 from wuliang.serving.client import Client, ServingClientError
-from wuliang.serving.redis_publish import publish
+from wuliang.serving.redis.publish import publish
 
 
 @pytest.fixture(scope="module")

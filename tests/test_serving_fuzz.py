@@ -70,11 +70,11 @@ import pytest
 import yarl
 from small_model import trained_export
 
-from wuliang.serving import proto
 from wuliang.serving.errors import ServingError
-from wuliang.serving.grpc_common import PUSHBACK_KEY, details, parse
-from wuliang.serving.grpc_server import _Handlers
-from wuliang.serving.http_server import _Api, _json
+from wuliang.serving.grpc import proto
+from wuliang.serving.grpc.common import PUSHBACK_KEY, details, parse
+from wuliang.serving.grpc.server import _Handlers
+from wuliang.serving.http.server import _Api, _json
 from wuliang.serving.service import Service
 from wuliang.serving.store import ModelStore
 

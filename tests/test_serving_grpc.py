@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 from small_model import make_session, reader, trained_export
 
-from wuliang.serving import proto
 from wuliang.serving.client import Client, ServingClientError
-from wuliang.serving.grpc_server import GrpcServer
+from wuliang.serving.grpc import proto
+from wuliang.serving.grpc.server import GrpcServer
 from wuliang.serving.service import Service
 from wuliang.serving.store import ModelStore
 
@@ -270,8 +270,8 @@ def test_wuliang_serve_errors(tmp_path: Path) -> None:
 
 def test_serving_from_redis_equals_the_export(trained: dict[str, Any], redis_url: str) -> None:
     from wuliang.ps_server import parameter_server
-    from wuliang.serving.redis_model import RedisModelStore
-    from wuliang.serving.redis_publish import publish
+    from wuliang.serving.redis.model import RedisModelStore
+    from wuliang.serving.redis.publish import publish
     from wuliang.serving.versions import apply_chain
 
     exports = trained["exports"]

@@ -21,7 +21,7 @@ import pytest
 from small_model import trained_export
 
 from wuliang.ps_server.rpc.tls import ServerTls
-from wuliang.serving.http_server import HttpServer
+from wuliang.serving.http.server import HttpServer
 from wuliang.serving.predict import FeatureInput, PredictAnswer
 from wuliang.serving.service import Service
 from wuliang.serving.store import ModelStore

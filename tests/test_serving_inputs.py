@@ -33,8 +33,9 @@ from repo_data import REPO
 import wuliang as wl
 from wuliang.ps_server.storage import Version
 from wuliang.reader import ParquetReader, hash_strings
-from wuliang.serving import Client, GrpcServer, HttpServer, ModelStore, ServerTls, Service, proto
+from wuliang.serving import Client, GrpcServer, HttpServer, ModelStore, ServerTls, Service
 from wuliang.serving.client import ServingClientError
+from wuliang.serving.grpc import proto
 
 FEATURES = ["user", "items", "city", "tags", "age"]
 CITIES = ["paris", "lyon", "oslo", "köln", "12", "7", "new york"]

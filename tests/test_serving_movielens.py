@@ -12,7 +12,7 @@ from repo_data import MOVIELENS, REPO
 
 from wuliang.reader import ParquetReader
 from wuliang.serving.client import Client
-from wuliang.serving.grpc_server import GrpcServer
+from wuliang.serving.grpc.server import GrpcServer
 from wuliang.serving.service import Service
 from wuliang.serving.store import ModelStore
 

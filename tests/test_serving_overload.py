@@ -21,13 +21,22 @@ import numpy as np
 import pytest
 from small_model import trained_export
 
-from wuliang.serving import proto
+from wuliang.serving import overload
 from wuliang.serving.client import Client, ServingClientError
 from wuliang.serving.errors import Overloaded
-from wuliang.serving.grpc_common import PUSHBACK_KEY
-from wuliang.serving.grpc_server import GrpcServer
-from wuliang.serving.http_server import HttpServer
-from wuliang.serving.overload import ApiQueue, LoopLag, Shedding
+from wuliang.serving.grpc import proto
+from wuliang.serving.grpc.common import PUSHBACK_KEY
+from wuliang.serving.grpc.server import GrpcServer
+from wuliang.serving.http.server import HttpServer
+from wuliang.serving.overload import (
+    DEFAULT_MAX_QUEUE,
+    HOLD,
+    INTERVAL,
+    ApiQueue,
+    LoopLag,
+    OverloadDetector,
+    Shedding,
+)
 from wuliang.serving.service import Service
 from wuliang.serving.store import ModelStore
 
@@ -53,31 +62,60 @@ def shed_count(service: Service, transport: str, endpoint: str) -> float:
 # -- the queue --------------------------------------------------------------------------
 
 
-def test_a_queue_admits_up_to_its_bound_then_sheds_with_a_retry_delay() -> None:
-    queue = ApiQueue("grpc Lookup", workers=2, max_queue=3, max_queue_ms=0)
-    for _ in range(5):  # 2 working, 3 waiting
+def test_a_closed_loop_up_to_max_queue_is_admitted_however_long_it_waits() -> None:
+    """N callers waiting for their answers keep N requests queued: a normal
+    load, admitted whatever it waits, until max_queue requests wait."""
+    queue = ApiQueue("grpc Predict", workers=2, max_queue=5, max_queue_ms=5)
+    queue.drain = 0.5  # a request ends every 500 ms: the 5th waiting waits 3 s
+    for _ in range(2 + 5):  # 2 working, 5 waiting
         queue.admit()
-    with pytest.raises(Overloaded, match=r"grpc Lookup: 3 requests wait already \(max_queue 3\)"):
+    assert not queue.overloaded
+    with pytest.raises(
+        Overloaded, match=r"grpc Predict: 5 requests wait already \(max_queue 5\)"
+    ) as shed:
         queue.admit()
-    queue.done(0.004)
-    queue.admit()  # one left: room for one
-    assert queue.in_flight == 5
+    assert shed.value.retry_ms == 3000  # the queue drains in 3 s
+    assert queue.overloaded and queue.detector.overloads == 1
+    assert queue.in_flight == 7
 
 
-def test_a_queue_sheds_a_request_that_would_wait_too_long() -> None:
-    queue = ApiQueue("http pool", workers=2, max_queue=100, max_queue_ms=9)
+def test_an_overloaded_queue_admits_only_short_waits() -> None:
+    queue = ApiQueue("http Predict", workers=2, max_queue=5, max_queue_ms=9)
     queue.admit()
-    queue.done(0.04)  # one worker of two busy: drains one per 20 ms; the mean moves a tenth
-    assert queue.drain == pytest.approx(0.002)
-    for _ in range(2 + 4):  # both workers busy, then 4 waiting: the 4th waits 8 ms
+    queue.done(0.004)  # one worker of two busy: 2 ms between ends; the mean moves a tenth
+    assert queue.drain == pytest.approx(0.0002)
+    for _ in range(2 + 5):
         queue.admit()
+    with pytest.raises(Overloaded, match="max_queue 5"):
+        queue.admit()  # a standing queue: overloaded
+    for _ in range(3):
+        queue.done(0.004)
+    queue.drain = 0.002
+    # 4 in flight: 2 working, 2 waiting; the next starts after 3 ends (6 ms), then 8 ms
+    queue.admit()
+    queue.admit()
     with pytest.raises(Overloaded, match=r"would wait 10\.0 ms \(max_queue_ms 9\)") as shed:
         queue.admit()
-    assert shed.value.retry_ms == 10  # the queue drains in 10 ms
-    assert queue.in_flight == 6
-    empty = ApiQueue("http pool", workers=2, max_queue=100, max_queue_ms=10)
+    assert "its queue has stood for" in str(shed.value)
+    assert shed.value.retry_ms == 10
+    idle = ApiQueue("q", 2, 4, 10)
+    idle.admit(lag=0.011)  # normal: a late one is admitted
+    idle.detector.check(time.perf_counter(), 4, 0.0, 0.0, 0.0)  # found 4 waiting: overloaded
     with pytest.raises(Overloaded, match=r"would wait 11\.0 ms"):
-        empty.admit(lag=0.011)  # the server noticed it 11 ms late
+        idle.admit(lag=0.011)  # the server noticed it 11 ms late
+
+
+def test_an_overloaded_queue_admits_one_service_time_of_a_slow_api() -> None:
+    """max_queue_ms is a floor: a prediction of 20 ms may wait one more."""
+    queue = ApiQueue("grpc Predict", workers=2, max_queue=4, max_queue_ms=5)
+    queue.detector.check(time.perf_counter(), 4, 0.0, 0.0, 0.0)
+    queue.drain = 0.01  # 2 workers: each request takes a worker 20 ms
+    queue.admit()
+    queue.admit()  # both working
+    queue.admit()  # starts in 10 ms
+    queue.admit()  # 20 ms: one service time
+    with pytest.raises(Overloaded, match=r"would wait 30\.0 ms"):
+        queue.admit()
 
 
 def test_without_bounds_nothing_is_shed() -> None:
@@ -85,8 +123,75 @@ def test_without_bounds_nothing_is_shed() -> None:
     queue.drain = 1.0
     for _ in range(1000):
         queue.admit(lag=5.0)
-    assert queue.in_flight == 1000
-    assert Shedding().queue("q", 3).max_queue == 96  # default: 32 per worker
+    assert queue.in_flight == 1000 and not queue.overloaded
+    assert Shedding().queue("q", 3).max_queue == DEFAULT_MAX_QUEUE == 128
+
+
+T = 1000.0  # a clock for the detector
+
+
+def overloaded_detector(max_queue: int = 10) -> OverloadDetector:
+    detector = OverloadDetector(max_queue, 0.005)
+    assert detector.check(T, 0, 1.0, 0.005, 0.02) is None  # a long wait: normal load
+    assert detector.check(T, max_queue, 0.0, 0.005, 0.02) is not None
+    assert detector.overloaded and detector.since == T
+    return detector
+
+
+def test_an_overload_ends_after_an_interval_without_a_shed() -> None:
+    detector = overloaded_detector()
+    assert detector.check(T + 0.01, 3, 0.004, 0.005, 0.02) is None  # short: admitted
+    assert detector.check(T + 0.02, 3, 0.006, 0.005, 0.02) is not None  # long: shed
+    assert detector.check(T + 0.07, 3, 0.006, 0.005, 0.02) is not None
+    assert detector.overloaded
+    later = T + 0.07 + INTERVAL + 0.001
+    assert detector.check(later, 3, 0.5, 0.005, 0.02) is None  # no shed for an interval
+    assert not detector.overloaded
+
+
+def shed_until(detector: OverloadDetector, start: float, until: float) -> None:
+    """Long waits every 10 ms from ``start`` to before ``until``: each shed."""
+    now = start
+    while now < until - 0.005:
+        assert detector.check(now, 5, 0.05, 0.005, 0.02) is not None
+        now += 0.01
+
+
+def test_a_probe_that_finds_callers_standing_still_ends_the_overload() -> None:
+    """Closed-loop callers refused since a burst all come back at the probe
+    and then wait their turn: the queue stands still, so it is normal again."""
+    detector = overloaded_detector()
+    shed_until(detector, T, T + HOLD)
+    start = T + HOLD
+    for i, waiting in enumerate([1, 6, 8] + [8] * 17):  # a probe of 20 ms
+        assert detector.check(start + 0.001 * i, waiting, 0.05, 0.005, 0.02) is None
+    assert detector.overloaded
+    assert detector.check(start + 0.021, 8, 0.05, 0.005, 0.02) is None
+    assert not detector.overloaded
+
+
+def test_a_probe_that_finds_the_queue_growing_keeps_the_overload_and_doubles_the_hold() -> None:
+    detector = overloaded_detector(max_queue=1000)
+    shed_until(detector, T, T + HOLD)
+    start = T + HOLD
+    for i in range(20):  # arrivals over capacity: one more waiting each ms
+        assert detector.check(start + 0.001 * i, i, 0.05, 0.005, 0.02) is None
+    end = start + 0.021
+    assert detector.check(end, 21, 0.05, 0.005, 0.02) is not None  # the probe ended: shed
+    assert detector.overloaded
+    shed_until(detector, end, end + 2 * HOLD)  # no probe before twice the hold
+    assert detector.check(end + 2 * HOLD, 5, 0.05, 0.005, 0.02) is None  # probing
+    assert detector.overloaded and detector.overloads == 1
+
+
+def test_a_probe_that_fills_the_queue_keeps_the_overload() -> None:
+    detector = overloaded_detector(max_queue=10)
+    shed_until(detector, T, T + HOLD)
+    start = T + HOLD
+    assert detector.check(start, 2, 0.05, 0.005, 0.02) is None  # the probe admits
+    assert detector.check(start + 0.001, 10, 0.05, 0.005, 0.02) is not None  # full
+    assert detector.check(start + 0.002, 3, 0.05, 0.005, 0.02) is not None  # overloaded
+    assert detector.overloads == 1
 
 
 @pytest.mark.parametrize(
@@ -211,19 +316,25 @@ def test_grpc_predictions_of_both_apis_are_shed_by_their_pool(service: Service) 
         server.stop()
 
 
-def test_a_request_expected_to_wait_too_long_is_shed(service: Service) -> None:
+def test_an_overloaded_grpc_queue_sheds_a_call_that_would_wait_too_long(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(overload, "INTERVAL", 60.0)  # no calm while the test sets up
     server = GrpcServer(service, lookup_threads=1, shedding=Shedding(100, max_queue_ms=10))
     release = threading.Event()
     try:
+        held = busy(server.lookup_pool, release, 2)  # one working, one waiting
         server.lookup_queue.drain = 0.5  # a lookup ends every 500 ms, say
-        held = busy(server.lookup_pool, release, 1)
-        with (
-            Client(f"127.0.0.1:{server.port}", retries=0) as client,
-            pytest.raises(ServingClientError, match=r"would wait 500\.0 ms"),
-        ):
-            client.lookup("users", KEYS)
+        with Client(f"127.0.0.1:{server.port}", retries=0) as client:
+            assert client.status()[0]["name"] == "m"  # connected
+            # a standing queue: 100 requests found waiting
+            server.lookup_queue.detector.check(time.perf_counter(), 100, 0.0, 0.0, 0.0)
+            # two to end before it starts: longer than one service time (500 ms)
+            with pytest.raises(ServingClientError, match=r"would wait 1000\.0 ms"):
+                client.lookup("users", KEYS)
         release.set()
-        held[0].result(timeout=30)
+        for future in held:
+            future.result(timeout=30)
     finally:
         release.set()
         server.stop()
@@ -345,20 +456,40 @@ def test_http_sheds_a_full_pool_with_503_and_retry_after(service: Service) -> No
     assert pool.in_flight == 0
 
 
-def test_http_sheds_while_its_loop_runs_late(service: Service) -> None:
+def on_loop(server: HttpServer, work: Any) -> Any:
+    """``work()`` run on the server's event loop (its queue's thread)."""
+
+    async def run() -> Any:
+        return work()
+
+    return asyncio.run_coroutine_threadsafe(run(), server._loop).result(timeout=30)
+
+
+def test_a_late_loop_sheds_only_while_overloaded(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One caller behind a slow request waits for the loop: not overload.
+    Once the loop's queue has stood (overloaded), a request that would
+    wait longer than max_queue_ms is shed."""
+    monkeypatch.setattr(overload, "INTERVAL", 60.0)
     server = HttpServer(service, shedding=Shedding(max_queue_ms=10))
-    lag = server._api.lag
+    loop_queue = server._api.loop_queue
+    lag = loop_queue.lag
     try:
         server._loop.call_soon_threadsafe(lag.stop)  # samples set by hand below
         time.sleep(0.05)
         lag.last = lag.previous = 0.025
         before = shed_count(service, "http", "Lookup")
         path = "/v1/models/m/tables/users:lookup"
+        assert http_call(server.port, "POST", path, {"keys": [1]})[0] == 200  # normal
+        on_loop(server, lambda: loop_queue.detector.check(time.perf_counter(), 128, 0, 0, 0))
+        assert loop_queue.overloaded
         status, answer, response = http_call(server.port, "POST", path, {"keys": [1]})
         assert status == 503 and response.getheader("Retry-After") == "1"
         # its lag (a pass of the loop) and how far into the current pass it is
         waited = re.search(
-            r"requests wait ([\d.]+) ms for the HTTP server's loop \(max_queue_ms 10\)",
+            r"overloaded: http loop: its queue has stood for [\d.]+ s and this request would "
+            r"wait ([\d.]+) ms \(max_queue_ms 10\)",
             answer["error"],
         )
         assert waited and 25.0 <= float(waited[1]) < 35.0, answer
@@ -366,6 +497,8 @@ def test_http_sheds_while_its_loop_runs_late(service: Service) -> None:
         assert http_call(server.port, "GET", "/healthz")[0] == 200
         text = http_call(server.port, "GET", "/metrics")[1].decode()
         assert "wuliang_http_loop_lag_seconds 0.025" in text
+        assert 'wuliang_queue_overloaded{queue="http loop"} 1.0' in text
+        assert 'wuliang_queue_overloads_total{queue="http loop"} 1.0' in text
         lag.last = 0.001  # one late tick is not a late loop
         assert http_call(server.port, "POST", path, {"keys": [1]})[0] == 200
         assert shed_count(service, "http", "Lookup") - before == 1

@@ -1,4 +1,4 @@
-"""serving/proto.py holds the compiled descriptor of serving/serving.proto."""
+"""serving/grpc/proto.py holds the compiled descriptor of serving/grpc/serving.proto."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from repo_data import REPO
 
-from wuliang.serving import proto
+from wuliang.serving.grpc import proto
 
 
 def test_the_descriptor_is_serving_proto_compiled() -> None:
@@ -17,7 +17,8 @@ def test_the_descriptor_is_serving_proto_compiled() -> None:
         from regen_proto import compiled_descriptor
     finally:
         sys.path.remove(str(REPO / "tools"))
-    assert compiled_descriptor(REPO / "serving" / "serving.proto") == proto.descriptor_bytes(), (
+    source = REPO / "serving" / "grpc" / "serving.proto"
+    assert compiled_descriptor(source) == proto.descriptor_bytes(), (
         "serving.proto changed: run `make protos`"
     )
 

@@ -66,12 +66,12 @@ from wuliang.ps_server.storage import (
 from wuliang.reader import hash_strings
 from wuliang.serving.client import Client, ServingClientError
 from wuliang.serving.errors import FailedPrecondition, NotFound, Unavailable, VersionMoved
-from wuliang.serving.grpc_server import GrpcServer
-from wuliang.serving.http_server import HttpServer
+from wuliang.serving.grpc.server import GrpcServer
+from wuliang.serving.http.server import HttpServer
 from wuliang.serving.model import ServedModel, ServedVersion
 from wuliang.serving.predict import FeatureInput
-from wuliang.serving.redis_model import RedisModelStore
-from wuliang.serving.redis_publish import publish
+from wuliang.serving.redis.model import RedisModelStore
+from wuliang.serving.redis.publish import publish
 from wuliang.serving.service import Service
 from wuliang.serving.store import ModelStore
 

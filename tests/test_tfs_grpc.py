@@ -25,7 +25,7 @@ from tensorflow_serving.apis import (
 )
 from tensorflow_serving.config import model_server_config_pb2
 
-from wuliang.serving.grpc_server import GrpcServer
+from wuliang.serving.grpc.server import GrpcServer
 from wuliang.serving.service import Service
 from wuliang.serving.store import ModelStore
 from wuliang.serving.tfs import proto

@@ -27,8 +27,8 @@ from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
 import wuliang as wl
 from wuliang.reader import ParquetReader
-from wuliang.serving.grpc_server import GrpcServer
-from wuliang.serving.http_server import HttpServer
+from wuliang.serving.grpc.server import GrpcServer
+from wuliang.serving.http.server import HttpServer
 from wuliang.serving.service import Service
 from wuliang.serving.tfs.config import parse_model_config
 from wuliang.serving.versioned import VersionedModel, VersionPolicy

@@ -1,5 +1,5 @@
 """Rebuilds the descriptors kept in Python beside each ``.proto``:
-serving/proto.py from serving/serving.proto, ps_server/remote/proto.py from
+serving/grpc/proto.py from serving/grpc/serving.proto, ps_server/remote/proto.py from
 ps_server/remote/ps.proto, serving/tfs/proto.py from serving/tfs/*.proto
 (TensorFlow Serving's API, several files importing each other and
 protobuf's own).
@@ -19,10 +19,10 @@ import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PROTO = REPO / "serving" / "serving.proto"
+PROTO = REPO / "serving" / "grpc" / "serving.proto"
 # .proto -> (the module keeping its descriptor, the name it is compiled under)
 PROTOS = {
-    PROTO: (REPO / "serving" / "proto.py", "wuliang/serving/serving.proto"),
+    PROTO: (REPO / "serving" / "grpc" / "proto.py", "wuliang/serving/grpc/serving.proto"),
     REPO / "ps_server" / "remote" / "ps.proto": (
         REPO / "ps_server" / "remote" / "proto.py",
         "wuliang/ps_server/remote/ps.proto",
@@ -73,7 +73,7 @@ def _wrapped(encoded: str, indent: str = "    ") -> str:
 
 def compiled_descriptor(proto: Path = PROTO) -> bytes:
     """The serialized FileDescriptorProto of a .proto, named as it is imported
-    (``wuliang/serving/serving.proto``), without source info."""
+    (``wuliang/serving/grpc/serving.proto``), without source info."""
     from google.protobuf import descriptor_pb2
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -15,7 +15,7 @@ wuliang's own (``GrpcServer`` adds them):
 ``model_spec.version`` or ``version_label`` picks the version (default: the
 newest); an empty ``model_spec.name`` is the server's only model when it
 has one. Tokens, limits, metrics and error handling are those of wuliang's
-own service (``grpc_server``): errors are gRPC statuses with TensorFlow
+own service (``grpc.server``): errors are gRPC statuses with TensorFlow
 Serving's codes and messages naming the bad input, and the server keeps
 serving. Requests arrive as bytes and are parsed in the handler.
 """
@@ -31,7 +31,7 @@ import grpc
 
 from wuliang.ps_server.storage import ModelDescription
 from wuliang.serving.errors import FailedPrecondition, InvalidArgument, ServingError, Unimplemented
-from wuliang.serving.grpc_common import abort, on_pool, parse, token
+from wuliang.serving.grpc.common import abort, on_pool, parse, token
 from wuliang.serving.overload import take_shed
 from wuliang.serving.service import Service
 from wuliang.serving.tfs import answers, proto, tensors

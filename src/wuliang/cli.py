@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from wuliang import __version__
-from wuliang.serving.overload import DEFAULT_MAX_QUEUE_MS
+from wuliang.serving.overload import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_MS
 
 # What ``main`` reports as ``wuliang <command>: error: ...`` instead of a
 # traceback (``CorruptVersionError`` is a ValueError).
@@ -249,7 +249,7 @@ def non_negative_float(text: str) -> float:
 
 
 def _publish(args: argparse.Namespace) -> int:
-    from wuliang.serving.redis_publish import publish
+    from wuliang.serving.redis.publish import publish
 
     result = publish(
         args.export_dir,
@@ -484,18 +484,22 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--max-queue",
         type=bounded_int(0),
+        default=DEFAULT_MAX_QUEUE,
         metavar="N",
-        help="requests that may wait for a busy pool (lookups, predictions; each transport) "
-        "before more are shed at once: RESOURCE_EXHAUSTED, HTTP 503 with Retry-After "
-        "(default: 4 per thread of the pool; 0: no bound)",
+        help="requests that may wait in a queue (each API's pool of each transport, and the "
+        "HTTP loop): a closed loop of up to N callers is never refused; a request that finds N "
+        "waiting is shed (RESOURCE_EXHAUSTED, HTTP 503 with Retry-After) and the queue is "
+        "overloaded until its arrivals fall below what it answers (default: %(default)s; "
+        "0: no bound, nothing shed)",
     )
     srv.add_argument(
         "--max-queue-ms",
         type=non_negative_float,
         default=DEFAULT_MAX_QUEUE_MS,
         metavar="MS",
-        help="shed at once a lookup or prediction that would wait longer than MS for a "
-        "thread (0: no bound; with --max-queue 0, nothing is shed)",
+        help="while a queue is overloaded, shed at once a lookup or prediction that would "
+        "wait longer than MS (or one service time of its API, if longer) (default: "
+        "%(default)s; 0: shed only beyond --max-queue)",
     )
     srv.add_argument("--shards", type=bounded_int(1, 1024), default=2, help="engine shard threads")
     srv.add_argument(
@@ -657,7 +661,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Writes a version of EXPORT_DIR to Redis or a Redis Cluster: a delta whose "
         "parent chain is in Redis writes only the rows it changed or removed, anything else "
         "every row of the version (its chain applied); then makes it current in one atomic "
-        "step and announces it to the replicas (wuliang.serving.redis_publish); deletes the "
+        "step and announces it to the replicas (wuliang.serving.redis.publish); deletes the "
         "versions beyond --retention that no replica reads. Publishing the current version "
         "again writes nothing. Prints one status line, exits 1 with a message on failure.",
     )

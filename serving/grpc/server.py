@@ -32,10 +32,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from wuliang.ps_server.rpc.net import grpc_address, listen_error
 from wuliang.ps_server.rpc.tls import ServerTls
 from wuliang.ps_server.storage import ModelDescription
-from wuliang.serving import proto
 from wuliang.serving.errors import InvalidArgument, ServingError
 from wuliang.serving.features import string_keys_of_bytes
-from wuliang.serving.grpc_common import abort, on_pool, parse, token
+from wuliang.serving.grpc import proto
+from wuliang.serving.grpc.common import abort, on_pool, parse, token
 from wuliang.serving.overload import Shedding, SheddingPool, take_shed
 from wuliang.serving.predict import FeatureInput
 from wuliang.serving.service import Service
@@ -175,7 +175,7 @@ def serving_handler(
         {
             method: grpc.unary_unary_rpc_method_handler(
                 calls[method],
-                request_deserializer=None,  # bytes: parsed by the handler (grpc_common.parse)
+                request_deserializer=None,  # bytes: parsed by the handler (grpc.common.parse)
                 # Lookup answers wire bytes (proto.lookup_response)
                 response_serializer=None
                 if method == "Lookup"

@@ -26,7 +26,7 @@ feature trained on hashed strings (hashed as training hashed it), else a
 string of digits, for clients whose JSON numbers are doubles. A dense
 feature's value is a number (dim 1) or a list of dim numbers. An output with
 one value per row gives a number per row, a wider one a list. The JSON is
-read and written by ``http_json``; this module is the server.
+read and written by ``http.codec``; this module is the server.
 
 Design:
 
@@ -80,13 +80,13 @@ Design:
   parsing 100,000 keys takes 18 ms as numbers, 85 ms as strings, and a
   lookup's answer is encoded there too), so the loop is never held long;
   it is Python under the GIL, so two threads, as for gRPC's lookups.
-* Overload is shed early (``wuliang.serving.overload``): once its body is
-  read, a lookup or prediction is answered 503 with ``Retry-After`` at once
-  while it has waited for the event loop (the loop's lag, plus the time
-  since the loop's current pass began: ``PassClock``) longer than
-  ``max_queue_ms``, and a request for a pool also when the pool's
-  queue (``ApiQueue``) is full or would keep it waiting too long. Health,
-  metrics, status and metadata are never shed.
+* Overload, and only overload, is shed (``wuliang.serving.overload``):
+  once its body is read, a lookup or prediction is answered 503 with
+  ``Retry-After`` at once when the event loop's queue (``LoopQueue``: the
+  requests handled before it in the loop's pass, and its wait) or then its
+  pool's (``ApiQueue``) is full, or overloaded and would keep it waiting
+  longer than ``max_queue_ms``. Health, metrics, status and metadata are
+  never shed.
 """
 
 from __future__ import annotations
@@ -114,14 +114,13 @@ from wuliang.ps_server.rpc.tls import ServerTls
 from wuliang.serving.errors import (
     InvalidArgument,
     NotFound,
-    Overloaded,
     ServingError,
     TooLarge,
     Unimplemented,
 )
-from wuliang.serving.http_json import PredictRequest, lookup_keys
+from wuliang.serving.http.codec import PredictRequest, lookup_keys
 from wuliang.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from wuliang.serving.overload import LoopLag, PassClock, Shedding
+from wuliang.serving.overload import Shedding
 from wuliang.serving.service import Service
 from wuliang.serving.tfs import answers
 
@@ -277,10 +276,10 @@ class _Api:
             if lookup_executor is None
             else (lookup_executor, shedding.queue("http Lookup", lookup_workers))
         )
-        self.queues = list({id(q): q for _, q in self.pools.values()}.values())
-        self.max_lag = shedding.max_queue_ms / 1e3
-        self.lag = LoopLag()
-        self.clock = PassClock()
+        self.loop_queue = shedding.loop("http loop")
+        self.lag = self.loop_queue.lag
+        self.clock = self.loop_queue.clock
+        self.queues = [self.loop_queue, *{id(q): q for _, q in self.pools.values()}.values()]
 
     def application(self) -> web.Application:
         @web.middleware
@@ -372,28 +371,10 @@ class _Api:
             reason = getattr(error.__cause__, "message", None) or str(error).split("\n")[-1]
             raise UnreadableBody(f"the request body cannot be read: {reason.strip()}") from None
 
-    def _wait(self) -> float:
-        """How long a request handled now waits for the loop: the part of
-        the previous pass it waited (the loop's lag), and this pass so far."""
-        return self.lag.seconds + self.clock.in_pass()
-
-    def _admit(self) -> float:
-        """The request's wait for the loop (``_wait``); Overloaded if it
-        exceeds ``max_queue_ms``."""
-        wait = self._wait()
-        if self.max_lag and wait > self.max_lag:
-            retry_ms = max(1, round(wait * 1e3))
-            raise Overloaded(
-                f"overloaded: requests wait {wait * 1e3:.1f} ms for the HTTP server's loop "
-                f"(max_queue_ms {self.max_lag * 1e3:g}); retry in {retry_ms} ms",
-                retry_ms,
-            )
-        return wait
-
     async def _run(self, where: str, work: Callable[..., Any], *args: Any) -> Any:
         """``work(*args)`` on the loop (``where`` "inline") or in the
         "lookup" or "predict" pool, once admitted."""
-        wait = self._admit()
+        wait = self.loop_queue.admit()
         if where == "inline":
             return work(*args)
         executor, queue = self.pools[where]

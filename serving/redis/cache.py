@@ -1,5 +1,5 @@
 """A replica's hot cache of one table's rows of one published version
-(``redis_replica``): at most ``capacity`` rows, CLOCK eviction.
+(``redis.replica``): at most ``capacity`` rows, CLOCK eviction.
 
 Rows live in numpy arrays by slot, a dict maps each key to its slot, and
 CLOCK eviction is done a window of slots at a time; keys Redis has no row

@@ -1,5 +1,5 @@
 """What both gRPC services of a serving process share (wuliang's own,
-``grpc_server``, and TensorFlow Serving's, ``tfs.grpc``): the request's
+``grpc.server``, and TensorFlow Serving's, ``tfs.grpc``): the request's
 token, the pool a handler runs on, parsing request bytes inside the
 handler (so bytes that are not the message are INVALID_ARGUMENT, not
 grpcio's INTERNAL), and an error as a status (its message cut to fit; a

@@ -1,6 +1,6 @@
 """``RedisStore``: what a serving replica looks a published model's rows up
-through (``wuliang publish``, ``redis_publish``, writes them; the keys are in
-``redis_keys``).
+through (``wuliang publish``, ``redis.publish``, writes them; the keys are in
+``redis.keys``).
 
 Switch protocol: a replica subscribes to the model's channel before it reads
 the pointer, so no announcement falls between. A background thread re-reads
@@ -21,16 +21,16 @@ until one is announced.
 
 A lookup takes a state once (the current one, or the one it is given: a
 request's snapshot) and reads everything at that version: rows from its
-cache (``redis_cache``), and the misses from their cells, one ``MGET`` per
+cache (``redis.cache``), and the misses from their cells, one ``MGET`` per
 shard that holds any of them (in a cluster, one pipelined round trip per
-node: ``redis_nodes``), each ``MGET`` led by the version's sentinel in that
+node: ``redis.nodes``), each ``MGET`` led by the version's sentinel in that
 shard. ``MGET`` is atomic, and retention deletes a version's sentinels
 before it trims any cell, so an ``MGET`` that returns the sentinel returned
 cells that still hold the version's entries; one that does not (the
 version was retired while the lookup ran) makes a lookup of the current
 state switch to the pointer's version and start again, and a lookup of a
 given state raise ``VersionRetired``. Every answer's rows therefore come
-from the one version it names (``redis_cells.decode``: each cell's newest
+from the one version it names (``redis.cells.decode``: each cell's newest
 entry at or below it).
 """
 
@@ -51,9 +51,9 @@ from typing import Any
 import numpy as np
 
 from wuliang.ps_server import LookupResult, UnknownTableError, as_keys
-from wuliang.serving.redis_cache import RowCache
-from wuliang.serving.redis_cells import decode
-from wuliang.serving.redis_keys import (
+from wuliang.serving.redis.cache import RowCache
+from wuliang.serving.redis.cells import decode
+from wuliang.serving.redis.keys import (
     FORMAT,
     Keys,
     Layout,
@@ -64,7 +64,7 @@ from wuliang.serving.redis_keys import (
     redis,
     row_keys,
 )
-from wuliang.serving.redis_nodes import Command, connect_deployment, pack
+from wuliang.serving.redis.nodes import Command, connect_deployment, pack
 
 __all__ = ["NoVersionError", "RedisStore", "ReplicaState", "VersionRetired"]
 

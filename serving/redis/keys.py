@@ -1,6 +1,6 @@
 """The Redis key layout of published models, shared by the publisher
-(``redis_publish``) and the replicas (``redis_replica``); no I/O here (that
-is ``redis_nodes``). The design is explained in ``docs/export.md`` (Redis
+(``redis.publish``) and the replicas (``redis.replica``); no I/O here (that
+is ``redis.nodes``). The design is explained in ``docs/export.md`` (Redis
 store for a fleet); in short:
 
 * **Generations of cells.** A full version starts a generation ``G`` (a
@@ -8,7 +8,7 @@ store for a fleet); in short:
   the row's recent values, newest first, each labelled with the version
   that wrote it: an entry is that version (uint64 little-endian; with the
   top bit set it is a tombstone: the row was removed, its floats are zeros)
-  and the row's ``dim`` float32 (``redis_cells``). A delta adds an
+  and the row's ``dim`` float32 (``redis.cells``). A delta adds an
   entry to the cells of the rows it changed or removed, and nothing else.
   A replica reading version ``V`` takes each cell's newest entry labelled
   ``<= V``: a tombstone or no entry reads as not found. Versions are a

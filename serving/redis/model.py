@@ -2,7 +2,7 @@
 (``wuliang serve --redis URL``), a ``ServedModel`` (``model.py``).
 
 Its rows are those of the version ``wuliang publish`` made current, read
-through ``RedisStore`` (``redis_replica``: a local hot cache, following each
+through ``RedisStore`` (``redis.replica``: a local hot cache, following each
 announced version). The model description comes with the published version;
 the tower (for predictions) is that version's SavedModel in the export
 directory when the replica can read it (``exports``), loaded before the
@@ -28,8 +28,8 @@ from wuliang.ps_server import LookupResult, UnknownTableError
 from wuliang.ps_server.storage import CorruptVersionError, ModelDescription, Version, chain
 from wuliang.serving.errors import NotFound, Unavailable, VersionMoved
 from wuliang.serving.model import ServedVersion, StoreCounters, load_tower
-from wuliang.serving.redis_keys import RedisStoreError, fingerprint
-from wuliang.serving.redis_replica import NoVersionError, RedisStore, ReplicaState, VersionRetired
+from wuliang.serving.redis.keys import RedisStoreError, fingerprint
+from wuliang.serving.redis.replica import NoVersionError, RedisStore, ReplicaState, VersionRetired
 
 __all__ = ["RedisModelStore"]
 

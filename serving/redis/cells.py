@@ -1,5 +1,5 @@
 """Cells: a row's recent values in one Redis string (the layout is in
-``redis_keys``), decoded for lookups and rewritten by publishes; numpy
+``redis.keys``), decoded for lookups and rewritten by publishes; numpy
 only, no I/O.
 
 A cell is a sequence of fixed-size entries, newest first: the version that
@@ -23,7 +23,7 @@ from functools import cached_property
 
 import numpy as np
 
-from wuliang.serving.redis_keys import TOMBSTONE, cell_dtype
+from wuliang.serving.redis.keys import TOMBSTONE, cell_dtype
 
 __all__ = ["Rewritten", "decode", "rewrite"]
 

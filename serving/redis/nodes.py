@@ -21,7 +21,7 @@ retried after a short pause. A multi-key command that still gets
 ``TRYAGAIN`` (its slot is half migrated: some of its keys are on each side,
 which lasts until the migration ends) is split into single-key commands,
 which ``ASK`` follows; a split ``MGET`` reads its first key last, after the
-others (a lookup's sentinel: see ``redis_replica``). A node that cannot be reached (after the map
+others (a lookup's sentinel: see ``redis.replica``). A node that cannot be reached (after the map
 is refreshed once, in case a replica took over) raises ``RedisStoreError``
 naming that node.
 
@@ -45,7 +45,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import numpy as np
 
-from wuliang.serving.redis_keys import SLOTS, RedisStoreError, display_url, redis, slot_of
+from wuliang.serving.redis.keys import SLOTS, RedisStoreError, display_url, redis, slot_of
 
 __all__ = ["Command", "Deployment", "connect_deployment", "pack", "slot_of"]
 

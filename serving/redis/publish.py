@@ -1,7 +1,7 @@
 """``wuliang publish``: one version of an export directory put into Redis (one
-Redis or a Redis Cluster: ``redis_nodes``) for a fleet of serving replicas
-(``redis_replica``); the key layout and the cells are in ``redis_keys`` and
-``redis_cells``.
+Redis or a Redis Cluster: ``redis.nodes``) for a fleet of serving replicas
+(``redis.replica``); the key layout and the cells are in ``redis.keys`` and
+``redis.cells``.
 
 Publishing version V (one publisher at a time: ``wl:{M}:lock``, waited for):
 
@@ -10,7 +10,7 @@ Publishing version V (one publisher at a time: ``wl:{M}:lock``, waited for):
    the same export fingerprint, a version A of V's chain that is the
    newest version of its generation, only what the deltas after A hold is
    written: V's entries are added to the cells of the rows they changed or
-   removed (read, rewritten and trimmed: ``redis_cells.rewrite``), after
+   removed (read, rewritten and trimmed: ``redis.cells.rewrite``), after
    the list of those keys (``touched``, for retention) and before V's
    sentinels. Nothing a replica reads at another version changes.
 3. **Otherwise a full copy**: V's chain is applied to a scratch engine
@@ -54,8 +54,8 @@ import numpy as np
 
 from wuliang.ps_server import parameter_server
 from wuliang.ps_server.storage import Version, chain, versions
-from wuliang.serving.redis_cells import rewrite
-from wuliang.serving.redis_keys import (
+from wuliang.serving.redis.cells import rewrite
+from wuliang.serving.redis.keys import (
     FORMAT,
     TOMBSTONE,
     Keys,
@@ -70,7 +70,7 @@ from wuliang.serving.redis_keys import (
     row_keys,
     slot_of,
 )
-from wuliang.serving.redis_nodes import Command, Deployment, connect_deployment, pack
+from wuliang.serving.redis.nodes import Command, Deployment, connect_deployment, pack
 from wuliang.serving.versions import apply_chain
 
 __all__ = ["PublishResult", "default_shards", "live_readers", "publish"]
@@ -557,7 +557,7 @@ class _Publisher:
         drop: int | None = None,
         lead: Sequence[Command] = (),
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Reads the cells of keys, rewrites them (``redis_cells.rewrite``)
+        """Reads the cells of keys, rewrites them (``redis.cells.rewrite``)
         and writes them back (one round trip per node each way; ``lead``:
         writes sent ahead of the reads, in their round)."""
         shard = layout.shard_of(keys)
