@@ -2,9 +2,9 @@
 ``fleet_bench.py``, ``overload_bench.py``): the benchmark model (shaped like
 the MovieLens example: ``user_id``, ``item_id``, ``genres``, ``age``; a Keras
 MLP 64-32-1) exported as version 1, its requests (predictions as wuliang's
-client and as TensorFlow Serving's send them), and the processes
-(``wuliang serve``, ``redis-server``) with their CPU and memory read from
-/proc.
+client and as TensorFlow Serving's send them), the name of a failed call's
+kind, and the processes (``wuliang serve``, ``redis-server``) with their CPU
+and memory read from /proc.
 """
 
 from __future__ import annotations
@@ -123,6 +123,23 @@ def tfs_request(batch: dict[str, Any], model: str) -> Any:
     for name, value in inputs.items():
         request.inputs[name].CopyFrom(tf.make_tensor_proto(value))
     return request
+
+
+def failure(error: Exception) -> str:
+    """The kind of a call that raised ``error``: its gRPC status name (of a
+    ``grpc.RpcError``, or ``ServingClientError`` 's ``code``), ``redis
+    <exception>`` for redis-py's errors, otherwise the exception's type name."""
+    import grpc
+
+    from wuliang.serving.client import ServingClientError
+
+    if isinstance(error, ServingClientError):
+        return error.code
+    if isinstance(error, grpc.RpcError) and isinstance(error, grpc.Call):
+        return error.code().name
+    if type(error).__module__.partition(".")[0] == "redis":
+        return f"redis {type(error).__name__}"
+    return type(error).__name__
 
 
 # -- processes ----------------------------------------------------------------------

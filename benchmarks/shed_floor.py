@@ -1,8 +1,10 @@
-"""The floor of a shed answer on this machine: ``python benchmarks/shed_floor.py``.
+"""The floor of a shed answer on this machine: ``python benchmarks/shed_floor.py
+[--rate R]``.
 
-How fast can a Python server answer "overloaded" at all, under the
-overload of ``overload_bench.py``? A bare server (a subprocess of this
-script) answers *every* lookup as shed, doing nothing else:
+How fast can a Python server answer "overloaded" at all, under a given
+load? A bare server (a subprocess of this script; ``overload_bench.py``
+starts it too, for its ``shed_p99_vs_floor``) answers *every* lookup as
+shed, doing nothing else:
 
 * gRPC: a grpcio sync server, pool of 2 threads (as ``wuliang serve`` 's
   lookup pool), whose handler for ``/wuliang.serving.Serving/Lookup``
@@ -10,15 +12,12 @@ script) answers *every* lookup as shed, doing nothing else:
 * HTTP: an aiohttp server on one event loop whose every ``POST`` reads the
   body and answers 503 with ``Retry-After`` and a JSON body.
 
-The same load processes as ``overload_bench.py`` (its ``LoadProcess``,
-``run_load``: ``LOAD_PROCS`` processes a transport, closed-loop
-connections, 1000-key bodies) drive it with
-``CONNS`` connections for ``SECONDS`` s, once from clients that back off as
-``wuliang.serving.Client`` does and once from clients that send again at
-once. Printed last, one JSON line: per transport and client kind, shed
-answers/s and p50/p99 ms, and the server's and clients' CPU per answer.
-A real server's shed answers cannot beat these: its shed ones also wait
-behind the work it admitted.
+Alone, this script sends it ``overload_bench.py`` 's lookups (1000 keys) in
+an open loop of ``--rate`` a second per transport for ``--seconds`` s, from
+``serving_load.py`` 's load processes, and prints one JSON line: per
+transport, shed answers/s and p50/p99 ms, and the server's and clients'
+CPU per answer. A real server's shed answers cannot beat these: its shed
+ones also wait behind the work it admitted.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-CONNS = 64
+RATE = 4000.0  # open-loop lookups a second, per transport
 SECONDS = 5.0
 ROWS = 1_000_000  # the key range of the requests (as overload_bench.py's)
 LOOKUP = "/wuliang.serving.Serving/Lookup"
@@ -78,9 +77,11 @@ def serve() -> None:
     server.stop(0)
 
 
-def floor(conns: int = CONNS, seconds: float = SECONDS) -> dict[str, Any]:
+def floor(rate: float = RATE, seconds: float = SECONDS) -> dict[str, Any]:
     """The figures of the module docstring."""
-    from overload_bench import LOAD_PROCS, TRANSPORTS, LoadProcess, payloads, run_load, summary
+    from overload_bench import LOAD_PROCS, LOOKUP, TRANSPORTS, requests
+    from serving_load import LoadProcess, run_load, summary
+    from serving_setup import stop
 
     child = subprocess.Popen(
         [sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True
@@ -90,49 +91,43 @@ def floor(conns: int = CONNS, seconds: float = SECONDS) -> dict[str, Any]:
         assert child.stdout is not None
         words = child.stdout.readline().split()
         ports = {"grpc": int(words[1]), "http": int(words[3])}
-        requests = payloads(ROWS)
+        bodies = requests(ROWS)
         loads = {t: [LoadProcess() for _ in range(LOAD_PROCS)] for t in TRANSPORTS}
         out: dict[str, Any] = {}
         for transport in TRANSPORTS:
+            port, target = ports[transport], LOOKUP[transport]
             # warm-up: the server's and the load process's first calls
-            run_load(loads[transport], transport, ports[transport], requests[transport], 4, 1.0,
-                     child.pid)  # fmt: skip
-            for backoff in (True, False):
-                run = run_load(
-                    loads[transport], transport, ports[transport], requests[transport],
-                    conns, seconds, child.pid, backoff,
-                )  # fmt: skip
-                run["rss_before_mb"] = run["rss_end_mb"]  # summary() wants one; not a figure here
-                s = summary([run])
-                kind = "backing_off" if backoff else "eager"
-                out[f"{transport}_{kind}"] = {
-                    k: s[k]
-                    for k in ("conns", "shed_qps", "shed_p50_ms", "shed_p99_ms", "accepted_qps",
-                              "failed", "shed_without_retry", "server_cpu_us", "client_cpu_us")
-                }  # fmt: skip
-        return {"shed_floor": out, "conns": conns, "seconds": seconds, "cores": os.cpu_count()}
+            run_load(loads[transport], transport, port, target, bodies[transport], 1.0,
+                     child.pid, conns=4)  # fmt: skip
+            run = run_load(
+                loads[transport], transport, port, target, bodies[transport], seconds, child.pid,
+                rate=rate,
+            )  # fmt: skip
+            s = summary([run])
+            out[transport] = {
+                k: s[k]
+                for k in ("rate", "offered_qps", "late_sends", "shed_qps", "shed_p50_ms",
+                          "shed_p99_ms", "accepted_qps", "failed", "shed_without_retry",
+                          "server_cpu_us", "client_cpu_us")
+            }  # fmt: skip
+        return {"shed_floor": out, "rate": rate, "seconds": seconds, "cores": os.cpu_count()}
     finally:
         for group in loads.values():
             for proc in group:
                 proc.close()
-        child.send_signal(signal.SIGTERM)
-        try:
-            child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait(timeout=30)
+        stop(child)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--conns", type=int, default=CONNS)
+    parser.add_argument("--rate", type=float, default=RATE, help="lookups a second, per transport")
     parser.add_argument("--seconds", type=float, default=SECONDS)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve()
         return
-    print(json.dumps(floor(args.conns, args.seconds)))
+    print(json.dumps(floor(args.rate, args.seconds)))
 
 
 if __name__ == "__main__":
