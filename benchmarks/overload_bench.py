@@ -11,47 +11,57 @@ flags there, to compare two settings); and once, between the rounds,
 ``shed_floor.py`` 's bare server, which refuses every call and does nothing
 else.
 
-Requests: lookups of ``KEYS`` item keys drawn Zipf(1.1) (``BODIES`` distinct
-ones, cycled), over HTTP (``:lookup``) and gRPC (``Serving/Lookup``); and
-predictions of 100 rows as TensorFlow Serving's clients send them: gRPC
-``tensorflow.serving.PredictionService/Predict`` (``TensorProto`` s made by
-``tf.make_tensor_proto``) and REST ``:predict`` (the row format,
-``instances``). The load processes are ``serving_load.py`` 's (closed and
-open loops, answers accepted, shed or failed by kind).
+Requests: predictions of 100 rows as TensorFlow Serving's clients send
+them, over its two APIs: gRPC ``tensorflow.serving.PredictionService/
+Predict`` (``TensorProto`` s made by ``tf.make_tensor_proto``; ``tfs_grpc``)
+and REST ``:predict`` (the row format, ``instances``; ``rest``).
+Predictions, not lookups: a prediction costs the server milliseconds and a
+refusal a tenth of that, so a server can refuse twice its capacity; a
+lookup of 1000 keys over gRPC costs 400 µs and a refusal by bare grpcio
+190 µs, so twice a lookup capacity is more refusals than the server's
+Python can answer, shedding or not (``docs/performance.md``). The load
+processes are ``serving_load.py`` 's (closed and open loops, answers
+accepted, shed or failed by kind, on 2 cores beside the server).
 
 Phases, on each server:
 
-1. capacity (the first ``shed`` server): for each transport, lookups from
-   closed loops of 1, 2, 4 and 8 callers (``SWEEP``), ``sweep_s`` each after
-   a warm-up: ``capacity_qps``, the best accepted rate;
-2. closed loops (``shed`` servers): TensorFlow Serving's gRPC Predict and
-   REST predict from ``CALLERS`` (8, 32, 64) callers, no retries,
-   ``closed_s`` each after a warm-up; every answer but an accepted one is a
-   refusal: ``closed_loop_refused``;
-3. open-loop overload: for each transport, after a warm-up (a closed loop
-   of 2 callers, ``sweep_s``), lookups sent at ``OVERLOAD`` (2) times its
+1. capacity (the first ``shed`` server): for each API, closed loops of 1,
+   2, 4 and 8 callers (``SWEEP``), ``sweep_s`` each after a warm-up:
+   ``capacity_qps``, the best accepted rate;
+2. closed loops (``shed`` servers): for each API, ``CALLERS`` (8, 32, 64)
+   callers, no retries, ``closed_s`` each after a warm-up; every answer
+   but an accepted one is a refusal: ``closed_loop_refused``;
+3. open-loop overload: for each API, after a warm-up (a closed loop of 2
+   callers, ``sweep_s``), predictions sent at ``OVERLOAD`` (2) times its
    capacity for ``seconds`` (5; quick 3), the server's RSS sampled
    meanwhile (``rss_growth_mb``: its most over the RSS before). On the
    ``unshed`` server the queue then drains before the next phase;
-4. the floor: the same open-loop lookups, at the same rates, on the bare
-   server that refuses them all.
+4. the floor: the same open loops, at the same rates, on the bare server
+   that refuses them all.
+
+An overload's figures are those of its steady state: answers to requests
+due ``ONSET_S`` (1 s) or more after it began. Its onset, the backlog that
+builds while the server finds that arrivals outgrow what it answers (some
+50 ms of arrivals at 2x for these predictions, then shed as stale), is a
+one-off whose share of a percentile depends only on how long the window
+is; it is reported apart (``onset``: the accepted and shed p99 of the
+first second, and the whole window's).
 
 Figures (the last JSON line): ``closed_loop_refused`` and ``closed_loop``
 (per API and callers: rates, p50/p99, failures by kind); under overload
-(``overload``: per setting and transport, accepted and shed rates and
-p50/p99, failures by kind, the offered rate the load processes kept, CPU
-per answer of the server and clients, RSS), the headlines
+(``overload``: per setting and API, accepted and shed rates and p50/p99,
+failures by kind, the offered rate the load processes kept, CPU per
+answer of the server and clients, RSS, the onset), the headlines
 ``overload_accepted_p99_ms``, ``overload_shed_p99_ms``, ``overload_failed``
-and ``overload_rss_growth_mb`` (the worse transport, with the defaults),
-``overload_goodput`` (accepted rate over capacity, the worse transport),
-the unshed server's ``overload_unshed_p99_ms`` and
-``overload_unshed_failed``, ``shed_floor`` (the floor's shed rate and
-p50/p99 by transport) and ``shed_p99_vs_floor``: the defaults' shed p99
-over the floor's, the worse transport; ``overload_shed_counted``: each
-server's ``wuliang_shed_total`` by transport beside the shed answers its
-clients saw; ``failed_by_phase``: the failures of every phase of the
-``shed`` servers that had any, by kind. Rates and percentiles count
-answered calls only.
+and ``overload_rss_growth_mb`` (the worse API, with the defaults),
+``overload_goodput`` (accepted rate over capacity, the worse API), the
+unshed server's ``overload_unshed_p99_ms`` and ``overload_unshed_failed``,
+``shed_floor`` (the floor's shed rate and p50/p99 by API) and
+``shed_p99_vs_floor``: the defaults' shed p99 over the floor's, the worse
+API; ``overload_shed_counted``: each server's ``wuliang_shed_total`` by
+transport beside the shed answers its clients saw; ``failed_by_phase``:
+the failures of every phase of the ``shed`` servers that had any, by
+kind. Rates and percentiles count answered calls only.
 
 Targets: no closed-loop call refused; under overload accepted p99 <= 20
 ms, no failure, shed p99 <= 1.2 x the floor's, RSS growth <= 50 MB.
@@ -74,11 +84,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from serving_load import LoadProcess, run_load, summary
+from serving_load import LoadProcess, ms, run_load, summary
 
 KEYS = 1000  # keys of one lookup, as in serving_bench.py's lookups
 BODIES = 256  # distinct prebuilt lookups
 PREDICTS = 32  # distinct prebuilt predictions
+ONSET_S = 1.0  # the first second of an overload: its onset
 SWEEP = (1, 2, 4, 8)
 CALLERS = (8, 32, 64)  # closed-loop callers of the predictions
 OVERLOAD = 2.0  # the open loop's rate, times the capacity
@@ -90,6 +101,7 @@ PREDICT = {
     "tfs_grpc": ("grpc", "/tensorflow.serving.PredictionService/Predict"),
 }
 TRANSPORTS = ("http", "grpc")
+APIS = tuple(PREDICT)
 FLOOR_KEYS = ("rate", "offered_qps", "shed_qps", "shed_p50_ms", "shed_p99_ms", "failed")
 TARGETS = {
     "closed_loop_refused": 0,
@@ -173,10 +185,10 @@ class Run:
         self.sweep: dict[str, list[float]] = {}
         self.capacity: dict[str, float] = {}
         self.closed: dict[str, dict[int, list[dict[str, Any]]]] = {
-            api: {n: [] for n in CALLERS} for api in PREDICT
+            api: {n: [] for n in CALLERS} for api in APIS
         }
-        self.overload = {s: {t: [] for t in TRANSPORTS} for s in settings}
-        self.floor: dict[str, list[dict[str, Any]]] = {t: [] for t in TRANSPORTS}
+        self.overload = {s: {api: [] for api in APIS} for s in settings}
+        self.floor: dict[str, list[dict[str, Any]]] = {api: [] for api in APIS}
         self.shed_counted: dict[str, list[dict[str, Any]]] = {s: [] for s in settings}
         self.failed_by_phase: dict[str, dict[str, int]] = {}
 
@@ -208,42 +220,40 @@ def server_round(
         client_shed = dict.fromkeys(TRANSPORTS, 0)
         shed = setting == "shed"
 
-        def load(
-            transport: str, target: str, what: str, length: float, **kind: Any
-        ) -> dict[str, Any]:
+        def load(api: str, length: float, **kind: Any) -> dict[str, Any]:
+            transport, target = PREDICT[api]
             result = run_load(
-                loads[transport], transport, ports[transport], target, bodies[what], length,
+                loads[transport], transport, ports[transport], target, bodies[api], length,
                 server.pid, **kind,
             )  # fmt: skip
             client_shed[transport] += len(result["shed"])
             return result
 
-        for transport in TRANSPORTS:
-            if transport not in run.capacity:
-                load(transport, LOOKUP[transport], transport, sweep_s, conns=2)  # warm-up
+        for api in APIS:
+            if api not in run.capacity:
+                load(api, sweep_s, conns=2)  # warm-up: a fresh server's first calls
                 qps = []
                 for conns in SWEEP:
-                    result = load(transport, LOOKUP[transport], transport, sweep_s, conns=conns)
-                    run.failed(f"capacity_{transport}_{conns}", result)
+                    result = load(api, sweep_s, conns=conns)
+                    run.failed(f"capacity_{api}_{conns}", result)
                     qps.append(result["accepted_in_window"] / sweep_s)
-                run.sweep[transport] = qps
-                run.capacity[transport] = max(qps)
+                run.sweep[api] = qps
+                run.capacity[api] = max(qps)
         if shed:
-            for api, (transport, target) in PREDICT.items():
-                load(transport, target, api, sweep_s, conns=CALLERS[0])  # warm-up
+            for api in APIS:
+                load(api, sweep_s, conns=CALLERS[0])  # warm-up
                 for callers in CALLERS:
-                    result = load(transport, target, api, closed_s, conns=callers)
+                    result = load(api, closed_s, conns=callers)
                     run.closed[api][callers].append(result)
                     run.failed(f"closed_{api}_{callers}", result)
-        for transport in TRANSPORTS:
-            load(transport, LOOKUP[transport], transport, sweep_s, conns=2)  # warm-up
+        for api in APIS:
+            load(api, sweep_s, conns=2)  # warm-up
             before = rss_mb(server.pid)
-            rate = OVERLOAD * run.capacity[transport]
-            result = load(transport, LOOKUP[transport], transport, seconds, rate=rate)
+            result = load(api, seconds, rate=OVERLOAD * run.capacity[api])
             result["rss_before_mb"] = before
-            run.overload[setting][transport].append(result)
+            run.overload[setting][api].append(result)
             if shed:
-                run.failed(f"overload_{transport}", result)
+                run.failed(f"overload_{api}", result)
             drained(http_port)
         counted = {
             "server": metric_sums(http_port, "wuliang_shed_total", "transport"),
@@ -272,16 +282,15 @@ def floor_round(
         assert child.stdout is not None
         words = child.stdout.readline().split()
         ports = {"grpc": int(words[1]), "http": int(words[3])}
-        for transport in TRANSPORTS:
-            port, target = ports[transport], LOOKUP[transport]
-            run_load(loads[transport], transport, port, target, bodies[transport], 1.0, child.pid,
-                     conns=2)  # fmt: skip
-            rate = OVERLOAD * run.capacity[transport]
+        for api in APIS:
+            transport, target = PREDICT[api]
+            port, procs = ports[transport], loads[transport]
+            run_load(procs, transport, port, target, bodies[api], 1.0, child.pid, conns=2)
             result = run_load(
-                loads[transport], transport, port, target, bodies[transport], seconds, child.pid,
-                rate=rate,
+                procs, transport, port, target, bodies[api], seconds, child.pid,
+                rate=OVERLOAD * run.capacity[api],
             )  # fmt: skip
-            run.floor[transport].append(result)
+            run.floor[api].append(result)
     finally:
         stop(child)
 
@@ -330,6 +339,32 @@ def overload(
     return figures(run, settings, rows, seconds, order, setup_s)
 
 
+def steady(run: dict[str, Any], after: float = ONSET_S) -> dict[str, Any]:
+    """An overload's answers to requests due ``after`` seconds or more
+    after it began (its steady state), as ``run_load`` gives them."""
+    keep_accepted = run["accepted_at"] >= after
+    keep_shed = run["shed_at"] >= after
+    return {
+        **run,
+        "accepted": run["accepted"][keep_accepted],
+        "shed": run["shed"][keep_shed],
+    }
+
+
+def onset(run: dict[str, Any], after: float = ONSET_S) -> dict[str, Any]:
+    """The p99s of an overload's first ``after`` seconds, and of its whole window."""
+    first = {
+        "accepted": run["accepted"][run["accepted_at"] < after],
+        "shed": run["shed"][run["shed_at"] < after],
+    }
+    return {
+        "first_s_accepted_p99_ms": ms(first["accepted"], 99),
+        "first_s_shed_p99_ms": ms(first["shed"], 99),
+        "window_accepted_p99_ms": ms(run["accepted"], 99),
+        "window_shed_p99_ms": ms(run["shed"], 99),
+    }
+
+
 def figures(
     run: Run,
     settings: dict[str, tuple[str, ...]],
@@ -339,17 +374,25 @@ def figures(
     setup_s: float,
 ) -> dict[str, Any]:
     """The run's figures and targets (the module docstring)."""
-    over = {s: {t: summary(run.overload[s][t]) for t in TRANSPORTS} for s in settings}
-    floor = {t: summary(run.floor[t]) for t in TRANSPORTS}
-    for transport in TRANSPORTS:
-        capacity = run.capacity[transport]
+    over = {
+        s: {api: summary([steady(r) for r in run.overload[s][api]]) for api in APIS}
+        for s in settings
+    }
+    floor = {api: summary([steady(r) for r in run.floor[api]]) for api in APIS}
+    for api in APIS:
+        capacity = run.capacity[api]
         for setting in settings:
-            figure = over[setting][transport]
+            runs = run.overload[setting][api]
+            figure = over[setting][api]
             figure["rss_growth_mb"] = round(
-                max(r["rss_max_mb"] - r["rss_before_mb"] for r in run.overload[setting][transport]),
-                1,
+                max(r["rss_max_mb"] - r["rss_before_mb"] for r in runs), 1
             )
             figure["goodput"] = round(figure["accepted_qps"] / capacity, 3)
+            merged = {
+                k: np.concatenate([r[k] for r in runs])
+                for k in ("accepted", "shed", "accepted_at", "shed_at")
+            }
+            figure["onset"] = onset(merged)
     closed = {
         api: {str(n): summary(runs) for n, runs in by_callers.items()}
         for api, by_callers in run.closed.items()
@@ -361,18 +404,19 @@ def figures(
         return max(values) if values else None
 
     vs_floor = {
-        t: round(over["shed"][t]["shed_p99_ms"] / floor[t]["shed_p99_ms"], 3)
-        for t in TRANSPORTS
-        if over["shed"][t]["shed_p99_ms"] is not None and floor[t]["shed_p99_ms"]
+        api: round(over["shed"][api]["shed_p99_ms"] / floor[api]["shed_p99_ms"], 3)
+        for api in APIS
+        if over["shed"][api]["shed_p99_ms"] is not None and floor[api]["shed_p99_ms"]
     }
     result: dict[str, Any] = {
         "overload_rows": rows,
         "overload_seconds": seconds,
+        "overload_onset_s": ONSET_S,
         "overload_rounds": "".join({"shed": "A", "unshed": "B", "floor": "F"}[s] for s in order),
         "overload_setup_s": round(setup_s, 1),
         "cores": os.cpu_count(),
-        "capacity_qps": {t: round(q, 1) for t, q in run.capacity.items()},
-        "capacity_sweep_qps": {t: [round(q, 1) for q in qs] for t, qs in run.sweep.items()},
+        "capacity_qps": {api: round(q, 1) for api, q in run.capacity.items()},
+        "capacity_sweep_qps": {api: [round(q, 1) for q in qs] for api, qs in run.sweep.items()},
         "closed_loop_refused": sum(
             sum(r["failures"].values()) + len(r["shed"])
             for by_callers in run.closed.values()
@@ -387,8 +431,8 @@ def figures(
         "overload_goodput": min(f["goodput"] for f in shed),
         "overload_unshed_p99_ms": worst("accepted_p99_ms", over["unshed"].values()),
         "overload_unshed_failed": sum(f["failed"] for f in over["unshed"].values()),
-        "shed_floor": {t: {k: floor[t][k] for k in FLOOR_KEYS} for t in TRANSPORTS},
-        "shed_p99_vs_floor_by_transport": vs_floor,
+        "shed_floor": {api: {k: floor[api][k] for k in FLOOR_KEYS} for api in APIS},
+        "shed_p99_vs_floor_by_api": vs_floor,
         "shed_p99_vs_floor": max(vs_floor.values()) if vs_floor else None,
         "overload": over,
         "overload_shed_counted": run.shed_counted,

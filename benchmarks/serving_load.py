@@ -74,6 +74,8 @@ class Tally:
     def __init__(self) -> None:
         self.accepted = array("d")
         self.shed = array("d")
+        self.accepted_at = array("d")  # when each was due or sent (time.monotonic())
+        self.shed_at = array("d")
         self.failures: Counter[str] = Counter()
         self.in_window: Counter[str] = Counter()
         self.shed_without_retry = 0
@@ -84,8 +86,10 @@ class Tally:
     def answer(self, kind: str, latency: float, in_window: bool, reason: str = "") -> None:
         if kind == "accepted":
             self.accepted.append(latency)
+            self.accepted_at.append(time.monotonic() - latency)
         elif kind == "shed":
             self.shed.append(latency)
+            self.shed_at.append(time.monotonic() - latency)
         else:
             self.failures[reason] += 1
         if in_window:
@@ -102,6 +106,8 @@ class Tally:
         return {
             "accepted": base64.b64encode(self.accepted.tobytes()).decode(),
             "shed": base64.b64encode(self.shed.tobytes()).decode(),
+            "accepted_at": base64.b64encode(self.accepted_at.tobytes()).decode(),
+            "shed_at": base64.b64encode(self.shed_at.tobytes()).decode(),
             "failures": dict(self.failures),
             "accepted_in_window": self.in_window["accepted"],
             "shed_in_window": self.in_window["shed"],
@@ -560,6 +566,12 @@ def run_load(
         "seconds": seconds,
         "accepted": np.concatenate([np.frombuffer(base64.b64decode(p["accepted"])) for p in parts]),
         "shed": np.concatenate([np.frombuffer(base64.b64decode(p["shed"])) for p in parts]),
+        "accepted_at": np.concatenate(
+            [np.frombuffer(base64.b64decode(p["accepted_at"])) for p in parts]
+        )
+        - start_at,
+        "shed_at": np.concatenate([np.frombuffer(base64.b64decode(p["shed_at"])) for p in parts])
+        - start_at,
         "failures": failures,
         "accepted_in_window": sum(p["accepted_in_window"] for p in parts),
         "shed_in_window": sum(p["shed_in_window"] for p in parts),

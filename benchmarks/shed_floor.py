@@ -7,16 +7,18 @@ starts it too, for its ``shed_p99_vs_floor``) answers *every* lookup as
 shed, doing nothing else:
 
 * gRPC: a grpcio sync server, pool of 2 threads (as ``wuliang serve`` 's
-  lookup pool), whose handler for ``/wuliang.serving.Serving/Lookup``
-  aborts RESOURCE_EXHAUSTED with ``grpc-retry-pushback-ms`` (no parsing);
+  pools), whose handlers for ``/wuliang.serving.Serving/Lookup`` and
+  ``/tensorflow.serving.PredictionService/Predict`` abort
+  RESOURCE_EXHAUSTED with ``grpc-retry-pushback-ms`` (no parsing);
 * HTTP: an aiohttp server on one event loop whose every ``POST`` reads the
   body and answers 503 with ``Retry-After`` and a JSON body.
 
-Alone, this script sends it ``overload_bench.py`` 's lookups (1000 keys) in
-an open loop of ``--rate`` a second per transport for ``--seconds`` s, from
-``serving_load.py`` 's load processes, and prints one JSON line: per
-transport, shed answers/s and p50/p99 ms, and the server's and clients'
-CPU per answer. A real server's shed answers cannot beat these: its shed
+Alone, this script sends it ``overload_bench.py`` 's predictions
+(TensorFlow Serving's gRPC Predict and REST predict of 100 rows) in an
+open loop of ``--rate`` a second per API for ``--seconds`` s, from
+``serving_load.py`` 's load processes, and prints one JSON line: per API,
+shed answers/s and p50/p99 ms, and the server's and clients' CPU per
+answer. A real server's shed answers cannot beat these: its shed
 ones also wait behind the work it admitted.
 """
 
@@ -32,10 +34,9 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-RATE = 4000.0  # open-loop lookups a second, per transport
+RATE = 800.0  # open-loop predictions a second, per API
 SECONDS = 5.0
 ROWS = 1_000_000  # the key range of the requests (as overload_bench.py's)
-LOOKUP = "/wuliang.serving.Serving/Lookup"
 
 
 def serve() -> None:
@@ -47,10 +48,16 @@ def serve() -> None:
         context.set_trailing_metadata((("grpc-retry-pushback-ms", "10"),))
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded: shed floor")
 
-    handler = grpc.method_handlers_generic_handler(
-        "wuliang.serving.Serving", {"Lookup": grpc.unary_unary_rpc_method_handler(abort)}
-    )
-    server = grpc.server(ThreadPoolExecutor(2), handlers=[handler])
+    handlers = [
+        grpc.method_handlers_generic_handler(
+            service, {method: grpc.unary_unary_rpc_method_handler(abort)}
+        )
+        for service, method in (
+            ("wuliang.serving.Serving", "Lookup"),
+            ("tensorflow.serving.PredictionService", "Predict"),
+        )
+    ]
+    server = grpc.server(ThreadPoolExecutor(2), handlers=handlers)
     grpc_port = server.add_insecure_port("127.0.0.1:0")
     server.start()
 
@@ -79,7 +86,7 @@ def serve() -> None:
 
 def floor(rate: float = RATE, seconds: float = SECONDS) -> dict[str, Any]:
     """The figures of the module docstring."""
-    from overload_bench import LOAD_PROCS, LOOKUP, TRANSPORTS, requests
+    from overload_bench import APIS, LOAD_PROCS, PREDICT, TRANSPORTS, requests
     from serving_load import LoadProcess, run_load, summary
     from serving_setup import stop
 
@@ -94,17 +101,16 @@ def floor(rate: float = RATE, seconds: float = SECONDS) -> dict[str, Any]:
         bodies = requests(ROWS)
         loads = {t: [LoadProcess() for _ in range(LOAD_PROCS)] for t in TRANSPORTS}
         out: dict[str, Any] = {}
-        for transport in TRANSPORTS:
-            port, target = ports[transport], LOOKUP[transport]
+        for api in APIS:
+            transport, target = PREDICT[api]
+            port, procs = ports[transport], loads[transport]
             # warm-up: the server's and the load process's first calls
-            run_load(loads[transport], transport, port, target, bodies[transport], 1.0,
-                     child.pid, conns=4)  # fmt: skip
+            run_load(procs, transport, port, target, bodies[api], 1.0, child.pid, conns=4)
             run = run_load(
-                loads[transport], transport, port, target, bodies[transport], seconds, child.pid,
-                rate=rate,
-            )  # fmt: skip
+                procs, transport, port, target, bodies[api], seconds, child.pid, rate=rate
+            )
             s = summary([run])
-            out[transport] = {
+            out[api] = {
                 k: s[k]
                 for k in ("rate", "offered_qps", "late_sends", "shed_qps", "shed_p50_ms",
                           "shed_p99_ms", "accepted_qps", "failed", "shed_without_retry",
@@ -120,7 +126,7 @@ def floor(rate: float = RATE, seconds: float = SECONDS) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rate", type=float, default=RATE, help="lookups a second, per transport")
+    parser.add_argument("--rate", type=float, default=RATE, help="predictions a second, per API")
     parser.add_argument("--seconds", type=float, default=SECONDS)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

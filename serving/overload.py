@@ -14,47 +14,57 @@ and the HTTP server's event loop) sheds as follows, per queue:
 
 * **Normal**: every request is admitted while fewer than ``max_queue``
   (default ``DEFAULT_MAX_QUEUE``) wait ahead of it, however long they take:
-  a closed loop of up to that many callers is never refused, and what
-  they wait follows each API's own service time (128 lookups of 1000 keys
-  are a shorter wait than 128 predictions). A request that finds the queue
-  full is shed, and the queue becomes overloaded: a standing queue of that
-  many requests is not a burst.
+  a closed loop of up to that many callers is never refused, however they
+  start and send, and what they wait follows each API's own service time.
+  A request that finds the queue full is shed, and the queue becomes
+  overloaded. (Finding an overload sooner, by the queue's growth, was
+  measured and dropped: a client starting 64 threads one after another
+  grows the queue window after window as fast as twice the capacity of
+  predictions does, and was refused.)
 * **Overloaded**: a request is admitted only if it would start within
-  ``max_queue_ms`` (default ``DEFAULT_MAX_QUEUE_MS``), or within one
-  service time of the API where that is longer (at least one request
-  queued per worker, so the workers never idle); the rest are shed at
-  once. This is controlled delay as Facebook's servers apply it ("Fail at
-  Scale", ACM Queue 2015): a long queue allowed while the queue drains, a
-  short one while it stands. The queue stays short, so admitted requests
-  keep their latency while the excess is refused, and an answer shed costs
-  the server its parsing only. Adaptive LIFO is not used: with the excess
-  refused at the door the admitted queue is within ``max_queue_ms``, and
-  serving it newest first would change the order of a few requests while
-  leaving the backlog of the moment it became overloaded to time out.
+  ``max_queue_ms`` (default ``DEFAULT_MAX_QUEUE_MS``), or within one service
+  time of the API where that is longer (at least one request queued per
+  worker, so the workers never idle); the rest are shed at once. A request
+  about to be served that has waited longer than that (the backlog of up to
+  ``max_queue`` requests of the moment the overload was found, or of a
+  probe) is shed then instead (``stale``), at once. This is controlled delay
+  as Facebook's servers apply it ("Fail at Scale", ACM Queue 2015): a long
+  queue allowed while the queue drains, a short one while it stands, so
+  admitted requests keep their latency while the excess is refused, and a
+  shed answer costs the server its parsing only. Adaptive LIFO is not used:
+  with the excess refused at the door and stale requests shed, the admitted
+  queue is within ``max_queue_ms``, and serving it newest first would only
+  reorder a few requests.
 * **Back to normal**: after a whole ``INTERVAL`` with no request shed (the
   arrivals fell below what the queue finishes), or after a probe: once
-  overloaded for ``HOLD`` seconds the queue admits everything (up to
-  ``max_queue``) for a short while (``PROBE_S``, or ``PROBE_SERVICES``
-  service times if longer) and watches the requests waiting. Closed-loop
-  callers that were being refused all come back within their round trip
-  and then the queue stands still: normal again. Arrivals above capacity
-  keep it growing through the probe's second half: overloaded for twice
-  the hold (up to ``MAX_HOLD``). A probe costs an open-loop overload a few
-  milliseconds of queue; it spares closed-loop callers caught by a burst
-  from being refused for good (each refused caller sends again at once,
-  which no rate measurement can tell from new arrivals).
+  overloaded for ``HOLD`` seconds, the queue admits everything (up to
+  ``max_queue``) for ``PROBE_WINDOWS`` windows of ``WINDOW_S`` (for a pool
+  at least ``WINDOW_DRAINS`` drains) and watches its length: a window grew
+  when the queue set a new high in it, above every length since it was
+  last empty. Closed-loop callers that were being refused all come back
+  within their round trip, then stand still, however unevenly they send:
+  normal again. Arrivals over capacity still set new highs in the last
+  ``PROBE_GROWING`` windows: overloaded for twice the hold (up to
+  ``MAX_HOLD``). A probe costs an overload a
+  few milliseconds of queue (shed as stale after it); it spares
+  closed-loop callers caught by a burst from being refused for good (each
+  refused caller sends again at once, which no count of arrivals can tell
+  from new ones).
 
 The pieces:
 
-* ``OverloadDetector``: one queue's state (normal, overloaded, probing);
-  ``check`` says whether a request is admitted, or why it is shed.
+* ``OverloadDetector``: one queue's state (normal, overloaded, probing):
+  ``observe`` watches the queue's length, ``check`` says whether a request
+  is admitted or why it is shed, ``stale`` whether one about to be served
+  is shed instead.
 * ``ApiQueue``: a pool's requests admitted and not yet answered
   (``in_flight``) over its ``workers``, and how fast they drain: a running
   mean (exponentially weighted, ``EWMA`` for the newest) of the time between
   two of them ending while every worker is busy. A request's expected wait
   is the ``lag`` before the server noticed it plus the requests ahead of it
   times that mean (``drain``). ``admit`` takes a request or raises
-  ``Overloaded`` with a suggested retry delay; ``done`` ends one.
+  ``Overloaded`` with a suggested retry delay, ``stale`` is asked before
+  one is served, ``done`` ends one.
 * gRPC: the lookup and prediction pools are ``SheddingPool`` s. grpcio hands
   each call to its pool's ``submit`` on the server's polling thread, which
   admits it or marks it shed there. The pool's threads take shed calls and
@@ -118,11 +128,13 @@ __all__ = [
 DEFAULT_MAX_QUEUE = 128  # requests that may wait in a queue: closed-loop callers never refused
 DEFAULT_MAX_QUEUE_MS = 5.0  # the longest wait admitted while a queue is overloaded
 EWMA = 0.1  # weight of the newest service time in the running mean
+WINDOW_S = 0.01  # the shortest window over which a queue's growth is judged
+WINDOW_DRAINS = 4  # and a pool's window lasts at least this many drains
 INTERVAL = 0.1  # seconds without a shed that end an overload
-HOLD = 1.0  # seconds overloaded before the first probe
-MAX_HOLD = 8.0  # the longest hold, doubled from HOLD by each probe that finds overload
-PROBE_S = 0.02  # the shortest probe
-PROBE_SERVICES = 10  # a probe lasts at least this many service times
+HOLD = 2.0  # seconds overloaded before the first probe
+MAX_HOLD = 16.0  # the longest hold, doubled from HOLD by each probe that finds overload
+PROBE_WINDOWS = 3  # a probe's windows: callers coming back, then standing still or not
+PROBE_GROWING = 2  # its last windows that set new highs, all: still overloaded
 
 
 class Shedding:
@@ -154,13 +166,22 @@ class Shedding:
 
 class OverloadDetector:
     """Whether one queue is overloaded, and so which requests it sheds (the
-    module docstring's three states). Not thread-safe: its queue calls it
-    under its own lock, or from its one thread.
+    module docstring's states). Its queue tells it how many requests wait
+    whenever that changes (``observe``), of each request it takes
+    (``check``) and of each it is about to serve (``stale``).
+
+    A probe judges growth by windows of at least ``window_s`` (the queue's
+    choice): a window grew when the queue set a new high in it, above every
+    length since it was last empty. N closed-loop callers keep at most N
+    requests queued, so once they are all in, their queue sets no new high
+    however unevenly they send; arrivals over capacity set a new high in
+    every window. Not thread-safe: its queue calls it under its own lock,
+    or from its one thread.
 
     Args:
-        max_queue: requests that may wait (0: no bound, never overloaded).
+        max_queue: requests that may wait (0: no bound, nothing shed).
         max_wait: seconds, the longest wait admitted while overloaded (0:
-            no bound: only ``max_queue`` sheds).
+            no bound: an overloaded queue sheds only beyond ``max_queue``).
     """
 
     def __init__(self, max_queue: int, max_wait: float) -> None:
@@ -169,46 +190,60 @@ class OverloadDetector:
         self.overloaded = False
         self.overloads = 0  # times it became overloaded
         self.since = 0.0  # when the current overload began
+        self._window_at: float | None = None  # when the current window began
+        self._window_high = 0  # the most waiting in the current window
+        self._record = 0  # the most waiting since the queue was last empty
+        self._grew: deque[bool] = deque(maxlen=PROBE_WINDOWS)  # the last windows: new highs
+        self._probe: int | None = None  # while probing: its windows so far
         self._hold = HOLD
         self._probe_at = 0.0  # when the next probe starts
-        self._probe_mid = 0.0
-        self._probe_end: float | None = None  # while probing: when the probe ends
-        self._first = self._second = 0  # the most waiting in each half of the probe
         self._last_shed = 0.0
         self._calm_at = -MAX_HOLD  # when the last overload ended
 
-    def check(
-        self, now: float, waiting: int, wait: float, limit: float, probe_s: float
-    ) -> str | None:
+    @property
+    def probing(self) -> bool:
+        return self._probe is not None
+
+    def observe(self, now: float, waiting: int, window_s: float) -> None:
+        """The queue holds ``waiting`` requests waiting now; ``window_s``:
+        the queue's window (what a probe watches)."""
+        self._window_high = max(self._window_high, waiting)
+        if self._window_at is None:
+            self._window_at = now
+        if now - self._window_at < window_s:
+            return
+        high, self._window_high, self._window_at = self._window_high, waiting, now
+        if high == 0:
+            self._record = 0  # empty for a whole window: highs count anew
+        grew = high > self._record
+        self._record = max(self._record, high)
+        self._grew.append(grew)
+        if self._probe is not None:
+            self._probe += 1
+            if self._probe >= PROBE_WINDOWS:
+                self._probe = None
+                if all(list(self._grew)[-PROBE_GROWING:]):  # still growing: over capacity
+                    self._extend(now)
+                    self._last_shed = now
+                else:  # the callers came back and stood still: they wait for their answers
+                    self._calm(now)
+
+    def check(self, now: float, waiting: int, wait: float, limit: float) -> str | None:
         """None: admit a request that finds ``waiting`` requests ahead of it
         and would start in ``wait`` seconds; else why it is shed. ``limit``:
         the longest wait admitted while overloaded (``max_wait``, or more
-        for an API slower than that); ``probe_s``: how long a probe lasts."""
+        for an API slower than that)."""
         if self.max_queue and waiting >= self.max_queue:
             self._overload(now)
             return f"{waiting} requests wait already (max_queue {self.max_queue})"
-        if not self.overloaded:
+        if not self.overloaded or self._probe is not None:
             return None
-        if self._probe_end is not None:
-            if now < self._probe_end:
-                if now < self._probe_mid:
-                    self._first = max(self._first, waiting)
-                else:
-                    self._second = max(self._second, waiting)
-                return None
-            self._probe_end = None
-            if self._second <= self._first + max(2, self._first // 4):
-                self._calm(now)  # it stood still: callers waiting for their answers
-                return None
-            self._hold = min(2 * self._hold, MAX_HOLD)  # it kept growing: arrivals over capacity
-            self._probe_at = now + self._hold
-        elif now - self._last_shed >= INTERVAL:
+        if now - self._last_shed >= INTERVAL:
             self._calm(now)  # a whole interval without a shed: the arrivals fell
             return None
-        elif now >= self._probe_at:
-            self._probe_end = now + probe_s
-            self._probe_mid = now + probe_s / 2
-            self._first, self._second = waiting, 0
+        if now >= self._probe_at:
+            self._probe = 0
+            self._record = waiting  # the callers shed meanwhile come back: highs count anew
             return None
         if self.max_wait and wait > limit:
             self._last_shed = now
@@ -218,12 +253,26 @@ class OverloadDetector:
             )
         return None
 
+    def stale(self, now: float, waited: float, limit: float) -> str | None:
+        """None: serve a request that waited ``waited`` seconds in the
+        queue; else, while overloaded, why it is shed instead: it waited
+        longer than ``limit`` (a backlog of before the overload was found,
+        or of a probe)."""
+        if not self.overloaded or self._probe is not None or not self.max_wait:
+            return None
+        if waited <= limit:
+            return None
+        self._last_shed = now
+        return (
+            f"its queue has stood for {now - self.since:.1f} s and this request waited "
+            f"{waited * 1e3:.1f} ms in it (max_queue_ms {self.max_wait * 1e3:g})"
+        )
+
     def _overload(self, now: float) -> None:
         self._last_shed = now
-        if self._probe_end is not None:  # a probe filled the queue: still overloaded
-            self._probe_end = None
-            self._hold = min(2 * self._hold, MAX_HOLD)
-            self._probe_at = now + self._hold
+        if self._probe is not None:  # a probe filled the queue: still overloaded
+            self._probe = None
+            self._extend(now)
         if not self.overloaded:
             if now - self._calm_at > MAX_HOLD:
                 self._hold = HOLD  # calm long enough: the hold starts short again
@@ -231,6 +280,10 @@ class OverloadDetector:
             self.overloads += 1
             self.since = now
             self._probe_at = now + self._hold
+
+    def _extend(self, now: float) -> None:
+        self._hold = min(2 * self._hold, MAX_HOLD)
+        self._probe_at = now + self._hold
 
     def _calm(self, now: float) -> None:
         self.overloaded = False
@@ -262,25 +315,42 @@ class ApiQueue:
     def overloaded(self) -> bool:
         return self.detector.overloaded
 
-    def admit(self, lag: float = 0.0) -> None:
+    def _state(self, lag: float) -> tuple[int, float, float]:
+        """(requests waiting, the wait of one arriving now, the longest wait
+        admitted while overloaded: ``max_wait`` or one service time)."""
+        n = self.in_flight
+        drains = n - self.workers + 1  # requests to end before a new one starts
+        wait = lag + (drains * self.drain if drains > 0 else 0.0)
+        return max(n - self.workers, 0), wait, max(self.max_wait, self.drain * self.workers)
+
+    def admit(self, lag: float = 0.0) -> float:
         """Takes one request, or raises ``Overloaded`` (see the module
-        docstring); ``lag``: seconds it waited before the queue saw it."""
+        docstring); ``lag``: seconds it waited before the queue saw it.
+        Returns when it arrived (``time.perf_counter()``), for ``stale``."""
         now = time.perf_counter()
         with self._lock:
-            n = self.in_flight
-            waiting = max(n - self.workers, 0)  # ahead of this one
-            drains = n - self.workers + 1  # requests to end before this one starts
-            wait = lag + (drains * self.drain if drains > 0 else 0.0)
-            service = self.drain * self.workers
-            limit = max(self.max_wait, service)
-            probe_s = max(PROBE_S, PROBE_SERVICES * service)
-            why = self.detector.check(now, waiting, wait, limit, probe_s)
+            waiting, wait, limit = self._state(lag)
+            why = self.detector.check(now, waiting, wait, limit)
             if why is None:
-                self.in_flight = n + 1
-                return
+                self.in_flight += 1
+                self._observe(now)
+                return now - lag
             retry = max(wait - lag, limit)  # about when the queue drains to admit it
         retry_ms = max(1, round(retry * 1e3))
         raise Overloaded(f"overloaded: {self.name}: {why}; retry in {retry_ms} ms", retry_ms)
+
+    def stale(self, arrived: float) -> Overloaded | None:
+        """Whether a request that arrived at ``arrived`` and is about to be
+        served is shed instead (the ``Overloaded`` to answer), because the
+        queue is overloaded and it waited too long (``OverloadDetector.stale``).
+        A request shed so is still ended with ``done(None)``."""
+        now = time.perf_counter()
+        with self._lock:
+            why = self.detector.stale(now, now - arrived, self._state(0.0)[2])
+        if why is None:
+            return None
+        retry_ms = max(1, round(self.max_wait * 1e3))
+        return Overloaded(f"overloaded: {self.name}: {why}; retry in {retry_ms} ms", retry_ms)
 
     def done(self, seconds: float | None) -> None:
         """Ends an admitted request that took ``seconds`` to serve (None:
@@ -297,6 +367,11 @@ class ApiQueue:
                 sample = now - self._ended if busy else seconds / self.workers
                 self.drain += EWMA * (min(sample, seconds) - self.drain)
             self._ended = now
+            self._observe(now)
+
+    def _observe(self, now: float) -> None:
+        waiting = max(self.in_flight - self.workers, 0)
+        self.detector.observe(now, waiting, max(WINDOW_S, WINDOW_DRAINS * self.drain))
 
 
 # -- gRPC -----------------------------------------------------------------------------
@@ -332,7 +407,7 @@ class SheddingPool(ThreadPoolExecutor):
     def __init__(self, queue: ApiQueue, name: str) -> None:
         super().__init__(1, thread_name_prefix=name)  # its own threads are never started
         self.queue = queue
-        self._admitted: deque[tuple[Future, Callable[..., Any], Any, Any]] = deque()
+        self._admitted: deque[tuple[Future, Callable[..., Any], Any, Any, float]] = deque()
         self._shed: deque[tuple[Future, Callable[..., Any], Any, Any, Overloaded]] = deque()
         lock = threading.Lock()
         self._work_ready = threading.Condition(lock)  # the workers wait on it
@@ -351,7 +426,7 @@ class SheddingPool(ThreadPoolExecutor):
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         future: Future = Future()
         try:
-            self.queue.admit()
+            arrived = self.queue.admit()
             shed = None
         except Overloaded as error:
             shed = error
@@ -361,7 +436,7 @@ class SheddingPool(ThreadPoolExecutor):
                     self.queue.done(None)
                 raise RuntimeError("cannot schedule new futures after shutdown")
             if shed is None:
-                self._admitted.append((future, fn, args, kwargs))
+                self._admitted.append((future, fn, args, kwargs, arrived))
             else:
                 self._shed.append((future, fn, args, kwargs, shed))
                 self._shed_ready.notify()
@@ -370,22 +445,25 @@ class SheddingPool(ThreadPoolExecutor):
 
     def _take(
         self, shed_only: bool, shed_first: bool
-    ) -> tuple[Future, Callable[..., Any], Any, Any, Any] | None:
+    ) -> tuple[Future, Callable[..., Any], Any, Any, Overloaded | None, float] | None:
         ready = self._shed_ready if shed_only else self._work_ready
         with ready:
             while not self._shed and (shed_only or not self._admitted) and not self._closed:
                 ready.wait()
             if self._shed and (shed_first or shed_only or not self._admitted):
-                return self._shed.popleft()
+                return (*self._shed.popleft(), 0.0)
             if self._admitted and not shed_only:
-                return (*self._admitted.popleft(), None)
+                future, fn, args, kwargs, arrived = self._admitted.popleft()
+                return future, fn, args, kwargs, None, arrived
             return None  # closed, and nothing left
 
     def _work(self, shed_only: bool) -> None:
         shed_first = True  # a worker alternates while both kinds wait: sheds never starve work
         while (task := self._take(shed_only, shed_first)) is not None:
-            shed_first = task[4] is None
-            future, fn, args, kwargs, shed = task
+            future, fn, args, kwargs, shed, arrived = task
+            shed_first = admitted = shed is None
+            if admitted:  # an overloaded queue sheds what waited too long
+                shed = self.queue.stale(arrived)
             start = time.perf_counter()
             try:
                 if future.set_running_or_notify_cancel():
@@ -397,8 +475,8 @@ class SheddingPool(ThreadPoolExecutor):
                     finally:
                         _marks.shed = None
             finally:
-                if shed is None:
-                    self.queue.done(time.perf_counter() - start)
+                if admitted:
+                    self.queue.done(time.perf_counter() - start if shed is None else None)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Ends the threads once the calls submitted are done (``wait``: waits for that)."""
@@ -509,11 +587,12 @@ class LoopQueue:
     def admit(self) -> float:
         """Takes one request handled now, or raises ``Overloaded``; returns
         its wait (``wait()``), for the pool it goes on to, if any."""
+        now = time.perf_counter()
         waiting = self.clock.handled
         self.clock.handled = waiting + 1
         wait = self.wait()
-        probe_s = max(PROBE_S, 4 * wait)  # a few passes: closed loops fill one pass
-        why = self.detector.check(time.perf_counter(), waiting, wait, self.max_wait, probe_s)
+        self.detector.observe(now, waiting, WINDOW_S)
+        why = self.detector.check(now, waiting, wait, self.max_wait)
         if why is None:
             return wait
         retry_ms = max(1, round(max(wait, self.max_wait) * 1e3))

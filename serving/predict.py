@@ -32,6 +32,7 @@ model description and retries on ``VersionMoved``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,14 @@ from wuliang.embedding.pooling import pool_rows
 from wuliang.ps_server.storage import ModelDescription, SparseInput
 from wuliang.serving.errors import FailedPrecondition, InvalidArgument
 from wuliang.serving.model import ServedModel, ServedVersion
+
+# Threads answering predictions, per transport (``wuliang serve
+# --predict-threads``). TensorFlow spreads one prediction over the cores
+# itself: on 2 cores one thread answered 100-row predictions at 474/s where
+# two answered 323-403/s, and kept their latency under overload (p99 13-15
+# ms against 19-26; benchmarks/overload_bench.py). With more cores a second
+# thread overlaps one prediction's Python with another's TensorFlow.
+PREDICT_THREADS = 1 if (os.cpu_count() or 1) <= 2 else 2
 
 __all__ = ["Decoder", "FeatureInput", "PredictAnswer", "check_model", "predict"]
 

@@ -47,6 +47,7 @@ from wuliang.serving.grpc.server import GrpcServer
 from wuliang.serving.model import ServedModel
 from wuliang.serving.model_config import ModelConfigWatcher
 from wuliang.serving.overload import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_MS, Shedding
+from wuliang.serving.predict import PREDICT_THREADS
 from wuliang.serving.service import MAX_REQUEST_BYTES, Service
 from wuliang.serving.store import ModelStore
 from wuliang.serving.tfs.config import ModelEntry
@@ -83,6 +84,7 @@ class ServeOptions:
     memory_gb: float | None = None
     model_config: Path | None = None  # TensorFlow Serving's model config file
     model_config_poll_secs: float = 0.0  # 0: re-read on SIGHUP only
+    predict_threads: int = PREDICT_THREADS  # per transport
     max_queue: int = DEFAULT_MAX_QUEUE  # requests that may wait in a queue (0: no bound)
     max_queue_ms: float = DEFAULT_MAX_QUEUE_MS  # the longest wait admitted while overloaded
 
@@ -257,7 +259,12 @@ def start(options: ServeOptions) -> Running:
     try:
         try:
             grpc_server = GrpcServer(
-                service, options.host, options.port, tls=tls, shedding=shedding(options)
+                service,
+                options.host,
+                options.port,
+                tls=tls,
+                predict_threads=options.predict_threads,
+                shedding=shedding(options),
             )
         except OSError as error:
             raise OSError(f"{error} (--port {options.port})") from None
@@ -266,7 +273,12 @@ def start(options: ServeOptions) -> Running:
 
             try:
                 http = HttpServer(
-                    service, options.host, options.http_port, tls=tls, shedding=shedding(options)
+                    service,
+                    options.host,
+                    options.http_port,
+                    tls=tls,
+                    workers=options.predict_threads,
+                    shedding=shedding(options),
                 )
             except OSError as error:
                 raise OSError(f"{error} (--http-port {options.http_port})") from None

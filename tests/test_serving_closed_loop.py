@@ -19,7 +19,6 @@ server, so every time bound here is generous).
 from __future__ import annotations
 
 import json
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -343,15 +342,15 @@ def test_an_open_loop_overload_is_still_shed_early(server: Server) -> None:
     then a closed loop of 16 callers is served normally again; and the
     refusals came early.
 
-    Early: the refusals' median latency (issue to done callback) is below
-    the accepted answers' median. A refusal waits in no queue and costs the
-    server less than a lookup, while an accepted lookup waited for the
-    queue (up to 128 ahead of it, or up to 5 ms once it was overloaded), so
-    a refusal must come back sooner than the typical accepted answer. Both
-    share the client's and grpcio's own delays (a Python client issuing
-    thousands of calls on the server's cores), so nothing tighter is asked:
-    not a factor, not the accepted answers' 10th percentile. Checked last,
-    so a failure there says that every other property held."""
+    Early: the whole burst is answered sooner than serving it would take
+    at the rate a closed loop of two callers gets just before, and the
+    accepted lookups did not queue behind it (their 90th percentile under
+    a quarter of that time). Not that refusals come back sooner
+    than the accepted answers: grpcio's per-call work, receiving the
+    message and sending the status, is a good share of what a lookup
+    costs, so thousands of refusals at once queue behind each other, while
+    the accepted ones wait in a short queue.
+    Checked last, so a failure there says that every other property held."""
     before = scrape(server)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc}")
     lookup = channel.unary_unary(
@@ -371,6 +370,9 @@ def test_an_open_loop_overload_is_still_shed_early(server: Server) -> None:
 
     try:
         assert lookup(request, timeout=CALL_TIMEOUT).version == 1  # connected
+        failures, served = closed_loop(2, again, seconds=1.0)
+        assert failures == [], failures
+        serving_s = BURST / (served / 1.0)  # what serving the whole burst would take
         start = time.perf_counter()
         answers = burst(lookup, request, BURST)
         took = time.perf_counter() - start
@@ -397,7 +399,9 @@ def test_an_open_loop_overload_is_still_shed_early(server: Server) -> None:
     assert shed, f"nothing shed: {summary}"
     pushbacks = {p for code, _, p in answers if code == "RESOURCE_EXHAUSTED"}
     assert all(p is not None and int(p) >= 1 for p in pushbacks), pushbacks
-    assert len(accepted) >= 128, summary  # a full queue admitted before any shed
+    # some served: the overloaded queue admits short waits (the backlog of
+    # the moment it filled is shed as stale)
+    assert accepted, summary
 
     assert failures == [], (
         f"after the burst {len(failures)} of {made} calls failed: {failures[:20]}"
@@ -412,8 +416,9 @@ def test_an_open_loop_overload_is_still_shed_early(server: Server) -> None:
     assert metric(after, "wuliang_queue_overloaded", **queue) == 0  # normal again
     assert metric(after, "wuliang_queue_requests", **queue) == 0
 
-    shed_median, accepted_median = statistics.median(shed), statistics.median(accepted)
-    assert shed_median < accepted_median, f"the refusals came late: {summary}"
+    late = f"the refusals came late (serving it: {serving_s:.1f} s): {summary}"
+    assert took < serving_s, late
+    assert percentile(accepted, 0.9) < serving_s / 4, late
 
 
 def shed_count(text: str, labels: dict[str, str]) -> float:

@@ -100,7 +100,7 @@ def test_an_overloaded_queue_admits_only_short_waits() -> None:
     assert shed.value.retry_ms == 10
     idle = ApiQueue("q", 2, 4, 10)
     idle.admit(lag=0.011)  # normal: a late one is admitted
-    idle.detector.check(time.perf_counter(), 4, 0.0, 0.0, 0.0)  # found 4 waiting: overloaded
+    idle.detector.check(time.perf_counter(), 4, 0.0, 0.0)  # found 4 waiting: overloaded
     with pytest.raises(Overloaded, match=r"would wait 11\.0 ms"):
         idle.admit(lag=0.011)  # the server noticed it 11 ms late
 
@@ -108,7 +108,7 @@ def test_an_overloaded_queue_admits_only_short_waits() -> None:
 def test_an_overloaded_queue_admits_one_service_time_of_a_slow_api() -> None:
     """max_queue_ms is a floor: a prediction of 20 ms may wait one more."""
     queue = ApiQueue("grpc Predict", workers=2, max_queue=4, max_queue_ms=5)
-    queue.detector.check(time.perf_counter(), 4, 0.0, 0.0, 0.0)
+    queue.detector.check(time.perf_counter(), 4, 0.0, 0.0)
     queue.drain = 0.01  # 2 workers: each request takes a worker 20 ms
     queue.admit()
     queue.admit()  # both working
@@ -128,32 +128,74 @@ def test_without_bounds_nothing_is_shed() -> None:
 
 
 T = 1000.0  # a clock for the detector
+W = 0.01  # its windows
 
 
 def overloaded_detector(max_queue: int = 10) -> OverloadDetector:
     detector = OverloadDetector(max_queue, 0.005)
-    assert detector.check(T, 0, 1.0, 0.005, 0.02) is None  # a long wait: normal load
-    assert detector.check(T, max_queue, 0.0, 0.005, 0.02) is not None
+    assert detector.check(T, 0, 1.0, 0.005) is None  # a long wait: normal load
+    assert detector.check(T, max_queue, 0.0, 0.005) is not None
     assert detector.overloaded and detector.since == T
     return detector
 
 
+def feed(detector: OverloadDetector, start: float, levels: list[int]) -> float:
+    """The queue's waiting requests, one level a millisecond from
+    ``start``; returns the time after the last."""
+    now = start
+    for waiting in levels:
+        detector.observe(now, waiting, W)
+        now += 0.001
+    return now
+
+
+@pytest.mark.parametrize(
+    "levels",
+    [
+        [64] * 200,  # a step: 64 callers at once, then each sends when answered
+        [40 + (i * 7) % 25 for i in range(200)],  # callers sending unevenly, never over 64
+        [min(100, i // 2) for i in range(400)],  # 100 callers joining over 200 ms
+        list(range(128)),  # growing by one a millisecond, up to max_queue
+    ],
+    ids=["step", "uneven", "ramp", "growth"],
+)
+def test_only_a_full_queue_makes_it_overloaded(levels: list[int]) -> None:
+    """A closed loop of up to max_queue callers is never refused, however
+    its callers start and send: before the queue holds max_queue requests,
+    nothing tells a ramp of callers from arrivals over capacity."""
+    detector = OverloadDetector(128, 0.005)
+    now = feed(detector, T, levels)
+    assert not detector.overloaded
+    for waiting in levels:
+        assert detector.check(now, waiting, 1.0, 0.005) is None  # however long they wait
+    assert detector.check(now, 128, 1.0, 0.005) is not None
+    assert detector.overloaded
+
+
 def test_an_overload_ends_after_an_interval_without_a_shed() -> None:
     detector = overloaded_detector()
-    assert detector.check(T + 0.01, 3, 0.004, 0.005, 0.02) is None  # short: admitted
-    assert detector.check(T + 0.02, 3, 0.006, 0.005, 0.02) is not None  # long: shed
-    assert detector.check(T + 0.07, 3, 0.006, 0.005, 0.02) is not None
+    assert detector.check(T + 0.01, 3, 0.004, 0.005) is None  # short: admitted
+    assert detector.check(T + 0.02, 3, 0.006, 0.005) is not None  # long: shed
+    assert detector.check(T + 0.07, 3, 0.006, 0.005) is not None
     assert detector.overloaded
     later = T + 0.07 + INTERVAL + 0.001
-    assert detector.check(later, 3, 0.5, 0.005, 0.02) is None  # no shed for an interval
+    assert detector.check(later, 3, 0.5, 0.005) is None  # no shed for an interval
     assert not detector.overloaded
+
+
+def test_a_stale_request_is_shed_only_while_overloaded() -> None:
+    detector = OverloadDetector(10, 0.005)
+    assert detector.stale(T, 0.5, 0.005) is None  # normal: served however long it waited
+    detector.check(T, 10, 0.0, 0.005)
+    assert detector.stale(T, 0.004, 0.005) is None
+    assert "waited 6.0 ms in it (max_queue_ms 5)" in (detector.stale(T, 0.006, 0.005) or "")
 
 
 def shed_until(detector: OverloadDetector, start: float, until: float) -> None:
     """Long waits every 10 ms from ``start`` to before ``until``: each shed."""
     now = start
     while now < until - 0.005:
-        assert detector.check(now, 5, 0.05, 0.005, 0.02) is not None
+        assert detector.check(now, 5, 0.05, 0.005) is not None
         now += 0.01
 
 
@@ -163,34 +205,34 @@ def test_a_probe_that_finds_callers_standing_still_ends_the_overload() -> None:
     detector = overloaded_detector()
     shed_until(detector, T, T + HOLD)
     start = T + HOLD
-    for i, waiting in enumerate([1, 6, 8] + [8] * 17):  # a probe of 20 ms
-        assert detector.check(start + 0.001 * i, waiting, 0.05, 0.005, 0.02) is None
-    assert detector.overloaded
-    assert detector.check(start + 0.021, 8, 0.05, 0.005, 0.02) is None
-    assert not detector.overloaded
+    assert detector.check(start, 2, 0.05, 0.005) is None  # the probe begins: admitted
+    assert detector.probing
+    now = feed(detector, start, [6, 8, 9] + [9] * 7)  # they come back within a window
+    assert detector.check(now, 9, 0.05, 0.005) is None
+    feed(detector, now, [9, 8, 9, 7, 9] * 6)  # and stand still
+    assert not detector.probing and not detector.overloaded
 
 
 def test_a_probe_that_finds_the_queue_growing_keeps_the_overload_and_doubles_the_hold() -> None:
     detector = overloaded_detector(max_queue=1000)
     shed_until(detector, T, T + HOLD)
     start = T + HOLD
-    for i in range(20):  # arrivals over capacity: one more waiting each ms
-        assert detector.check(start + 0.001 * i, i, 0.05, 0.005, 0.02) is None
-    end = start + 0.021
-    assert detector.check(end, 21, 0.05, 0.005, 0.02) is not None  # the probe ended: shed
-    assert detector.overloaded
+    assert detector.check(start, 2, 0.05, 0.005) is None
+    end = feed(detector, start, list(range(2, 40)))  # arrivals over capacity: new highs
+    assert not detector.probing and detector.overloaded
+    assert detector.check(end, 40, 0.05, 0.005) is not None  # sheds again
     shed_until(detector, end, end + 2 * HOLD)  # no probe before twice the hold
-    assert detector.check(end + 2 * HOLD, 5, 0.05, 0.005, 0.02) is None  # probing
-    assert detector.overloaded and detector.overloads == 1
+    assert detector.check(end + 2 * HOLD, 5, 0.05, 0.005) is None  # probing
+    assert detector.probing and detector.overloads == 1
 
 
 def test_a_probe_that_fills_the_queue_keeps_the_overload() -> None:
     detector = overloaded_detector(max_queue=10)
     shed_until(detector, T, T + HOLD)
     start = T + HOLD
-    assert detector.check(start, 2, 0.05, 0.005, 0.02) is None  # the probe admits
-    assert detector.check(start + 0.001, 10, 0.05, 0.005, 0.02) is not None  # full
-    assert detector.check(start + 0.002, 3, 0.05, 0.005, 0.02) is not None  # overloaded
+    assert detector.check(start, 2, 0.05, 0.005) is None  # the probe admits
+    assert detector.check(start + 0.001, 10, 0.05, 0.005) is not None  # full
+    assert detector.check(start + 0.002, 3, 0.05, 0.005) is not None  # overloaded
     assert detector.overloads == 1
 
 
@@ -328,7 +370,7 @@ def test_an_overloaded_grpc_queue_sheds_a_call_that_would_wait_too_long(
         with Client(f"127.0.0.1:{server.port}", retries=0) as client:
             assert client.status()[0]["name"] == "m"  # connected
             # a standing queue: 100 requests found waiting
-            server.lookup_queue.detector.check(time.perf_counter(), 100, 0.0, 0.0, 0.0)
+            server.lookup_queue.detector.check(time.perf_counter(), 100, 0.0, 0.0)
             # two to end before it starts: longer than one service time (500 ms)
             with pytest.raises(ServingClientError, match=r"would wait 1000\.0 ms"):
                 client.lookup("users", KEYS)
@@ -482,7 +524,7 @@ def test_a_late_loop_sheds_only_while_overloaded(
         before = shed_count(service, "http", "Lookup")
         path = "/v1/models/m/tables/users:lookup"
         assert http_call(server.port, "POST", path, {"keys": [1]})[0] == 200  # normal
-        on_loop(server, lambda: loop_queue.detector.check(time.perf_counter(), 128, 0, 0, 0))
+        on_loop(server, lambda: loop_queue.detector.check(time.perf_counter(), 128, 0, 0))
         assert loop_queue.overloaded
         status, answer, response = http_call(server.port, "POST", path, {"keys": [1]})
         assert status == 503 and response.getheader("Retry-After") == "1"

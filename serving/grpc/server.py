@@ -37,7 +37,7 @@ from wuliang.serving.features import string_keys_of_bytes
 from wuliang.serving.grpc import proto
 from wuliang.serving.grpc.common import abort, on_pool, parse, token
 from wuliang.serving.overload import Shedding, SheddingPool, take_shed
-from wuliang.serving.predict import FeatureInput
+from wuliang.serving.predict import PREDICT_THREADS, FeatureInput
 from wuliang.serving.service import Service
 from wuliang.serving.tfs.grpc import tfs_handlers
 
@@ -194,13 +194,14 @@ class GrpcServer:
     lookups up. Each of the two is a ``SheddingPool``: a call that would
     wait too long is answered RESOURCE_EXHAUSTED at once (``shedding``,
     ``wuliang.serving.overload``). Status, metadata and health run on a pool
-    of their own (``CONTROL_THREADS``), never shed. Both default to 2: a request is
-    mostly Python work under the GIL (grpcio's and the handler's; the engine
-    and TensorFlow release it), so two threads overlap the released part of
-    one request with the Python of another, and more threads only contend
-    for the GIL. Four clients on 2 cores (docs/performance.md): lookups/s
-    2,390 with 2 threads, 2,260 with 1, 2,000 with 4, 1,960 on one shared
-    pool of 16; predictions/s 604 with 2 threads, 498 with 4, 504 with 16.
+    of their own (``CONTROL_THREADS``), never shed. Lookups default to 2
+    threads: a lookup is mostly Python work under the GIL (grpcio's and the
+    handler's; the engine releases it), so two threads overlap the released
+    part of one with the Python of another, and more only contend for the
+    GIL. Four clients on 2 cores (docs/performance.md): lookups/s 2,390 with
+    2 threads, 2,260 with 1, 2,000 with 4, 1,960 on one shared pool of 16.
+    Predictions default to ``PREDICT_THREADS`` (``wuliang.serving.predict``:
+    TensorFlow spreads one prediction over the cores itself).
 
     Messages larger than the service's ``max_request_bytes`` are refused
     (RESOURCE_EXHAUSTED). The port is bound exclusively (no
@@ -226,7 +227,7 @@ class GrpcServer:
         port: int = 0,
         tls: ServerTls | None = None,
         lookup_threads: int = 2,
-        predict_threads: int = 2,
+        predict_threads: int = PREDICT_THREADS,
         shedding: Shedding | None = None,
     ) -> None:
         for name, value in (

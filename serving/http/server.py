@@ -57,29 +57,34 @@ Design:
   A prediction's body is decoded with the model description of the version
   that answers it (``Service.predict`` takes the decoder).
 * Where the work runs: parsing, the service call and encoding form one
-  synchronous function per request. Predictions always run in a thread
-  pool (``workers`` threads): the tower (TensorFlow) takes milliseconds
-  and releases the GIL, so the event loop keeps answering other requests
-  meanwhile. A lookup whose body is at most ``inline_bytes`` runs on the
-  event loop itself: the engine answers a few keys in microseconds, and
-  the hop to a pool thread and back costs more than that (parsing and
-  converting 8 keys takes 7 us). Measured with
-  ``benchmarks/serving_http_bench.py`` (8 keys a lookup, the client in
-  another process, 2 shared cores): one client at a time, 0.52 ms a lookup
-  inline vs 0.68 ms through the pool (p50; on a busier machine, medians of 3
-  alternating runs, 0.70 vs 0.84 ms); 16 concurrent clients, 2,488 vs
-  2,338 lookups/s (busier: 1,634 vs 1,657, the client process being the
-  bottleneck); 16 lookup clients beside 4 predicting 256 rows, 1,148 vs
-  1,019 lookups/s at the same 149 predictions/s (busier: 980 vs 897
-  lookups/s, with 146 vs 174 predictions/s). So lookups stay inline up to
-  16 KB (about 1,500 keys, ~1.5 ms of the loop): under overload an answer
-  computed on a pool thread waited 7-23 ms (p50-p99) for the loop to get
-  the GIL back from the pool's threads, and the server spent 510 µs an
-  answer against 370 inline (``benchmarks/overload_bench.py``, 1000-key
-  lookups). Bigger ones go to a pool of their own (``lookup_workers`` threads:
-  parsing 100,000 keys takes 18 ms as numbers, 85 ms as strings, and a
-  lookup's answer is encoded there too), so the loop is never held long;
-  it is Python under the GIL, so two threads, as for gRPC's lookups.
+  synchronous function per request. Predictions always run in a thread pool
+  (``workers`` threads, ``PREDICT_THREADS`` as gRPC's): the tower (TensorFlow) takes
+  milliseconds and releases the GIL, so the event loop keeps answering other
+  requests meanwhile. TensorFlow spreads one prediction over the cores itself,
+  so more threads add no throughput and only stretch each prediction: 100-row
+  predictions over REST (``benchmarks/overload_bench.py``'s model, 2 cores)
+  answered 409/s from 1 caller at 2.4 ms each and 394/s from 8, and under an
+  overload at twice that rate the admitted ones took 11 ms (p50) with 2
+  threads against 100 ms with 8 (and 8 ms with 1). A lookup whose body is at most
+  ``inline_bytes`` runs on the event loop itself: the engine answers a few
+  keys in microseconds, and the hop to a pool thread and back costs more than
+  that (parsing and converting 8 keys takes 7 us). Measured with
+  ``benchmarks/serving_http_bench.py`` (8 keys a lookup, the client in another
+  process, 2 shared cores): one client at a time, 0.52 ms a lookup inline vs
+  0.68 ms through the pool (p50; on a busier machine, medians of 3 alternating
+  runs, 0.70 vs 0.84 ms); 16 concurrent clients, 2,488 vs 2,338 lookups/s
+  (busier: 1,634 vs 1,657, the client process being the bottleneck); 16 lookup
+  clients beside 4 predicting 256 rows, 1,148 vs 1,019 lookups/s at the same
+  149 predictions/s (busier: 980 vs 897 lookups/s, with 146 vs 174
+  predictions/s). So lookups stay inline up to 16 KB (about 1,500 keys, ~1.5
+  ms of the loop): under overload an answer computed on a pool thread waited
+  7-23 ms (p50-p99) for the loop to get the GIL back from the pool's threads,
+  and the server spent 510 µs an answer against 370 inline
+  (``benchmarks/overload_bench.py``, 1000-key lookups). Bigger ones go to a
+  pool of their own (``lookup_workers`` threads: parsing 100,000 keys takes 18
+  ms as numbers, 85 ms as strings, and a lookup's answer is encoded there
+  too), so the loop is never held long; it is Python under the GIL, so two
+  threads, as for gRPC's lookups.
 * Overload, and only overload, is shed (``wuliang.serving.overload``):
   once its body is read, a lookup or prediction is answered 503 with
   ``Retry-After`` at once when the event loop's queue (``LoopQueue``: the
@@ -121,13 +126,13 @@ from wuliang.serving.errors import (
 from wuliang.serving.http.codec import PredictRequest, lookup_keys
 from wuliang.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from wuliang.serving.overload import Shedding
+from wuliang.serving.predict import PREDICT_THREADS
 from wuliang.serving.service import Service
 from wuliang.serving.tfs import answers
 
 log = logging.getLogger("wuliang.serving")
 
 INLINE_BYTES = 16384  # lookup bodies up to this size are answered on the event loop
-WORKERS = 8  # threads of the pool that runs predictions
 LOOKUP_WORKERS = 2  # threads of the pool that runs big lookups
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ENDPOINTS = ("Predict", "Lookup", "Status", "Metadata", "Unimplemented", "Health", "Metrics")
@@ -261,7 +266,7 @@ class _Api:
         inline_bytes: int,
         body_seconds: float = 30.0,
         shedding: Shedding | None = None,
-        workers: int = WORKERS,
+        workers: int = PREDICT_THREADS,
         lookup_executor: ThreadPoolExecutor | None = None,
         lookup_workers: int = LOOKUP_WORKERS,
     ) -> None:
@@ -378,13 +383,17 @@ class _Api:
         if where == "inline":
             return work(*args)
         executor, queue = self.pools[where]
-        queue.admit(wait)
+        arrived = queue.admit(wait)
         ran = False
 
         def timed() -> Any:
             nonlocal ran
             ran = True
             start = time.perf_counter()
+            stale = queue.stale(arrived)  # an overloaded queue sheds what waited too long
+            if stale is not None:
+                queue.done(None)
+                raise stale
             try:
                 return work(*args)
             finally:  # here, not on the loop: the loop may take its time to resume
@@ -471,7 +480,7 @@ class HttpServer:
         host: the address to listen on.
         port: the port (0: a free one).
         tls: serve HTTPS with this certificate and key (``ServerTls``); None: HTTP.
-        workers: threads running predictions.
+        workers: threads running predictions (see the module docstring).
         lookup_workers: threads running big lookups (JSON parsing and
             encoding: Python under the GIL, where more threads only share
             it, as gRPC's lookup pool).
@@ -490,7 +499,7 @@ class HttpServer:
         host: str = "127.0.0.1",
         port: int = 0,
         tls: ServerTls | None = None,
-        workers: int = WORKERS,
+        workers: int = PREDICT_THREADS,
         inline_bytes: int = INLINE_BYTES,
         body_seconds: float = 30.0,
         grace: float = 1.0,

@@ -22,6 +22,7 @@ from typing import Any
 
 from wuliang import __version__
 from wuliang.serving.overload import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_MS
+from wuliang.serving.predict import PREDICT_THREADS
 
 # What ``main`` reports as ``wuliang <command>: error: ...`` instead of a
 # traceback (``CorruptVersionError`` is a ValueError).
@@ -220,6 +221,7 @@ def _serve_options(args: argparse.Namespace) -> Any:
         memory_gb=args.memory_gb,
         model_config=path(args.model_config),
         model_config_poll_secs=args.model_config_poll_secs,
+        predict_threads=args.predict_threads,
         max_queue=args.max_queue,
         max_queue_ms=args.max_queue_ms,
     )
@@ -480,6 +482,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=16 << 20,
         help="bytes of one request (HTTP body or gRPC message)",
+    )
+    srv.add_argument(
+        "--predict-threads",
+        type=bounded_int(1, 64),
+        default=PREDICT_THREADS,
+        metavar="N",
+        help="threads answering predictions, per transport (default: %(default)s, from the "
+        "cores: TensorFlow spreads one prediction over them)",
     )
     srv.add_argument(
         "--max-queue",
