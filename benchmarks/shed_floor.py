@@ -19,7 +19,9 @@ open loop of ``--rate`` a second per API for ``--seconds`` s, from
 ``serving_load.py`` 's load processes, and prints one JSON line: per API,
 shed answers/s and p50/p99 ms, and the server's and clients' CPU per
 answer. A real server's shed answers cannot beat these: its shed
-ones also wait behind the work it admitted.
+ones also wait behind the work it admitted. ``--busy N`` runs N threads
+computing in another process meanwhile, as a tower's TensorFlow keeps the
+cores of a real server busy: the same bare server's refusals then.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -84,8 +87,24 @@ def serve() -> None:
     server.stop(0)
 
 
-def floor(rate: float = RATE, seconds: float = SECONDS) -> dict[str, Any]:
-    """The figures of the module docstring."""
+def busy(threads: int) -> None:
+    """Keeps ``threads`` threads computing (matrix products, the GIL
+    released, as a tower's TensorFlow keeps the cores) until killed."""
+    import numpy as np
+
+    def spin() -> None:
+        a = np.random.default_rng(0).random((256, 256))
+        while True:
+            a @ a
+
+    for _ in range(threads):
+        threading.Thread(target=spin, daemon=True).start()
+    threading.Event().wait()
+
+
+def floor(rate: float = RATE, seconds: float = SECONDS, busy_threads: int = 0) -> dict[str, Any]:
+    """The figures of the module docstring; ``busy_threads``: that many
+    threads computing in another process meanwhile."""
     from overload_bench import APIS, LOAD_PROCS, PREDICT, TRANSPORTS, requests
     from serving_load import LoadProcess, run_load, summary
     from serving_setup import stop
@@ -94,6 +113,9 @@ def floor(rate: float = RATE, seconds: float = SECONDS) -> dict[str, Any]:
         [sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True
     )
     loads: dict[str, list[LoadProcess]] = {}
+    burner = None
+    if busy_threads:
+        burner = subprocess.Popen([sys.executable, __file__, "--burn", str(busy_threads)])
     try:
         assert child.stdout is not None
         words = child.stdout.readline().split()
@@ -116,24 +138,44 @@ def floor(rate: float = RATE, seconds: float = SECONDS) -> dict[str, Any]:
                           "shed_p99_ms", "accepted_qps", "failed", "shed_without_retry",
                           "server_cpu_us", "client_cpu_us")
             }  # fmt: skip
-        return {"shed_floor": out, "rate": rate, "seconds": seconds, "cores": os.cpu_count()}
+        return {
+            "shed_floor": out,
+            "rate": rate,
+            "seconds": seconds,
+            "busy_threads": busy_threads,
+            "cores": os.cpu_count(),
+        }
     finally:
         for group in loads.values():
             for proc in group:
                 proc.close()
         stop(child)
+        if burner is not None:
+            burner.kill()
+            burner.wait(timeout=30)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rate", type=float, default=RATE, help="predictions a second, per API")
     parser.add_argument("--seconds", type=float, default=SECONDS)
+    parser.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N threads computing in another process meanwhile (as a tower keeps the cores)",
+    )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--burn", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve()
         return
-    print(json.dumps(floor(args.rate, args.seconds)))
+    if args.burn:
+        busy(args.burn)
+        return
+    print(json.dumps(floor(args.rate, args.seconds, args.busy)))
 
 
 if __name__ == "__main__":
