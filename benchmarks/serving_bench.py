@@ -45,10 +45,13 @@ on loopback, each sending one request at a time:
 ``--tfs`` runs phases 4, 6 and 7 only. ``--fleet`` runs none of these but
 ``fleet_bench.py`` 's figures: publishes of deltas to Redis, a Redis Cluster
 against one Redis, torn answers while deltas are published, and
-(``overload_bench.py``) lookups at 4x the load that saturates ``wuliang
-serve``, with its default shedding and with none: the accepted and the shed
-answers' p99, failures, goodput and the server's RSS growth (targets:
-accepted p99 <= 20 ms, shed p99 <= 5 ms, no failure, RSS growth <= 50 MB).
+(``overload_bench.py``) TensorFlow Serving's clients in closed loops of 8,
+32 and 64 callers (none refused), then predictions at twice the capacity
+of ``wuliang serve``, with its default shedding, with none and on a bare
+server refusing everything: the accepted and the shed answers' p99,
+failures, goodput and the server's RSS growth (targets: no closed-loop
+refusal, accepted p99 <= 20 ms, no failure, shed p99 <= 1.2 x the bare
+server's, RSS growth <= 50 MB).
 
 Every call is answered (OK, or HTTP 200, with an answer of the right shape)
 or failed, counted by its kind: the gRPC status name (``RESOURCE_EXHAUSTED``,
@@ -445,7 +448,8 @@ def main() -> None:
         action="store_true",
         help="only the fleet figures (fleet_bench.py): delta vs full publish, a 3-node Redis "
         "Cluster vs one Redis, torn answers during delta publishes; and lookups at 4x the "
-        "saturating load, shed or not (overload_bench.py)",
+        "capacity of predictions, shed or not, and closed loops of TF Serving's clients "
+        "(overload_bench.py)",
     )
     parser.add_argument(
         "--gpu-cache-rows",
