@@ -6,6 +6,7 @@ Import as ``wuliang.reader``. See ``docs/reader.md``.
 from wuliang.reader.batch import Csr, CsrBatch
 from wuliang.reader.hashing import field_seed, hash_ints, hash_strings
 from wuliang.reader.parquet import ParquetReader, ReaderPosition, ReaderStats, resolve_paths
+from wuliang.reader.partitions import Partition, PartitionError, PartitionSource
 from wuliang.reader.prepare import FeatureIndex, KeyPreparer, PreparedKeys, TableKeys
 
 __all__ = [
@@ -14,6 +15,9 @@ __all__ = [
     "FeatureIndex",
     "KeyPreparer",
     "ParquetReader",
+    "Partition",
+    "PartitionError",
+    "PartitionSource",
     "PreparedKeys",
     "ReaderPosition",
     "ReaderStats",
