@@ -8,6 +8,7 @@ from wuliang.reader.hashing import field_seed, hash_ints, hash_strings
 from wuliang.reader.parquet import ParquetReader, ReaderPosition, ReaderStats, resolve_paths
 from wuliang.reader.partitions import Partition, PartitionError, PartitionSource
 from wuliang.reader.prepare import FeatureIndex, KeyPreparer, PreparedKeys, TableKeys
+from wuliang.reader.stream import StreamPosition, StreamReader
 
 __all__ = [
     "Csr",
@@ -21,6 +22,8 @@ __all__ = [
     "PreparedKeys",
     "ReaderPosition",
     "ReaderStats",
+    "StreamPosition",
+    "StreamReader",
     "TableKeys",
     "field_seed",
     "hash_ints",

@@ -96,6 +96,7 @@ class CsrBatch:
     prepared: Any = None  # PreparedKeys, when the reader prepares keys
     position: Any = None  # ReaderPosition after this batch, when read by a ParquetReader
     validated: bool = False  # validate() passed (a validating reader's batches)
+    partition: Any = None  # the Partition a StreamReader read it from
 
     def dense_feature(self, name: str) -> np.ndarray:
         """The columns of one dense feature, float32 [B, d]."""

@@ -159,7 +159,7 @@ class PartitionSource:
         self._newest: dt.datetime | None = None
         self._counts = _Counts()
         if state is not None:
-            self._restore(state)
+            self.restore(state)
 
     # -- state ---------------------------------------------------------------------
 
@@ -172,7 +172,8 @@ class PartitionSource:
             "late_skipped": self._counts.late_skipped,
         }
 
-    def _restore(self, state: Mapping[str, Any]) -> None:
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Stands where ``state`` (a ``state()``) says."""
         try:
             done = state["done"]
             newest = state["newest"]
