@@ -306,21 +306,16 @@ class PartitionSource:
         (None: for ever; then None). A late one is logged and counted, or,
         with ``late="skip"``, recorded done and passed by."""
         deadline = None if timeout is None else self._clock() + timeout
-        waited = False
         while True:
-            for partition in self.ready():
-                if self._newest is not None and partition.time < self._newest:
-                    lateness = self._newest - partition.time
-                    if self.late == "skip":
-                        self._counts.late_skipped += 1
-                        self._done.add(partition.name)
-                        log.warning(
-                            "partition %s landed %s after %s was trained: skipped (late='skip')",
-                            self._shown(partition.name),
-                            lateness,
-                            self._newest.isoformat(),
-                        )
-                        continue
+            left = None if deadline is None else max(deadline - self._clock(), 0.0)
+            ready = self.wait(left)
+            if not ready:
+                return None
+            for partition in ready:
+                if self._newest is None or partition.time >= self._newest:
+                    return partition
+                lateness = self._newest - partition.time
+                if self.late == "train":
                     self._counts.late_trained += 1
                     log.warning(
                         "partition %s is %s older than %s, trained already: training it now",
@@ -328,10 +323,26 @@ class PartitionSource:
                         lateness,
                         self._newest.isoformat(),
                     )
-                return partition
+                    return partition
+                self._counts.late_skipped += 1
+                self._done.add(partition.name)
+                log.warning(
+                    "partition %s landed %s after %s was trained: skipped (late='skip')",
+                    self._shown(partition.name),
+                    lateness,
+                    self._newest.isoformat(),
+                )
+
+    def wait(self, timeout: float | None = None) -> list[Partition]:
+        """``ready()``, waiting (listing every ``poll_s``) up to ``timeout``
+        seconds for it to hold a partition (None: for ever); [] after that."""
+        deadline = None if timeout is None else self._clock() + timeout
+        waited = False
+        while True:
+            ready = self.ready()
             now = self._clock()
-            if deadline is not None and now >= deadline:
-                return None
+            if ready or (deadline is not None and now >= deadline):
+                return ready
             if not waited:
                 after = "" if self._newest is None else f" after {self._newest.isoformat()}"
                 how = f"{self.manifest} manifest" if self.manifest else f"{self.marker} marker"

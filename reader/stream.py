@@ -138,8 +138,8 @@ class StreamReader:
         """What the model reads; checked against the first complete
         partition's columns, waited for up to ``timeout``."""
         self._model = {"sparse": list(sparse), "dense": list(dense), "label": label}
-        pending = self.source.ready()
-        first = pending[0] if pending else self.source.next(self.timeout)
+        pending = self.source.wait(self.timeout)
+        first = pending[0] if pending else None
         if first is None:
             raise TimeoutError(
                 f"no complete partition in {self.source.root} within {self.timeout} s: the "
