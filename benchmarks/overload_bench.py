@@ -86,8 +86,6 @@ from typing import Any
 import numpy as np
 from serving_load import LoadProcess, ms, run_load, summary
 
-KEYS = 1000  # keys of one lookup, as in serving_bench.py's lookups
-BODIES = 256  # distinct prebuilt lookups
 PREDICTS = 32  # distinct prebuilt predictions
 ONSET_S = 1.0  # the first second of an overload: its onset
 SWEEP = (1, 2, 4, 8)
@@ -95,7 +93,6 @@ CALLERS = (8, 32, 64)  # closed-loop callers of the predictions
 OVERLOAD = 2.0  # the open loop's rate, times the capacity
 LOAD_PROCS = 1  # load processes per transport
 BASELINE = ("--max-queue", "0")  # the server that never sheds
-LOOKUP = {"http": "/v1/models/bench/tables/item:lookup", "grpc": "/wuliang.serving.Serving/Lookup"}
 PREDICT = {
     "rest": ("http", "/v1/models/bench:predict"),
     "tfs_grpc": ("grpc", "/tensorflow.serving.PredictionService/Predict"),
@@ -113,21 +110,11 @@ TARGETS = {
 
 
 def requests(rows: int) -> dict[str, tuple[str, list[str]]]:
-    """The prebuilt requests (named, base64, for the load processes): the
-    lookups of each transport and the predictions of each API."""
-    from bench_data import zipf_keys
+    """The prebuilt predictions of each API (named, base64, for the load
+    processes)."""
     from serving_setup import PREDICT_ROWS, predict_batch, tfs_request
 
-    from wuliang.serving.grpc import proto
-
     rng = np.random.default_rng(7)
-    draws = [zipf_keys(rng, rows, KEYS) for _ in range(BODIES)]
-    http = [json.dumps({"keys": k.tolist()}).encode() for k in draws]
-    grpc = [
-        proto.LookupRequest(model="bench", table="item", keys=k.astype("<u8").tobytes())
-        .SerializeToString()
-        for k in draws
-    ]  # fmt: skip
     batches = [predict_batch(rng, rows) for _ in range(PREDICTS)]
     tfs = [tfs_request(b, "bench").SerializeToString() for b in batches]
     rest = []
@@ -148,8 +135,6 @@ def requests(rows: int) -> dict[str, tuple[str, list[str]]]:
         return name, [base64.b64encode(b).decode() for b in bodies]
 
     return {
-        "http": named("lookup_http", http),
-        "grpc": named("lookup_grpc", grpc),
         "rest": named("predict_rest", rest),
         "tfs_grpc": named("predict_tfs", tfs),
     }

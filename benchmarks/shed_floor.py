@@ -3,7 +3,7 @@
 
 How fast can a Python server answer "overloaded" at all, under a given
 load? A bare server (a subprocess of this script; ``overload_bench.py``
-starts it too, for its ``shed_p99_vs_floor``) answers *every* lookup as
+starts it too, for its ``shed_p99_vs_floor``) answers *every* call as
 shed, doing nothing else:
 
 * gRPC: a grpcio sync server, pool of 2 threads (as ``wuliang serve`` 's

@@ -52,7 +52,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,13 +90,6 @@ class Partition:
         if not 0 <= index < count:
             raise ValueError(f"trainer index {index} is not in [0, {count})")
         return self.files[index::count]
-
-
-@dataclass
-class _Counts:
-    late_trained: int = 0
-    late_skipped: int = 0
-    skipped: list[str] = field(default_factory=list)
 
 
 class PartitionSource:
@@ -157,7 +150,9 @@ class PartitionSource:
         self.root = text
         self._done: set[str] = set()
         self._newest: dt.datetime | None = None
-        self._counts = _Counts()
+        self.late_trained = 0  # late partitions trained when they landed
+        self.late_skipped = 0  # late partitions passed by (late="skip")
+        self._not_partitions: set[str] = set()  # names logged as no partition time
         if state is not None:
             self.restore(state)
 
@@ -168,8 +163,8 @@ class PartitionSource:
         return {
             "done": sorted(self._done),
             "newest": None if self._newest is None else self._newest.isoformat(),
-            "late_trained": self._counts.late_trained,
-            "late_skipped": self._counts.late_skipped,
+            "late_trained": self.late_trained,
+            "late_skipped": self.late_skipped,
         }
 
     def restore(self, state: Mapping[str, Any]) -> None:
@@ -181,18 +176,10 @@ class PartitionSource:
                 raise TypeError("done is not a list of partition names")
             self._done = set(done)
             self._newest = None if newest is None else dt.datetime.fromisoformat(newest)
-            self._counts.late_trained = int(state.get("late_trained", 0))
-            self._counts.late_skipped = int(state.get("late_skipped", 0))
+            self.late_trained = int(state.get("late_trained", 0))
+            self.late_skipped = int(state.get("late_skipped", 0))
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"not a partition source's state: {error}") from None
-
-    @property
-    def late_trained(self) -> int:
-        return self._counts.late_trained
-
-    @property
-    def late_skipped(self) -> int:
-        return self._counts.late_skipped
 
     @property
     def newest(self) -> dt.datetime | None:
@@ -258,8 +245,8 @@ class PartitionSource:
         try:
             when = self._parse(name)
         except PartitionError as error:
-            if name not in self._counts.skipped:
-                self._counts.skipped.append(name)
+            if name not in self._not_partitions:
+                self._not_partitions.add(name)
                 log.warning("%s: %s; not a partition, left alone", self._shown(name), error)
             return None
         if self.manifest is not None:
@@ -316,7 +303,7 @@ class PartitionSource:
                     return partition
                 lateness = self._newest - partition.time
                 if self.late == "train":
-                    self._counts.late_trained += 1
+                    self.late_trained += 1
                     log.warning(
                         "partition %s is %s older than %s, trained already: training it now",
                         self._shown(partition.name),
@@ -324,7 +311,7 @@ class PartitionSource:
                         self._newest.isoformat(),
                     )
                     return partition
-                self._counts.late_skipped += 1
+                self.late_skipped += 1
                 self._done.add(partition.name)
                 log.warning(
                     "partition %s landed %s after %s was trained: skipped (late='skip')",

@@ -193,7 +193,7 @@ class OverloadDetector:
         self._window_at: float | None = None  # when the current window began
         self._window_high = 0  # the most waiting in the current window
         self._record = 0  # the most waiting since the queue was last empty
-        self._grew: deque[bool] = deque(maxlen=PROBE_WINDOWS)  # the last windows: new highs
+        self._grew: deque[bool] = deque(maxlen=PROBE_GROWING)  # the last windows: new highs
         self._probe: int | None = None  # while probing: its windows so far
         self._hold = HOLD
         self._probe_at = 0.0  # when the next probe starts
@@ -222,7 +222,7 @@ class OverloadDetector:
             self._probe += 1
             if self._probe >= PROBE_WINDOWS:
                 self._probe = None
-                if all(list(self._grew)[-PROBE_GROWING:]):  # still growing: over capacity
+                if all(self._grew):  # still growing: over capacity
                     self._extend(now)
                     self._last_shed = now
                 else:  # the callers came back and stood still: they wait for their answers
@@ -342,13 +342,14 @@ class ApiQueue:
     def stale(self, arrived: float) -> Overloaded | None:
         """Whether a request that arrived at ``arrived`` and is about to be
         served is shed instead (the ``Overloaded`` to answer), because the
-        queue is overloaded and it waited too long (``OverloadDetector.stale``).
-        A request shed so is still ended with ``done(None)``."""
+        queue is overloaded and it waited too long (``OverloadDetector.stale``);
+        a request shed so is ended here, as ``done(None)`` would."""
         now = time.perf_counter()
         with self._lock:
             why = self.detector.stale(now, now - arrived, self._state(0.0)[2])
         if why is None:
             return None
+        self.done(None)
         retry_ms = max(1, round(self.max_wait * 1e3))
         return Overloaded(f"overloaded: {self.name}: {why}; retry in {retry_ms} ms", retry_ms)
 
@@ -462,8 +463,9 @@ class SheddingPool(ThreadPoolExecutor):
         while (task := self._take(shed_only, shed_first)) is not None:
             future, fn, args, kwargs, shed, arrived = task
             shed_first = admitted = shed is None
-            if admitted:  # an overloaded queue sheds what waited too long
+            if admitted:  # an overloaded queue sheds (and ends) what waited too long
                 shed = self.queue.stale(arrived)
+                admitted = shed is None
             start = time.perf_counter()
             try:
                 if future.set_running_or_notify_cancel():
@@ -476,7 +478,7 @@ class SheddingPool(ThreadPoolExecutor):
                         _marks.shed = None
             finally:
                 if admitted:
-                    self.queue.done(time.perf_counter() - start if shed is None else None)
+                    self.queue.done(time.perf_counter() - start)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Ends the threads once the calls submitted are done (``wait``: waits for that)."""

@@ -390,9 +390,8 @@ class _Api:
             nonlocal ran
             ran = True
             start = time.perf_counter()
-            stale = queue.stale(arrived)  # an overloaded queue sheds what waited too long
+            stale = queue.stale(arrived)  # an overloaded queue sheds (and ends) what waited
             if stale is not None:
-                queue.done(None)
                 raise stale
             try:
                 return work(*args)
