@@ -133,7 +133,9 @@ def test_a_job_runs_restarts_a_killed_server_and_ends_with_its_chief(
         run.expect(rf"^\[ps-{i}\] parameter server listening on grpc 127\.0\.0\.1:\d+ ")
     old = int(run.expect(r"^\[launch\] started ps-0 \(pid (\d+)\)$")[1])
     os.kill(old, signal.SIGKILL)
-    run.expect(r"^\[launch\] ps-0 exited \(signal 9\); restarting \(1 of 3\)$")
+    run.expect(
+        r"^\[launch\] ps-0 exited \(signal 9\); restarting \(1 of 10 within 600 s, 1 in all\)$"
+    )
     run.wait_for(r"^\[ps-0\] parameter server listening", count=2)  # the new ps-0 serves
     go.touch()
     run.expect(r"^\[chief-0\] chief done, rows \d+$", timeout=120)
@@ -157,14 +159,47 @@ def test_ctrl_c_stops_every_process(tmp_path: Path, launches: list[Launch]) -> N
 def test_a_trainer_that_keeps_failing_stops_the_job(tmp_path: Path, launches: list[Launch]) -> None:
     script = tmp_path / "fail.py"
     script.write_text("import sys; print('failing', flush=True); sys.exit(3)\n")
-    run = Launch("--ps", "0", "--max-restarts", "1", "--", sys.executable, str(script))
+    run = Launch("--ps", "0", "--max-restarts", "2", "--", sys.executable, str(script))
     launches.append(run)
     assert run.proc.wait(timeout=60) == 1
-    run.expect(r"^\[launch\] chief-0 exited \(status 3\); restarting \(1 of 1\)$")
     run.expect(
-        r"^\[launch\] error: chief-0 failed \(status 3\) after 1 restarts; stopping the job$"
+        r"^\[launch\] chief-0 exited \(status 3\); restarting \(1 of 2 within 600 s, 1 in all\)$"
     )
-    assert sum(line == "[chief-0] failing" for line in run.lines) == 2
+    run.expect(
+        r"^\[launch\] chief-0 exited \(status 3\); restarting in 1 s "
+        r"\(2 of 2 within 600 s, 2 in all\)$"
+    )
+    run.expect(
+        r"^\[launch\] error: chief-0 failed \(status 3\) 3 times within 600 s; stopping the job$"
+    )
+    assert sum(line == "[chief-0] failing" for line in run.lines) == 3
+
+
+def test_failures_spread_wider_than_the_window_never_stop_the_job(
+    tmp_path: Path, launches: list[Launch]
+) -> None:
+    """Preemptions over a long job: one failure per window, many in all."""
+    script, count = tmp_path / "flaky.py", tmp_path / "count"
+    script.write_text(
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        f"p = Path({str(count)!r})\n"
+        "n = int(p.read_text()) if p.exists() else 0\n"
+        "p.write_text(str(n + 1))\n"
+        "print('run', n, flush=True)\n"
+        "time.sleep(1.2)\n"
+        "sys.exit(0 if n == 4 else 9)\n"
+    )
+    run = Launch(
+        "--ps", "0", "--max-restarts", "1", "--restart-window", "1", "--",
+        sys.executable, str(script),
+    )  # fmt: skip
+    launches.append(run)
+    assert run.proc.wait(timeout=60) == 0, "\n".join(run.lines[-20:])
+    run.expect(
+        r"^\[launch\] chief-0 exited \(status 9\); restarting \(1 of 1 within 1 s, 4 in all\)$"
+    )
+    run.expect(r"^\[launch\] chief-0 finished$")
 
 
 def test_usage_errors() -> None:

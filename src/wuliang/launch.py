@@ -12,12 +12,17 @@ checkpoint there (``wuliang ps --restore``): a server that died comes back
 with the rows of that checkpoint, the others keep theirs.
 
 Like ``restartPolicy: OnFailure``, a process that fails (a non-zero exit, a
-signal) is started again with the same ``TF_CONFIG``, up to
-``max_restarts`` times per role (then the job stops, naming it); a trainer
-that exits 0 is done. The job ends when the chief ends (or, without a
-chief, when every worker has): the others get SIGTERM, then SIGKILL after
-``grace`` seconds, and the launcher exits with the chief's status. Ctrl-C
-or SIGTERM stops everything the same way (exit 130).
+signal) is started again with the same ``TF_CONFIG``. Restarts are budgeted
+over a window, as systemd's ``StartLimitBurst`` within
+``StartLimitIntervalSec``: a role that fails more than ``max_restarts``
+times within ``restart_window`` seconds is in a crash loop and the job stops,
+naming it; preemptions spread over a job's months never stop it. A role's
+first failure within the window restarts at once, each further one after a
+delay doubling from 1 s up to ``max_backoff`` (Kubernetes' CrashLoopBackOff),
+so a crash loop does not spin. A trainer that exits 0 is done. The job
+ends when the chief ends (or, without a chief, when every worker has): the
+others get SIGTERM, then SIGKILL after ``grace`` seconds, and the launcher
+exits with the chief's status. Ctrl-C or SIGTERM stops everything the same way (exit 130).
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ class LaunchOptions:
     workers: int = 0
     chief: bool = True
     ps_threads: int = 2
-    max_restarts: int = 3
+    max_restarts: int = 10  # failures of one role within restart_window
+    restart_window: float = 600.0  # seconds
+    max_backoff: float = 30.0  # seconds
     start_timeout: float = 60.0
     grace: float = 10.0
     model_dir: str | None = None  # servers restore their part of its newest checkpoint
@@ -58,6 +65,10 @@ class LaunchOptions:
             raise ValueError("--ps and --workers must be >= 0")
         if not self.chief and self.workers == 0:
             raise ValueError("nobody trains: --no-chief needs --workers >= 1")
+        if self.restart_window <= 0:
+            raise ValueError(f"--restart-window must be > 0 seconds, got {self.restart_window:g}")
+        if self.max_backoff < 0:
+            raise ValueError(f"--max-backoff must be >= 0 seconds, got {self.max_backoff:g}")
 
 
 @dataclass
@@ -67,7 +78,9 @@ class _Role:
     command: list[str]
     env: dict[str, str]
     proc: subprocess.Popen | None = None
-    restarts: int = 0
+    restarts: int = 0  # over the job's life
+    failures: list[float] = field(default_factory=list)  # monotonic times, within the window
+    restart_at: float | None = None  # a restart waiting for its backoff
     done: bool = False  # a trainer that exited 0
     started: threading.Event = field(default_factory=threading.Event)  # a server's start line
 
@@ -175,6 +188,11 @@ class _Job:
         chief = next((r for r in trainers if r.kind == "chief"), None)
         while not self.stopping.wait(0.2):
             for role in self.roles:
+                if role.restart_at is not None:
+                    if time.monotonic() >= role.restart_at:
+                        role.restart_at = None
+                        self.start(role)
+                    continue
                 code = role.proc.poll() if role.proc is not None else None
                 if code is None or role.done:
                     continue
@@ -190,17 +208,28 @@ class _Job:
         return 130
 
     def _restart(self, role: _Role, code: int) -> None:
+        """Starts a failed role again, after its backoff; raises when it
+        failed more than max_restarts times within the window."""
         how = f"signal {-code}" if code < 0 else f"status {code}"
-        if role.restarts >= self.options.max_restarts:
+        options = self.options
+        now = time.monotonic()
+        role.failures = [t for t in role.failures if now - t < options.restart_window]
+        role.failures.append(now)
+        recent = len(role.failures)
+        window = f"{options.restart_window:g} s"
+        if recent > options.max_restarts:
             raise RuntimeError(
-                f"{role.name} failed ({how}) after {role.restarts} restarts; stopping the job"
+                f"{role.name} failed ({how}) {recent} times within {window}; stopping the job"
             )
         role.restarts += 1
+        delay = 0.0 if recent == 1 else min(2.0 ** (recent - 2), options.max_backoff)
+        after = f" in {delay:g} s" if delay else ""
         self.say(
-            f"[launch] {role.name} exited ({how}); restarting "
-            f"({role.restarts} of {self.options.max_restarts})"
+            f"[launch] {role.name} exited ({how}); restarting{after} "
+            f"({recent} of {options.max_restarts} within {window}, {role.restarts} in all)"
         )
-        self.start(role)
+        role.proc = None
+        role.restart_at = now + delay
 
     def stop_all(self) -> None:
         running = [r.proc for r in self.roles if r.proc is not None and r.proc.poll() is None]
