@@ -12,6 +12,7 @@ __all__ = [
     "as_column",
     "as_float32",
     "as_keys",
+    "check_clock",
     "check_float32",
     "check_step",
     "check_version",
@@ -39,6 +40,25 @@ def check_step(step: int | None) -> int | None:
     if isinstance(step, bool) or not isinstance(step, int | np.integer) or not 0 <= step < 2**63:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     return int(step)
+
+
+MAX_CLOCK = 2**32 - 1  # rows store their time as uint32 unix seconds
+
+
+def check_clock(seconds: Any) -> int | None:
+    """``set_clock``'s argument: unix seconds in [0, 2**32), or None (the wall
+    clock; so is 0)."""
+    if seconds is None:
+        return None
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, int | np.integer)
+        or not 0 <= seconds <= MAX_CLOCK
+    ):
+        raise ValueError(
+            f"clock must be unix seconds, an int in [0, 2**32), or None, got {seconds!r}"
+        )
+    return int(seconds) or None
 
 
 def check_version(version: Any, what: str) -> int:

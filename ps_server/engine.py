@@ -41,6 +41,7 @@ from wuliang.ps_server import _engine
 from wuliang.ps_server.checks import (
     as_column,
     as_float32,
+    check_clock,
     check_float32,
     check_restored_version,
     check_step,
@@ -146,6 +147,15 @@ class Engine(ParameterServer):
         if not isinstance(value, int | np.integer) or value < 0:
             raise ValueError(f"step must be a non-negative int, got {value!r}")
         self.native.step = int(value)
+
+    def set_clock(self, seconds: int | None) -> None:
+        """The time (unix seconds) stamped on rows updated from now on and
+        that TTLs in seconds count back from; None (or 0): the wall clock
+        (see ``ParameterServer.set_clock``)."""
+        self.native.clock = check_clock(seconds) or 0
+
+    def clock(self) -> int | None:
+        return self.native.clock or None
 
     @property
     def version(self) -> int:
@@ -447,7 +457,8 @@ class Engine(ParameterServer):
 
     def evict(self, table: str | None = None, *, step: int | None = None) -> dict[str, int]:
         """Applies the eviction policy of one table (or all) now; TTLs in
-        steps count back from ``step`` (default: ``self.step``)."""
+        steps count back from ``step`` (default: ``self.step``), TTLs in
+        seconds from the clock (``set_clock``; default: the wall clock)."""
         return self.native.evict(-1 if table is None else self._id(table), check_step(step))
 
     # -- eviction's phases, for one table spread over several engines --------

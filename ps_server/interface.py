@@ -29,8 +29,9 @@ Admin half: tables (``create_table``, ``drop_table``, ``tables``, ``spec``),
 every column, of some keys),
 the removal log (``removed_log``, ``load_removed``, ``trim_removed``), the
 admission counts of keys not admitted yet (``pending_counts``,
-``load_pending``), ``erase``, ``contains``, ``evict``, versions
-(``version``, ``advance_version``, ``restore_version``), and
+``load_pending``), ``erase``, ``contains``, ``evict``, the clock
+(``set_clock``, ``clock``), versions (``version``, ``advance_version``,
+``restore_version``), and
 ``apply_update``: a version applied atomically for concurrent readers
 (``lookup``), as a serving process does every hour.
 
@@ -40,7 +41,10 @@ trainer's step, so several workers can share one. The version is the
 server's own: every modified row carries the version current when it
 changed, and ``advance_version`` (at a checkpoint or export cut) starts the
 next one; ``export(table, since=v)`` and ``removed_log(table, since=v)`` give
-what changed after ``v``.
+what changed after ``v``. The clock is the server's too: the time (unix
+seconds) stamped on the rows it updates and that TTLs in seconds count back
+from, the wall clock unless ``set_clock`` sets one (a trainer that follows
+time-partitioned data sets each partition's time).
 
 Keys are uint64 (int64 arrays are taken as their two's-complement twins);
 rows are float32 ``[n, dim]``. A bad argument raises ``TypeError`` or
@@ -423,8 +427,8 @@ class ParameterServer(abc.ABC):
     ) -> None:
         """Inserts or overwrites rows exactly (e.g. a ``RowChunk``'s columns).
         Missing columns default to the optimizer's initial state, count 0,
-        ``step`` (default: the server's), now, the current version, and no
-        shows or clicks."""
+        ``step`` (default: the server's), the clock's time, the current
+        version, and no shows or clicks."""
 
     def top_keys(
         self, table: str, n: int, *, step: int | None = None
@@ -459,7 +463,26 @@ class ParameterServer(abc.ABC):
     @abc.abstractmethod
     def evict(self, table: str | None = None, *, step: int | None = None) -> dict[str, int]:
         """Applies the eviction policy of one table (or every table) now;
-        TTLs in steps count back from ``step`` (default: the server's)."""
+        TTLs in steps count back from ``step`` (default: the server's), TTLs
+        in seconds from the server's clock (``set_clock``)."""
+
+    # -- admin half: the clock -------------------------------------------------
+
+    @abc.abstractmethod
+    def set_clock(self, seconds: int | None) -> None:
+        """Sets the time (unix seconds) the server stamps on the rows it
+        updates from now on and counts TTLs in seconds back from; None (or 0)
+        returns to the wall clock, the default. A trainer that follows
+        time-partitioned data sets it to each partition's time, so that
+        replaying old partitions evicts nothing live and a trainer resumed
+        after days does not evict everything. Calls already in flight may
+        stamp either time. ValueError naming the value unless an int in
+        [0, 2**32) or None. Remote servers each keep theirs: one that
+        restarts comes back on the wall clock until it is set again."""
+
+    @abc.abstractmethod
+    def clock(self) -> int | None:
+        """The time ``set_clock`` set, or None on the wall clock."""
 
     # -- admin half: logs and admission --------------------------------------
 

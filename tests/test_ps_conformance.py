@@ -57,15 +57,23 @@ What passing guarantees, for every implementation and shard count:
 11. ``read_rows``: for any keys (repeated, absent, none), exactly the rows
    ``export`` gives of them, every column, in the order of the keys, and
    which keys have one; it changes nothing.
+12. The clock: with ``set_clock(T)`` every call that writes a row stamps T
+   (``clock()`` reads it back), TTLs in seconds count back from T, so a
+   trainer replaying month-old partitions evicts nothing live and one that
+   resumes after days evicts nothing by the wall clock; ``None`` returns to
+   the wall clock; a bad value raises ``ValueError`` naming it, and changes
+   nothing.
 """
 
 from __future__ import annotations
 
 import atexit
 import math
+import re
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -1631,3 +1639,118 @@ def test_read_rows_of_no_keys_absent_keys_and_an_empty_table(ps: ParameterServer
         ps.read_rows("a", np.zeros((2, 2), np.int64))
     with pytest.raises(UnknownTableError, match="'nope'"):
         ps.read_rows("nope", [])
+
+
+# --- 12. the clock ------------------------------------------------------------------
+
+CLOCK = 1_700_000_000  # 2023-11-14: a data time far behind the wall clock
+HOUR, DAY = 3600, 86400
+
+
+def times_of(ps: ParameterServer, table: str, keys: list[int]) -> list[int]:
+    """The exported update time (unix seconds) of each key's row."""
+    rows = export_all(ps, table)
+    where = {k: i for i, k in enumerate(rows.keys.tolist())}
+    return [int(rows.times[where[k]]) for k in keys]
+
+
+def test_rows_carry_the_clock(ps: ParameterServer) -> None:
+    """With ``set_clock(T)`` every call that writes a row stamps T whatever
+    the wall clock (``push``, ``push_many``, a training pull that creates
+    the row, a ``load`` without times); ``clock()`` reads T back; a later
+    clock stamps only the rows updated under it."""
+    t = sgd_table(ps)
+    assert ps.clock() is None
+    ps.set_clock(CLOCK)
+    assert ps.clock() == CLOCK
+    ps.push(t, [1, 2], full(2), step=1)
+    ps.push_many([PushPart(t, [3], full(1))], step=1)
+    ps.pull(t, [4], step=1)
+    ps.load(t, [5], full(1), step=1)
+    assert times_of(ps, t, [1, 2, 3, 4, 5]) == [CLOCK] * 5
+    ps.set_clock(CLOCK + HOUR)
+    assert ps.clock() == CLOCK + HOUR
+    ps.pull(t, [1, 2], step=2)  # reading is not an update
+    ps.push(t, [1], full(1), step=2)
+    ps.load(t, [6, 7], full(2), times=np.array([5, 6], np.uint32), step=2)  # times given: kept
+    assert times_of(ps, t, [1, 2, 6, 7]) == [CLOCK + HOUR, CLOCK, 5, 6]
+
+
+def test_ttl_in_seconds_counts_back_from_the_clock(ps: ParameterServer) -> None:
+    """``TTL(seconds=3600)``: rows stamped at T stay while the clock is at
+    most an hour past T and go once it is more, whatever the wall clock;
+    rows stamped at a later clock stay."""
+    t = sgd_table(ps, eviction=Eviction(ttl_seconds=HOUR))
+    ps.set_clock(CLOCK)
+    ps.push(t, [1, 2], full(2), step=1)
+    ps.set_clock(CLOCK + HOUR // 2)
+    assert ps.evict(t, step=2)["total"] == 0
+    ps.set_clock(CLOCK + HOUR)  # exactly the TTL old: not older than it
+    assert ps.evict(t, step=2)["total"] == 0
+    ps.set_clock(CLOCK + 7000)
+    ps.push(t, [3], full(1), step=3)
+    ps.set_clock(CLOCK + 2 * HOUR)
+    result = ps.evict(t, step=4)
+    assert (result["ttl"], result["total"]) == (2, 2)
+    np.testing.assert_array_equal(ps.contains(t, [1, 2, 3]), [False, False, True])
+    assert set(removed(ps, t)) == {1, 2}
+
+
+def test_replaying_old_partitions_evicts_nothing_live(ps: ParameterServer) -> None:
+    """A trainer replaying the partitions of a month ago, its clock set to
+    each one's hour: nothing pushed under a partition's clock goes while it
+    is younger than the TTL by the data's time, however fast the replay;
+    rows stamped by the wall clock (live ones) never go; replayed rows go
+    once the replay's clock passes their TTL."""
+    t = sgd_table(ps, eviction=Eviction(ttl_seconds=2 * HOUR))
+    ps.push(t, [1, 2], full(2), step=1)  # live rows, stamped by the wall clock
+    past = int(time.time()) - 30 * DAY
+    for hour in range(3):
+        ps.set_clock(past + hour * HOUR)
+        ps.push(t, [10 + hour], full(1), step=2 + hour)
+        assert ps.evict(t, step=2 + hour)["total"] == 0, hour
+    assert times_of(ps, t, [10, 11, 12]) == [past, past + HOUR, past + 2 * HOUR]
+    ps.set_clock(past + 3 * HOUR)  # key 10 is 3 h old by the data's time
+    assert ps.evict(t, step=5)["total"] == 1
+    np.testing.assert_array_equal(
+        ps.contains(t, [1, 2, 10, 11, 12]), [True, True, False, True, True]
+    )
+
+
+def test_none_returns_to_the_wall_clock(ps: ParameterServer) -> None:
+    """A trainer that resumes days after its last partition sets the next
+    one's time: nothing goes by the wall clock. ``set_clock(None)`` (or 0)
+    returns to the wall clock: rows are stamped with the time of the call
+    and TTLs count back from it (the old partition's rows go)."""
+    t = sgd_table(ps, eviction=Eviction(ttl_seconds=2 * HOUR))
+    ps.set_clock(CLOCK)
+    ps.push(t, [1], full(1), step=1)
+    ps.set_clock(CLOCK + HOUR)  # the next partition, years later by the wall clock
+    assert ps.evict(t, step=2)["total"] == 0
+    ps.set_clock(None)
+    assert ps.clock() is None
+    before = int(time.time())
+    ps.push(t, [2], full(1), step=3)
+    after = int(time.time())
+    (stamped,) = times_of(ps, t, [2])
+    assert before - 1 <= stamped <= after + 1, (before, stamped, after)
+    assert ps.evict(t, step=4)["total"] == 1  # key 1: years old by the wall clock
+    np.testing.assert_array_equal(ps.contains(t, [1, 2]), [False, True])
+    ps.set_clock(CLOCK)
+    ps.set_clock(0)  # 0 is the wall clock too
+    assert ps.clock() is None
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32, 2**33, "x", 1.5, True, [CLOCK]])
+def test_a_bad_clock_names_the_value(bad: Any, ps: ParameterServer) -> None:
+    """A clock that is no int in [0, 2**32) (nor None) raises ValueError
+    naming the value; the clock stays as it was and the server goes on."""
+    t = sgd_table(ps)
+    ps.set_clock(CLOCK)
+    with pytest.raises(ValueError, match=f"got {re.escape(repr(bad))}$"):
+        ps.set_clock(bad)
+    assert ps.clock() == CLOCK
+    ps.push(t, [1], full(1), step=1)
+    assert times_of(ps, t, [1]) == [CLOCK]
+    ps.set_clock(2**32 - 1)  # the largest
+    assert ps.clock() == 2**32 - 1

@@ -270,7 +270,7 @@ class Pools:
 
     def unary(self, method: str) -> Any:
         r, table = self.rnd, self.table()
-        if method in ("Info", "Tables", "GetVersion", "AdvanceVersion"):
+        if method in ("Info", "Tables", "GetVersion", "AdvanceVersion", "GetClock"):
             return M["Empty"]()
         if method == "CreateTable":
             return M["Spec"](json=self.spec_json())
@@ -311,6 +311,8 @@ class Pools:
                                            counts=counts.tobytes())  # fmt: skip
         if method == "RestoreVersion":
             return M["VersionMessage"](version=r.randint(0, 10))
+        if method == "SetClock":
+            return M["ClockMessage"](seconds=r.choice([0, 0, 1_700_000_000, 2**32 - 1]))
         if method == "WriteRows":
             return M["WriteRowsRequest"](
                 folder=str(self.folder), table=table, since=r.randint(0, 3),

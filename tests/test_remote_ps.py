@@ -32,6 +32,9 @@ What passing guarantees:
   stream and unary call alike) with an error naming the server.
 * A push retried after its answer was lost (the same client id and sequence
   number on a second stream) is answered again, not applied twice.
+* ``set_clock`` sets every server's clock; a server restarted comes back on
+  the wall clock (``clock()`` names each server's) until it is set again; a
+  ``SetClock`` request that does not parse is refused and the server goes on.
 """
 
 from __future__ import annotations
@@ -571,6 +574,43 @@ def test_a_server_down_longer_than_the_retry_window_fails_the_call(
         if what == "pull":
             assert f"{what} of table 'emb'" in message, message
         assert 1.9 <= seconds < 12, seconds
+
+
+def test_a_restarted_server_is_back_on_the_wall_clock(
+    start_ps: StartPs, clients: Callable[..., RemoteServer]
+) -> None:
+    """``set_clock`` reaches every server; a server killed and started again
+    comes back on the wall clock (``clock()`` then raises naming each
+    server's) until the trainer sets it again, and its rows are stamped with
+    the clock set. A ``SetClock`` that does not parse is refused
+    INVALID_ARGUMENT, and the server goes on."""
+    clock = 1_700_000_000
+    servers = [start_ps("--threads", "2"), start_ps("--threads", "2")]
+    remote = clients([s.address for s in servers], retry_seconds=30.0)
+    assert remote.clock() is None
+    remote.set_clock(clock)
+    assert remote.clock() == clock
+    with grpc.insecure_channel(servers[0].address) as channel:
+        set_clock = channel.unary_unary(proto.method_path("SetClock"))
+        with pytest.raises(grpc.RpcError) as error:
+            set_clock(b"\xff\xff", timeout=CALL_TIMEOUT)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "ClockMessage" in (error.value.details() or "")
+    assert servers[0].process.poll() is None and remote.clock() == clock
+
+    servers[1].kill()
+    again = start_ps("--threads", "2", port=servers[1].port)
+    with pytest.raises(RuntimeError, match="clocks differ") as differ:
+        remote.clock()
+    message = str(differ.value)
+    assert f"{servers[0].address}: {clock}" in message, message
+    assert f"{again.address}: wall clock" in message, message
+    remote.set_clock(clock + 3600)
+    assert remote.clock() == clock + 3600
+    remote.create_table(SPEC)
+    keys = np.arange(64, dtype=np.uint64)
+    remote.push("emb", keys, np.ones((64, 8), np.float32))
+    assert sorted_export(remote, "emb")["times"].tolist() == [clock + 3600] * 64
 
 
 # -- pushes applied once ------------------------------------------------------------------------

@@ -68,7 +68,7 @@ from wuliang.ps_server.cache.kernels import (
     kernels_for,
 )
 from wuliang.ps_server.cache.key_index import KeyIndex
-from wuliang.ps_server.checks import as_column, check_step
+from wuliang.ps_server.checks import as_column, check_clock, check_step
 from wuliang.ps_server.interface import (
     MISSING,
     ONLY,
@@ -189,6 +189,7 @@ class CachedServer(ParameterServer):
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="wuliang-cache-writeback")
         self._in_flight: list[tuple[Future, list[_Load]]] = []  # write-backs, oldest first
         self._settle_lock = threading.Lock()
+        self._clock: int | None = None  # set_clock's: the time pushes stamp (None: wall clock)
 
     @property
     def inner(self) -> ParameterServer:
@@ -922,7 +923,7 @@ class CachedServer(ParameterServer):
             cache.spec, cache.math, self.float_model, cache.rows, targets[d_go], sums[d_go],
             None if shows is None else k.to_device(shows[go]),
             None if clicks is None else k.to_device(clicks[go]),
-            stamp, int(time.time()),
+            stamp, self._clock or int(time.time()),
         )  # fmt: skip
         if part.updated is not None and only != "rest":
             self._report(cache, part, where, key_slots)
@@ -1145,6 +1146,17 @@ class CachedServer(ParameterServer):
                     if len(keys):
                         self._forget_keys(name, keys[~self.inner.contains(name, keys)])
             return result
+
+    def set_clock(self, seconds: int | None) -> None:
+        """The inner server's clock, and the time this cache stamps on the
+        cached rows its pushes update (``ParameterServer.set_clock``)."""
+        seconds = check_clock(seconds)
+        self._inner.set_clock(seconds)
+        self._clock = seconds
+
+    def clock(self) -> int | None:
+        """The inner server's clock (TTLs count back from it)."""
+        return self._inner.clock()
 
     def removed_log(self, table: str, since: int = 0) -> tuple[np.ndarray, np.ndarray]:
         return self.inner.removed_log(table, since)

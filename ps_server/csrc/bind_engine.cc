@@ -669,6 +669,7 @@ void BindEngine(py::module_& m) {
           "staging"_a)
       .def("abort_apply", &Engine::AbortApply, "staging"_a)
       .def_property("step", &Engine::step, &Engine::SetStep)
+      .def_property("clock", &Engine::clock, &Engine::SetClock)  // unix seconds; 0: wall clock
       .def_property_readonly("version", &Engine::version)
       .def("advance_version", &Engine::AdvanceVersion)
       .def("restore_version", &Engine::RestoreVersion, "version"_a);

@@ -501,8 +501,10 @@ std::string UnknownName(const std::string& name, const std::vector<std::string>&
   return msg.str();
 }
 
-Clock Now(uint64_t step, uint64_t version) {
-  return Clock{step, static_cast<uint32_t>(std::time(nullptr)), version};
+// `seconds`: the engine's clock (Engine::SetClock); 0: the wall clock.
+Clock Now(uint64_t step, uint64_t version, uint32_t seconds) {
+  if (seconds == 0) seconds = static_cast<uint32_t>(std::time(nullptr));
+  return Clock{step, seconds, version};
 }
 
 // Per-key records (a checkpoint's removals or admission counts) grouped by
@@ -710,8 +712,8 @@ void Engine::Pull(int table, const uint64_t* keys, size_t n, float* out, bool tr
 }
 
 Clock Engine::ClockAt(uint64_t step) const {
-  if (step == kCurrentStep) return Now(this->step(), version());
-  Clock clock = Now(step, version());
+  if (step == kCurrentStep) return Now(this->step(), version(), this->clock());
+  Clock clock = Now(step, version(), this->clock());
   clock.step_given = true;
   return clock;
 }
@@ -1286,7 +1288,7 @@ void Engine::StageRows(int staging, size_t n, const RowColumns& rows) {
   }
   Plan plan;
   PlanKeys(rows.keys, n, &plan);
-  const Clock clock = Now(step(), version());
+  const Clock clock = Now(step(), version(), this->clock());
   TableDef* def = st.def.get();
   RunOnShards([&](int s) { def->shards[s]->Load(plan.For(s), rows, clock); }, &plan);
 }
@@ -1339,7 +1341,7 @@ int Engine::CommitApply(int staging) {
   tables_[slot].store(layered.get(), std::memory_order_seq_cst);
   grace_->Wait();                // no call sees the live rows alone any more
   live->label = layered->label;  // unpublished: no reader holds it
-  const Clock clock = Now(step(), version());
+  const Clock clock = Now(step(), version(), this->clock());
   RunOnShards([&](int s) { live->shards[s]->Merge(layered->overlays[s], clock); });
   tables_[slot].store(live, std::memory_order_seq_cst);
   grace_->Wait();    // no call sees the layered def any more

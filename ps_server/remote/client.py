@@ -34,7 +34,9 @@ call and the table.
 Merged answers: ``stats`` sums the servers' counters and takes the maxima of
 their floors; ``removed_log`` merges the servers' logs by version;
 ``advance_version`` advances every server (their versions stay equal);
-``export`` yields every server's chunks, server by server.
+``export`` yields every server's chunks, server by server; ``set_clock``
+sets every server's clock (a server that restarts is back on the wall clock
+until it is set again), ``clock`` reads them (an error when they differ).
 
 Checkpoints and exports do not stream rows through the client:
 ``write_rows`` has each server write its part files into the version's
@@ -66,6 +68,7 @@ import numpy as np
 from wuliang.ps_server.checks import (
     as_column,
     as_float32,
+    check_clock,
     check_float32,
     check_restored_version,
     check_step,
@@ -1357,6 +1360,28 @@ class RemoteServer(ParameterServer):
     def restore_version(self, version: int) -> None:
         version = check_restored_version(version)
         self._all("RestoreVersion", lambda s: M["VersionMessage"](version=version), "Empty")
+
+    # -- admin half: the clock ----------------------------------------------
+
+    def set_clock(self, seconds: int | None) -> None:
+        """Sets every server's clock (``ParameterServer.set_clock``). A
+        server that restarts comes back on the wall clock until it is set
+        again (the trainer sets it at each new partition)."""
+        message = M["ClockMessage"](seconds=check_clock(seconds) or 0)
+        self._all("SetClock", lambda s: message, "Empty")
+
+    def clock(self) -> int | None:
+        """The servers' clock; RuntimeError naming each server's when they
+        differ (one restarted since ``set_clock``)."""
+        answers = self._all("GetClock", lambda s: M["Empty"](), "ClockMessage")
+        clocks = [a.seconds for a in answers]
+        if len(set(clocks)) > 1:
+            each = ", ".join(
+                f"{s.address}: {c or 'wall clock'}"
+                for s, c in zip(self._servers, clocks, strict=True)
+            )
+            raise RuntimeError(f"the parameter servers' clocks differ ({each}): set it again")
+        return clocks[0] or None
 
     # -- the job board: on the first server ---------------------------------
 

@@ -523,6 +523,15 @@ class PsService:
             self.engine.restore_version(request.version)
         return M["Empty"]()
 
+    # -- the clock -------------------------------------------------------------
+
+    def get_clock(self, request: Any) -> Any:
+        return M["ClockMessage"](seconds=self.engine.clock() or 0)
+
+    def set_clock(self, request: Any) -> Any:
+        self.engine.set_clock(request.seconds or None)  # a restart is back on the wall clock
+        return M["Empty"]()
+
     # -- the job board ---------------------------------------------------------
 
     def job(self, request: Any) -> Any:
@@ -693,6 +702,8 @@ UNARY = {
     "GetVersion": ("Empty", "get_version"),
     "AdvanceVersion": ("Empty", "advance_version"),
     "RestoreVersion": ("VersionMessage", "restore_version"),
+    "GetClock": ("Empty", "get_clock"),
+    "SetClock": ("ClockMessage", "set_clock"),
     "WriteRows": ("WriteRowsRequest", "write_rows"),
     "LoadRows": ("LoadRowsRequest", "load_rows"),
     "Job": ("JobRequest", "job"),

@@ -39,7 +39,10 @@
 // twice its rows), so a delta costs what it contains, not the table size.
 // Calls that stamp rows (PullMany, PushMany, Load, Evict's TTL) take the
 // training step as an argument; kCurrentStep falls back to SetStep's value,
-// for users of the engine alone. Rows also carry the wall time.
+// for users of the engine alone. Rows also carry a time, unix seconds, from
+// the engine's clock: the wall clock, or the time SetClock set (the data's
+// time, for a trainer that follows time-partitioned data). TTLs in seconds
+// count back from the same clock.
 //
 // Precision
 // ---------
@@ -380,6 +383,11 @@ class Engine {
 
   uint64_t step() const { return step_.load(std::memory_order_relaxed); }
   void SetStep(uint64_t step) { step_.store(step, std::memory_order_relaxed); }
+  // The time (unix seconds) stamped on rows updated from now on, and that
+  // TTLs in seconds count back from; 0: the wall clock (the default). A call
+  // reads it once, when it starts.
+  uint32_t clock() const { return clock_.load(std::memory_order_relaxed); }
+  void SetClock(uint32_t seconds) { clock_.store(seconds, std::memory_order_relaxed); }
   uint64_t version() const { return version_.load(std::memory_order_acquire); }
   // Starts a new version and returns it.
   uint64_t AdvanceVersion() { return version_.fetch_add(1, std::memory_order_acq_rel) + 1; }
@@ -465,6 +473,7 @@ class Engine {
   std::vector<int> free_slots_;
   std::vector<int> next_id_;
   std::atomic<uint64_t> step_{0};
+  std::atomic<uint32_t> clock_{0};  // 0: the wall clock
   std::atomic<uint64_t> version_{1};
 };
 
