@@ -14,6 +14,7 @@ from wuliang.hooks.checkpoint import Checkpoint
 from wuliang.hooks.evict import Evict
 from wuliang.hooks.export import IncrementalExport
 from wuliang.hooks.periodic import PeriodicSyncHook
+from wuliang.hooks.progressive import ProgressiveValidation
 from wuliang.hooks.standard import (
     Eval,
     Logging,
@@ -36,6 +37,7 @@ __all__ = [
     "NanGuard",
     "PeriodicSyncHook",
     "ProgressBar",
+    "ProgressiveValidation",
     "RunArgs",
     "SessionRunArgs",
     "SessionRunContext",

@@ -9,6 +9,7 @@ A hook sees every step of a ``Session``::
     before_run(run_context) -> SessionRunArgs | None   fetch more names this step
     after_run(run_context, run_values)    run_values.results: the fetched values by name
     sync_after(step) -> bool              ahead of a step: want the engine in sync after it
+    sync_after_batch(step, batch) -> bool the same, seeing the step's batch (default: sync_after)
     end(session)                          after the last step
 
 ``run_context.request_stop()`` ends the training loop after the current step.
@@ -76,9 +77,14 @@ class HookSession(Protocol):
         ...
 
     def save_checkpoint(
-        self, model_dir: str | os.PathLike, position: Any = None, keep: int | None = 5
+        self,
+        model_dir: str | os.PathLike,
+        position: Any = None,
+        keep: int | None = 5,
+        keep_daily: int | None = None,
     ) -> Path:
-        """Writes ``model_dir/ckpt-<step>`` (when ``run_context.synced``)."""
+        """Writes ``model_dir/ckpt-<step>`` (when ``run_context.synced``)
+        and applies the retention rules."""
         ...
 
     def restore_checkpoint(self, path: str | os.PathLike) -> bool:
@@ -87,6 +93,19 @@ class HookSession(Protocol):
 
     def export(self, export_dir: str | os.PathLike, kind: str = "auto") -> Any:
         """Writes the next export version (when ``run_context.synced``)."""
+        ...
+
+    def prune_exports(
+        self,
+        export_dir: str | os.PathLike,
+        keep_versions: int | None = None,
+        keep_bytes: int | None = None,
+    ) -> Any:
+        """Removes export_dir's oldest versions, never LATEST's chain."""
+        ...
+
+    def publish(self, export_dir: str | os.PathLike, redis_url: str, model: str | None) -> Any:
+        """Puts export_dir's newest version into Redis for a fleet of replicas."""
         ...
 
     def evaluate(self, reader: Any, steps: int | None = None) -> dict[str, float]:
@@ -154,6 +173,11 @@ class SessionRunHook:
         nothing of later steps until every ``after_run`` of it returned, which
         then sees ``run_context.synced`` (to checkpoint or export the engine)."""
         return False
+
+    def sync_after_batch(self, step: int, batch: Any) -> bool:
+        """``sync_after``, for a hook that decides by the step's batch (the
+        one that ends a partition, say); what the session asks."""
+        return self.sync_after(step)
 
     def end(self, session: HookSession) -> None:
         pass

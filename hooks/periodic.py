@@ -1,19 +1,26 @@
-"""A hook that acts every N steps or every T seconds on a synced engine, and
-once at the end: the base of ``Checkpoint`` and ``IncrementalExport``."""
+"""A hook that acts every N steps, every T seconds or after each partition
+on a synced engine, and once at the end: the base of ``Checkpoint`` and
+``IncrementalExport``."""
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 from wuliang.hooks.base import HookSession, SessionRunContext, SessionRunHook, SessionRunValues
+from wuliang.reader.partitions import Partition
+from wuliang.reader.stream import ends_partition
 
 
 class PeriodicSyncHook(SessionRunHook):
-    """Calls ``trigger(session)`` after every ``every_steps``-th step or once
-    ``every_secs`` have passed (checked ahead of each step), with the engine
-    in sync after that step (its push applied, nothing of later steps
-    pulled), and in ``end`` when steps ran since the last trigger.
+    """Calls ``trigger(session)`` after every ``every_steps``-th step, once
+    ``every_secs`` have passed (checked ahead of each step), or, with
+    ``every_partition``, after the last batch of each partition of a
+    ``StreamReader``, with the engine in sync after that step (its push
+    applied, nothing of later steps pulled), and in ``end`` when steps ran
+    since the last trigger. ``partition`` is then the partition that step
+    ended (else None).
 
     Syncing stalls the pipeline for about one step each time. Steps are
     global steps: in a cluster they advance by every trainer's steps, so a
@@ -26,13 +33,17 @@ class PeriodicSyncHook(SessionRunHook):
 
     chief_only = False
 
-    def __init__(self, every_steps: int | None, every_secs: float | None) -> None:
+    def __init__(
+        self, every_steps: int | None, every_secs: float | None, every_partition: bool = False
+    ) -> None:
         if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
             raise ValueError(f"every_steps must be an int >= 1, got {every_steps!r}")
         if every_secs is not None and every_secs <= 0:
             raise ValueError(f"every_secs must be > 0, got {every_secs!r}")
         self.every_steps = every_steps
         self.every_secs = every_secs
+        self.every_partition = bool(every_partition)
+        self.partition: Partition | None = None  # the partition the step triggered ended
         self._lock = threading.Lock()
         self._due: set[int] = set()
         self._last_time = time.monotonic()
@@ -66,6 +77,16 @@ class PeriodicSyncHook(SessionRunHook):
                 self._due.add(step)
             return due
 
+    def sync_after_batch(self, step: int, batch: Any) -> bool:
+        due = self.sync_after(step)
+        if self.every_partition and ends_partition(batch) is not None:
+            with self._lock:
+                if not self._active:
+                    return due
+                self._due.add(step)
+            return True
+        return due
+
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
         # an evaluation run changes nothing to save; a step not synced is
         # not the marked one (a cluster's steps jump: a mark may be <= it)
@@ -76,7 +97,11 @@ class PeriodicSyncHook(SessionRunHook):
             # marks of this step and of steps read ahead but never trained
             self._due = {s for s in self._due if s > run_context.step}
         if due:
-            self._fire(run_context.session)
+            self.partition = ends_partition(run_context.batch)
+            try:
+                self._fire(run_context.session)
+            finally:
+                self.partition = None
 
     def begin(self) -> None:
         with self._lock:

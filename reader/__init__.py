@@ -8,7 +8,7 @@ from wuliang.reader.hashing import field_seed, hash_ints, hash_strings
 from wuliang.reader.parquet import ParquetReader, ReaderPosition, ReaderStats, resolve_paths
 from wuliang.reader.partitions import Partition, PartitionError, PartitionSource
 from wuliang.reader.prepare import FeatureIndex, KeyPreparer, PreparedKeys, TableKeys
-from wuliang.reader.stream import StreamPosition, StreamReader
+from wuliang.reader.stream import StreamPosition, StreamReader, ends_partition
 
 __all__ = [
     "Csr",
@@ -25,6 +25,7 @@ __all__ = [
     "StreamPosition",
     "StreamReader",
     "TableKeys",
+    "ends_partition",
     "field_seed",
     "hash_ints",
     "hash_strings",

@@ -50,6 +50,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -82,8 +83,13 @@ class Partition:
     sorted)."""
 
     name: str
-    time: dt.datetime
+    time: dt.datetime  # naive, read as UTC
     files: tuple[str, ...]
+
+    @property
+    def seconds(self) -> int:
+        """The time in unix seconds (UTC)."""
+        return int(self.time.replace(tzinfo=dt.timezone.utc).timestamp())
 
     def files_for(self, index: int = 0, count: int = 1) -> tuple[str, ...]:
         """The files trainer ``index`` of ``count`` reads."""
@@ -107,7 +113,8 @@ class PartitionSource:
         filesystem: a ``pyarrow.fs.FileSystem`` the root is a path in.
         state: a ``state()`` to resume from.
         clock: seconds, for ``next`` 's waits (tests).
-        sleep: waits that many seconds (tests).
+        sleep: waits that many seconds (tests; default: a wait that ``stop``
+            ends at once).
     """
 
     def __init__(
@@ -116,12 +123,12 @@ class PartitionSource:
         layout: str = "hive",
         marker: str = DEFAULT_MARKER,
         manifest: str | None = None,
-        poll_s: float = 30.0,
+        poll_s: float = 5.0,
         late: str = "train",
         filesystem: pafs.FileSystem | None = None,
         state: Mapping[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] | None = None,
     ) -> None:
         if late not in LATE_POLICIES:
             raise ValueError(f"late must be one of {LATE_POLICIES}, got {late!r}")
@@ -136,7 +143,8 @@ class PartitionSource:
         self.poll_s = float(poll_s)
         self.late = late
         self._clock = clock
-        self._sleep = sleep
+        self._stopped = threading.Event()
+        self._sleep = sleep if sleep is not None else self._stopped.wait
         self._parse = _hive_time if layout == "hive" else _pattern_parser(layout)
         self._depth = None if layout == "hive" else layout.strip("/").count("/") + 1
         text = os.fspath(root)
@@ -320,12 +328,24 @@ class PartitionSource:
                     self._newest.isoformat(),
                 )
 
+    def stop(self) -> None:
+        """Ends every wait at once, and those to come: ``wait`` returns []
+        and ``next`` None (a trainer stopping on SIGTERM)."""
+        self._stopped.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
     def wait(self, timeout: float | None = None) -> list[Partition]:
         """``ready()``, waiting (listing every ``poll_s``) up to ``timeout``
-        seconds for it to hold a partition (None: for ever); [] after that."""
+        seconds for it to hold a partition (None: for ever); [] after that,
+        or once ``stop`` is called."""
         deadline = None if timeout is None else self._clock() + timeout
         waited = False
         while True:
+            if self._stopped.is_set():
+                return []
             ready = self.ready()
             now = self._clock()
             if ready or (deadline is not None and now >= deadline):

@@ -31,7 +31,7 @@ from wuliang.reader.batch import CsrBatch
 from wuliang.reader.parquet import ParquetReader, ReaderPosition, _shard_of
 from wuliang.reader.partitions import Partition, PartitionSource
 
-__all__ = ["StreamPosition", "StreamReader"]
+__all__ = ["StreamPosition", "StreamReader", "ends_partition"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,15 @@ class StreamPosition:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"not a stream position: {d!r} ({e})") from None
+
+
+def ends_partition(batch: CsrBatch) -> Partition | None:
+    """The partition a batch of a ``StreamReader`` ends (its last batch for
+    this trainer), else None."""
+    position = getattr(batch, "position", None)
+    if isinstance(position, StreamPosition) and position.partition is None:
+        return batch.partition
+    return None
 
 
 class StreamReader:
@@ -174,6 +183,12 @@ class StreamReader:
         asked for (``Session`` sets it only around this call)."""
         return self._batches(self._start)
 
+    def stop(self) -> None:
+        """Ends the iteration: a wait for a partition ends at once, and no
+        batch follows the one being read (``Session.train`` calls it on
+        SIGTERM). The position of the last batch trained stays exact."""
+        self.source.stop()
+
     def _batches(self, position: StreamPosition | None) -> Iterator[CsrBatch]:
         resume: tuple[str, ReaderPosition | None] | None = None
         if position is not None:
@@ -187,7 +202,7 @@ class StreamReader:
             else:
                 partition = self.source.next(self.timeout)
                 inner_start = None
-                if partition is None:
+                if partition is None or self.source.stopped:
                     return
             yield from self._partition(partition, inner_start)
 
@@ -215,5 +230,7 @@ class StreamReader:
                 )
                 batch.partition = partition
                 yield batch
+                if self.source.stopped:
+                    return
         if not self.source.is_done(partition):  # nothing of it for this trainer
             self.source.done(partition)

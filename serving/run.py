@@ -68,7 +68,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8500
     http_port: int = 8501  # -1: no HTTP server
-    poll_secs: float = 10.0
+    poll_secs: float = 1.0
     token_file: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None

@@ -19,6 +19,11 @@ missing directory is served as soon as its first version appears.
   until a new full version arrives.
 * Restart: the newest version whose whole chain verifies is served; corrupt
   newer ones are skipped (and counted).
+* Pruned versions (``wuliang.export.prune`` removes old versions, never
+  LATEST's chain): a new delta needs only the versions from the served one
+  to it, so it applies even when older ones (the served one included) are
+  gone; a new version resting on one that is gone is passed by (logged,
+  not refused) and the store moves on through the newest full version.
 * Keys without a row read as zeros (``missing="zeros"``, found False) or as
   the training table's initial vector (``missing="initial"``: the manifest
   keeps each table's initializer and seed).
@@ -49,6 +54,7 @@ import numpy as np
 from wuliang.ps_server import LookupResult, ParameterServer, UnknownTableError, parameter_server
 from wuliang.ps_server.interface import MISSING
 from wuliang.ps_server.storage import (
+    MANIFEST,
     CorruptVersionError,
     ModelDescription,
     RemotePath,
@@ -143,6 +149,7 @@ class ModelStore:
         self._current: ServedVersion | None = None  # the snapshot requests start from
         self._chain: list[int] = []  # the versions applied, base first
         self._refused: set[int] = set() if refused is None else refused
+        self._passed: set[int] = set()  # versions passed by (resting on pruned ones), logged
         self._lock = threading.Lock()  # one refresh at a time
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -254,7 +261,14 @@ class ModelStore:
                 return self._load_newest(on_disk)
             applied = []
             for target in (n for n in on_disk if n > self.version and n not in self._refused):
-                if not self._apply_through(target):
+                try:
+                    path = self._path_to(target)
+                except _Gone as gone:  # pruned while this store was behind: pass it by
+                    if target not in self._passed:
+                        self._passed.add(target)
+                        log.warning("model %s: version %d passed by: %s", self.name, target, gone)
+                    continue
+                if not self._apply_through(target, path):
                     break
                 applied.append(target)
             return applied
@@ -287,20 +301,51 @@ class ModelStore:
                 return [v.number for v in path]
         return []
 
-    def _apply_through(self, target: int) -> bool:
-        """Applies what leads from the served version to ``target``."""
-        try:
-            path = chain(self.export_dir, target)
-        except (CorruptVersionError, OSError, ValueError) as error:
-            self._refuse(target, error)
-            return False
+    def _apply_through(self, target: int, path: list[Version] | None = None) -> bool:
+        """Applies what leads from the served version to ``target`` (``path``
+        when the caller has it: ``_path_to(target)``)."""
+        if path is None:
+            try:
+                path = self._path_to(target)
+            except (CorruptVersionError, OSError, ValueError) as error:  # _Gone too
+                self._refuse(target, error)
+                return False
         numbers = [v.number for v in path]
         if any(n in self._refused for n in numbers):
             self._refuse(target, f"it rests on refused version {min(self._refused & set(numbers))}")
             return False
-        if self.version in numbers:  # deltas on top of what is served
-            path = path[numbers.index(self.version) + 1 :]
         return self._apply_chain(path)
+
+    def _path_to(self, target: int) -> list[Version]:
+        """The versions that lead to ``target``, base first: its parents back
+        to the served version (not included: deltas on top of it) or else to
+        a full version (its whole chain). Versions older than that are not
+        read, so a delta on top of the served version applies even when the
+        versions below it were pruned.
+
+        Raises:
+            _Gone: a version of the path is no longer there (pruned).
+            CorruptVersionError, OSError: one cannot be read.
+        """
+        path: list[Version] = []
+        current: int | None = target
+        while current is not None and current != self.version:
+            folder = self.export_dir / str(current)
+            if not (folder / MANIFEST).is_file():
+                if not path:
+                    raise _Gone(f"version {current} is gone")
+                raise _Gone(
+                    f"version {current}, which version {path[-1].number} rests on, is gone "
+                    "(pruned); moving on to a later full version"
+                )
+            version = Version(folder)
+            if version.parent is not None and version.parent >= current:
+                raise CorruptVersionError(
+                    f"{folder}: parent {version.parent} is not older than the version"
+                )
+            path.append(version)
+            current = version.parent
+        return path[::-1]
 
     def _apply_chain(self, path: list[Version]) -> bool:
         for version in path:
@@ -324,6 +369,11 @@ class ModelStore:
                 tell = touched if self.device_cache is not None and version.kind != "full" else None
                 apply(self.ps, version, self.precision, tell)
             except (CorruptVersionError, OSError, ValueError) as error:
+                if not _there(version):  # pruned while it was read: not its fault
+                    self._passed.add(number)
+                    log.warning("model %s: version %d was removed while it was applied: %s",
+                                self.name, number, error)  # fmt: skip
+                    return False
                 self._refuse(number, error)
                 return False
             if self.device_cache is not None:  # switched before the version is served
@@ -356,6 +406,18 @@ class ModelStore:
         log.error("model %s: version %d refused: %s", self.name, number, error)
         for callback in self.on_refuse:
             callback(number, str(error))
+
+
+def _there(version: Version) -> bool:
+    """Whether a version is still in its export directory."""
+    try:
+        return (version.path / MANIFEST).is_file()
+    except OSError:
+        return True  # cannot tell: an error of the store, not a removal
+
+
+class _Gone(CorruptVersionError):
+    """A version a path needs is no longer in the export directory."""
 
 
 class _Touched(dict[str, list[np.ndarray]]):

@@ -20,7 +20,10 @@ in the order a write reaches them:
   yet removed;
 * ``latest-temp`` (``wuliang.export``): the new ``LATEST`` is written to its
   temporary file, not yet renamed over ``LATEST`` (not in an object store,
-  where ``LATEST`` is uploaded whole).
+  where ``LATEST`` is uploaded whole);
+* ``export-prune`` (``wuliang.export.prune``): an old export version is
+  renamed out of sight (in an object store: its manifest is deleted), not
+  yet removed.
 
 The engine's disk tier (C++, docs/disk_tier.md) has points of its own, read
 from the same variable by each engine with a disk tier when it starts:
@@ -46,6 +49,7 @@ CRASH_POINTS = (
     "after-rename",
     "checkpoint-rotate",
     "latest-temp",
+    "export-prune",
 )
 TIER_POINTS = ("tier-demote", "tier-promote", "tier-compact")  # the engine's (C++)
 BLOCK_S = 600.0  # a crashed-on-purpose process nobody kills exits after this

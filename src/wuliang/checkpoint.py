@@ -31,9 +31,13 @@ selects. A checkpoint and an export of the same rows (the ``Checkpoint`` and
 ``IncrementalExport`` hooks at one step, in either order) record the same
 ``engine_version``, so ``wuliang export`` of that checkpoint finds the hook's
 version up to date.
-Rotation (``keep``) renames an old checkpoint to a ``.tmp-`` name before
-deleting its files, so a crash meanwhile never leaves a listed checkpoint
-with files missing.
+Retention (``keep``, ``keep_daily``; ``rotate``, its rule in
+``checkpoints_to_remove``) keeps the newest ``keep`` checkpoints by step and,
+with ``keep_daily=D``, the newest checkpoint (by the ``created`` time its
+manifest records) of each of the D most recent UTC days that have one; the
+checkpoint just written is never removed. Removal renames an old checkpoint
+to a ``.tmp-`` name before deleting its files, so a crash meanwhile never
+leaves a listed checkpoint with files missing.
 
 ``model_dir`` may be a URI of an object store (``s3://bucket/prefix``):
 the checkpoint's files are uploaded whole and its manifest last
@@ -51,8 +55,10 @@ traced (so its variables exist).
 
 from __future__ import annotations
 
+import datetime
 import os
 import shutil
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from wuliang.dense import STATE_TABLE, TOWER_TABLE
@@ -61,6 +67,7 @@ from wuliang.ps_server.storage import (
     MANIFEST,
     SERVING,
     TMP_PREFIX,
+    CorruptVersionError,
     Location,
     RemotePath,
     Version,
@@ -76,7 +83,15 @@ from wuliang.tower import DENSE_PREFIX, TowerState
 
 TOWER_TABLES = (TOWER_TABLE, STATE_TABLE)
 
-__all__ = ["checkpoints", "cut_version", "latest_checkpoint", "restore", "save"]
+__all__ = [
+    "checkpoints",
+    "checkpoints_to_remove",
+    "cut_version",
+    "latest_checkpoint",
+    "restore",
+    "rotate",
+    "save",
+]
 
 if TYPE_CHECKING:
     from wuliang.context import Context
@@ -120,14 +135,21 @@ def save(
     model_dir: str | os.PathLike | RemotePath,
     position: Any = None,
     keep: int | None = 5,
+    keep_daily: int | None = None,
 ) -> Location:
-    """Writes ``model_dir/ckpt-<global step>`` and keeps the newest ``keep``.
+    """Writes ``model_dir/ckpt-<global step>``, then applies the retention
+    rules (``rotate``): the newest ``keep`` checkpoints stay (None: every
+    checkpoint), and with ``keep_daily=D`` the newest one of each of the D
+    most recent UTC days that have a checkpoint too; never the one just
+    written goes.
 
     Call when the parameter server is in sync with the step (every push
     applied, no pull ahead): ``Session.save_checkpoint`` and the
     ``Checkpoint`` hook do. A checkpoint of the same step already there is
-    kept as is. ``position``: the reader position to resume at.
+    kept as is (and nothing is rotated). ``position``: the reader position
+    to resume at.
     """
+    _check_retention(keep, keep_daily)
     ps = context.ps
     step = context.global_step
     final = location(model_dir) / f"{CHECKPOINT_PREFIX}{step}"
@@ -165,13 +187,97 @@ def save(
     if restored is not None:  # the restored one may be rotated out below
         tower.schedule_restore(Version(path))
     if keep is not None:
-        for _, old in checkpoints(model_dir)[:-keep]:
-            _remove(old)
-        if isinstance(path, RemotePath):  # what crashed writers left there
-            for older, stale in uncommitted_checkpoints(model_dir):
-                if older < step:
-                    stale.rmtree()
+        rotate(model_dir, keep, keep_daily, written=step)
     return path
+
+
+def _check_retention(keep: int | None, keep_daily: int | None) -> None:
+    for name, value in (("keep", keep), ("keep_daily", keep_daily)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+
+
+def checkpoints_to_remove(
+    found: Sequence[tuple[int, float]],
+    keep: int | None,
+    keep_daily: int | None = None,
+    written: int | None = None,
+) -> list[int]:
+    """The steps of the checkpoints that retention removes, oldest first.
+
+    ``found``: (step, write time as a unix time: the manifest's ``created``)
+    of every checkpoint, in any order. Kept: the newest ``keep`` by step
+    (``keep=None``: every checkpoint, nothing is removed); with
+    ``keep_daily=D``, also the newest checkpoint (latest time; the higher
+    step on a tie) of each of the D most recent UTC days that have a
+    checkpoint (days without one do not count); and ``written``, the
+    checkpoint just written, whatever its step or time. A pure function.
+    """
+    _check_retention(keep, keep_daily)
+    if keep is None:
+        return []
+    steps = sorted({step for step, _ in found})
+    kept = set(steps[-keep:])
+    if keep_daily is not None:
+        newest_of_day: dict[datetime.date, tuple[float, int]] = {}
+        for step, created in found:
+            day = datetime.datetime.fromtimestamp(created, datetime.timezone.utc).date()
+            if day not in newest_of_day or (created, step) > newest_of_day[day]:
+                newest_of_day[day] = (created, step)
+        for day in sorted(newest_of_day)[-keep_daily:]:
+            kept.add(newest_of_day[day][1])
+    if written is not None:
+        kept.add(written)
+    return [step for step in steps if step not in kept]
+
+
+def rotate(
+    model_dir: str | os.PathLike | RemotePath,
+    keep: int | None = 5,
+    keep_daily: int | None = None,
+    *,
+    written: int | None = None,
+) -> list[Location]:
+    """Removes the checkpoints of model_dir that the retention rules
+    (``checkpoints_to_remove``) do not keep; returns them. ``written``: the
+    step of the checkpoint just written (kept whatever the rules say).
+    ``save`` calls it; call it after ``Session.save_checkpoint(...,
+    keep=None)`` to apply ``keep_daily`` to a checkpoint saved by hand.
+
+    Each is renamed out of sight before its files go (in an object store:
+    its manifest is deleted first), so a crash leaves no listed checkpoint
+    with files missing. With ``keep_daily``, each checkpoint's manifest is
+    read for its time (one that cannot be read counts as written at time
+    0). In an object store, folders that crashed writers left without a
+    manifest, older than the newest checkpoint, go too.
+    """
+    _check_retention(keep, keep_daily)
+    if keep is None:
+        return []
+    found = checkpoints(model_dir)
+    paths = dict(found)
+    times = [(step, _created(path) if keep_daily else 0.0) for step, path in found]
+    removed = [paths[step] for step in checkpoints_to_remove(times, keep, keep_daily, written)]
+    for old in removed:
+        _remove(old)
+    root = location(model_dir)
+    if isinstance(root, RemotePath) and found:  # what crashed writers left there
+        newest = max(step for step, _ in found)
+        for older, stale in uncommitted_checkpoints(root):
+            if older < newest:
+                stale.rmtree()
+    return removed
+
+
+def _created(path: Location) -> float:
+    """When a checkpoint was written (its manifest's ``created``); 0 when
+    the manifest cannot be read (removed meanwhile, damaged)."""
+    try:
+        return Version(path).manifest.created
+    except (CorruptVersionError, OSError, ValueError):
+        return 0.0
 
 
 def _remove(path: Location) -> None:

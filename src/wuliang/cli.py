@@ -164,9 +164,27 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def byte_size(text: str) -> int:
+    """An argparse type: a number of bytes, ``>= 0``, with an optional unit
+    ``K``, ``M``, ``G`` or ``T`` (powers of 1024; ``KiB``, ``GB``... read
+    the same): ``500G``."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    value = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = value[-1:] if value[-1:] in units else ""
+    try:
+        number = float(value[: len(value) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid size: {text!r} (bytes, or a number with K, M, G or T: 500G)"
+        ) from None
+    if not math.isfinite(number) or number < 0:
+        raise argparse.ArgumentTypeError(f"must be a size >= 0, got {text!r}")
+    return int(number * units[unit])
+
+
 def _export(args: argparse.Namespace) -> int:
     from wuliang.checkpoint import latest_checkpoint
-    from wuliang.export import CheckpointSource, compact, export
+    from wuliang.export import CheckpointSource, compact, export, prune
     from wuliang.ps_server.storage import location
 
     if args.compact:
@@ -182,6 +200,11 @@ def _export(args: argparse.Namespace) -> int:
         kind = "full" if args.full else "auto"
         result = export(CheckpointSource(path), args.export_dir, kind)
     print(result.status())
+    if args.keep_versions is not None or args.keep_bytes is not None:
+        pruned = prune(
+            args.export_dir, keep_versions=args.keep_versions, keep_bytes=args.keep_bytes
+        )
+        print(pruned.status())
     return 0
 
 
@@ -305,6 +328,8 @@ def _launch_options(args: argparse.Namespace) -> Any:
         chief=not args.no_chief,
         ps_threads=args.ps_threads,
         max_restarts=args.max_restarts,
+        restart_window=args.restart_window,
+        max_backoff=args.max_backoff,
         model_dir=args.model_dir,
     )
 
@@ -401,8 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="export the newest checkpoint for serving (a delta of the last export)",
         description="Writes the next version of EXPORT_DIR from the newest checkpoint in "
         "MODEL_DIR: a delta of the last version (rows changed and keys removed since), or a "
-        "full version when there is none. Idempotent and safe to rerun after a crash; "
-        "prints one status line, exits 1 with a message on failure.",
+        "full version when there is none; with --keep-versions or --keep-bytes, then "
+        "removes the oldest versions that LATEST does not need. Idempotent and safe to rerun "
+        "after a crash; prints a status line (and one of the pruning), exits 1 with a "
+        "message on failure.",
     )
     exp.add_argument(
         "--model-dir", help="the trainer's checkpoints (ckpt-<step>/); a folder or a URI (s3://...)"
@@ -419,6 +446,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mode.add_argument(
         "--compact", action="store_true", help="merge LATEST and its base into a full version"
+    )
+    exp.add_argument(
+        "--keep-versions",
+        type=positive_int,
+        metavar="N",
+        help="then remove the oldest versions until N are left, never LATEST's chain "
+        "(default: remove none)",
+    )
+    exp.add_argument(
+        "--keep-bytes",
+        type=byte_size,
+        metavar="SIZE",
+        help="then remove the oldest versions until they take at most SIZE (bytes, or "
+        "with K, M, G, T: 500G), never LATEST's chain (default: remove none)",
     )
     srv = command(
         sub,
@@ -453,8 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--poll-secs",
         type=non_negative_float,
-        default=10.0,
-        help="how often to look for new versions (0: only at start)",
+        default=1.0,
+        help="how often to look for new versions (0: only at start; default 1: a read of "
+        "LATEST, so a trainer's delta serves within about a second)",
     )
     srv.add_argument("--token-file", help="requests must carry the token in this file")
     srv.add_argument("--tls-cert", help="PEM certificate: serve TLS (with --tls-key)")
@@ -656,8 +698,23 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "--max-restarts",
         type=bounded_int(0),
-        default=3,
-        help="restarts of a failing process before the job stops",
+        default=10,
+        help="failures of one role within --restart-window that stop the job (a crash loop)",
+    )
+    launch.add_argument(
+        "--restart-window",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="the window --max-restarts counts failures in (default 600)",
+    )
+    launch.add_argument(
+        "--max-backoff",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="the longest wait before a restart; it doubles from 1 s with each failure "
+        "within the window after the first (default 30)",
     )
     launch.add_argument(
         "command", nargs=argparse.REMAINDER, help="-- the trainer's command and its arguments"

@@ -47,6 +47,15 @@ committed version by the next run.
 Sources: ``LiveSource`` (a model in memory, in sync: the ``IncrementalExport``
 hook) and ``CheckpointSource`` (a checkpoint: the ``wuliang export`` job).
 
+Retention (``prune``): old versions go, oldest first, until at most
+``keep_versions`` versions and ``keep_bytes`` bytes (each when given)
+remain, but never one that
+``LATEST`` needs: its chain (the newest full version at or below it and the
+deltas after it) and every version after its base stay, even over the
+budget (``PruneResult.over_budget``; ``compact`` shortens the chain). A
+version is renamed to a ``.tmp-`` name (in an object store: its manifest
+deleted) before its files go, so a listing never shows a half-removed one.
+
 ``export_dir`` (and a checkpoint) may be a URI of an object store
 (``s3://bucket/prefix``): each file of a version is uploaded whole and its
 manifest last (``wuliang.ps_server.storage``), and ``LATEST`` is uploaded
@@ -64,7 +73,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -78,7 +89,9 @@ from wuliang.checkpoint import cut_version
 from wuliang.ps_server import RowChunk, TableSpec, parameter_server
 from wuliang.ps_server.storage import (
     LATEST,
+    MANIFEST,
     SERVING,
+    TMP_PREFIX,
     Location,
     ModelDescription,
     RemotePath,
@@ -105,6 +118,7 @@ __all__ = [
     "ExportResult",
     "ExportSource",
     "LiveSource",
+    "PruneResult",
     "SessionSource",
     "apply",
     "apply_chain",
@@ -112,10 +126,12 @@ __all__ = [
     "compact",
     "export",
     "latest",
+    "prune",
     "versions",
 ]
 
 LOCK = ".lock"
+log = logging.getLogger("wuliang.export")
 
 
 class ExportSource(Protocol):
@@ -450,3 +466,200 @@ def _compact(root: Location) -> ExportResult:
     result.reason = f"compacted versions {', '.join(v.path.name for v in versions_)}"
     result.seconds = time.perf_counter() - start
     return result
+
+
+@dataclass
+class PruneResult:
+    """What ``prune`` did; ``status()`` is its one-line summary.
+
+    ``removed``: the versions removed, oldest first; ``kept``: the versions
+    left; ``needed``: LATEST's chain (base first), which is always kept;
+    ``kept_bytes``: the bytes of the versions left (their files and
+    manifests), counted when ``keep_bytes`` was given; ``over_budget``:
+    what is left is still over a budget because LATEST's chain (and the
+    versions after its base) alone is.
+    """
+
+    path: Location
+    removed: list[int] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+    needed: list[int] = field(default_factory=list)
+    _: KW_ONLY
+    keep_versions: int | None = None
+    keep_bytes: int | None = None
+    kept_bytes: int | None = None
+    removed_bytes: int | None = None
+    over_budget: bool = False
+    seconds: float = 0.0
+
+    def status(self) -> str:
+        """One line for logs and cron mail."""
+        if self.removed:
+            gone = _numbers(self.removed)
+            size = "" if self.removed_bytes is None else f", {_size(self.removed_bytes)}"
+            what = f"pruned {len(self.removed)} version(s) ({gone}{size})"
+        else:
+            what = "pruned nothing"
+        left = f"{len(self.kept)} version(s) left ({_numbers(self.kept) or 'none'}"
+        left += ")" if self.kept_bytes is None else f", {_size(self.kept_bytes)})"
+        line = f"{what}; {left} in {self.path}"
+        if self.over_budget:
+            budget = " and ".join(
+                text
+                for text in (
+                    None if self.keep_versions is None else f"keep_versions={self.keep_versions}",
+                    None if self.keep_bytes is None else f"keep_bytes={self.keep_bytes:,}",
+                )
+                if text
+            )
+            line += (
+                f"; over the budget ({budget}): LATEST's chain ({_numbers(self.needed)}) "
+                "is kept whole; compact it (wuliang export --compact) so that the next "
+                "prune can remove the versions it rests on"
+            )
+        return line
+
+
+def prune(
+    export_dir: str | os.PathLike | RemotePath,
+    *,
+    keep_versions: int | None = None,
+    keep_bytes: int | None = None,
+) -> PruneResult:
+    """Removes the oldest versions of export_dir until at most
+    ``keep_versions`` versions and ``keep_bytes`` bytes (their files and
+    manifests) are left; None: no such limit (both None: nothing removed).
+
+    Never removed: LATEST's chain (``chain``: the newest full version at or
+    below LATEST and the deltas after it) and any version after that chain's
+    base (a version written after a crash left LATEST behind), so a replica
+    following LATEST always finds what it needs. When they alone are over
+    the budget they are kept, the result says so (``over_budget``, in
+    ``status()``) and a warning is logged: ``compact`` writes LATEST as one
+    full version, after which the versions below it can go.
+
+    Each version is first renamed to a ``.tmp-`` name, which listings skip,
+    and then deleted (in an object store: its manifest goes first, then its
+    files), so a crash leaves no half-removed version in sight; what it
+    leaves is cleared by the next prune or export. Holds export_dir's lock,
+    as ``export`` does.
+
+    Raises:
+        FileNotFoundError: export_dir does not exist.
+        CorruptVersionError: LATEST's chain is broken (nothing is removed).
+    """
+    for name, value, low in (("keep_versions", keep_versions, 1), ("keep_bytes", keep_bytes, 0)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < low
+        ):
+            raise ValueError(f"{name} must be an int >= {low} or None, got {value!r}")
+    root = location(export_dir)
+    if not root.is_dir():  # before _exclusive, which would create the folder and its lock
+        what = "is not a folder" if root.exists() else "does not exist"
+        raise FileNotFoundError(f"export directory {root} {what}")
+    with _exclusive(root) as locked:
+        result = _prune(locked, keep_versions, keep_bytes)
+    if result.over_budget:
+        log.warning("%s", result.status())
+    return result
+
+
+def _prune(root: Location, keep_versions: int | None, keep_bytes: int | None) -> PruneResult:
+    start = time.perf_counter()
+    remove_stale_temporaries(root)  # what a crashed prune or writer left
+    found = versions(root)
+    result = PruneResult(root, keep_versions=keep_versions, keep_bytes=keep_bytes)
+    if not found:
+        return result
+    needed = chain(root)  # CorruptVersionError when broken: then nothing goes
+    base = needed[0].number
+    result.needed = [v.number for v in needed]
+    sizes: dict[int, int] = {}
+    if keep_bytes is not None:
+        known = {v.number: v for v in needed}
+        for number, path in found:
+            sizes[number] = _version_bytes(known.get(number) or Version(path))
+    kept = [number for number, _ in found]
+    paths = dict(found)
+
+    def over() -> bool:
+        if keep_versions is not None and len(kept) > keep_versions:
+            return True
+        return keep_bytes is not None and sum(sizes[n] for n in kept) > keep_bytes
+
+    removed_bytes = 0
+    for number in [n for n, _ in found if n < base]:  # oldest first
+        if not over():
+            break
+        _remove_version(paths[number])
+        kept.remove(number)
+        result.removed.append(number)
+        removed_bytes += sizes.get(number, 0)
+    result.over_budget = over()
+    result.kept = kept
+    if keep_bytes is not None:
+        result.kept_bytes = sum(sizes[n] for n in kept)
+        result.removed_bytes = removed_bytes
+    if isinstance(root, RemotePath):  # folders without a manifest below the base: leftovers
+        listed = set(kept)
+        for p in root.iterdir():
+            if not p.name.isdigit() or int(p.name) >= base or int(p.name) in listed:
+                continue
+            if not (p / MANIFEST).is_file():
+                p.rmtree()
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _version_bytes(version: Version) -> int:
+    """A version's bytes: its files as its manifest lists them, and the manifest."""
+    return (
+        sum(f.bytes for f in version.manifest.files.values())
+        + (version.path / MANIFEST).stat().st_size
+    )
+
+
+def _remove_version(path: Location) -> None:
+    """Removes a version so that no listing ever sees it half removed: in a
+    folder renamed to a ``.tmp-`` name first (synced, so that it stays
+    renamed), in an object store its manifest deleted first."""
+    if isinstance(path, RemotePath):
+        (path / MANIFEST).unlink(missing_ok=True)
+        crash_point("export-prune")
+        path.rmtree()
+        return
+    doomed = path.with_name(f"{TMP_PREFIX}{path.name}-pruned-{os.getpid()}")
+    os.rename(path, doomed)
+    _fsync_dir(path.parent)
+    crash_point("export-prune")
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _numbers(numbers: list[int]) -> str:
+    """``1-4, 7, 9-10``: runs of consecutive numbers."""
+    runs: list[list[int]] = []
+    for n in sorted(numbers):
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n:,} bytes"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB"):
+        value /= 1024
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+    return f"{value / 1024:.1f} TiB"

@@ -158,12 +158,17 @@ class Pipeline:
         step_floor: in a cluster, the job's step as far as known: a batch's
             step is the higher of it and the previous batch's step + 1
             (None: ``first_step`` + the batch's sequence number).
-        sync_after: global step -> bool, asked before a step is handed over:
+        sync_after: (global step, batch) -> bool, asked before a step is handed over:
             True marks it ``sync`` (the main thread then waits for
             ``applied`` before that step's hooks and sets ``released`` after
             them; no later step is pulled before, so checkpoints see the
             parameter server exactly as the step left it).
         background: scheduling of the two threads (``wuliang.ps_server.threads``).
+        on_partition: called with a batch's ``partition`` when it differs from
+            the previous batch's, before the batch's pull and once every
+            earlier push is applied (a training session sets the servers'
+            data clock there, so each row is stamped with its own partition's
+            time).
     """
 
     def __init__(
@@ -176,12 +181,14 @@ class Pipeline:
         staleness: int,
         trace: Any,
         first_step: int = 0,
-        sync_after: Callable[[int], bool] | None = None,
+        sync_after: Callable[[int, CsrBatch], bool] | None = None,
         background: str = "normal",
         step_floor: Callable[[], int] | None = None,
         read_ahead: bool = False,
+        on_partition: Callable[[Any], None] | None = None,
     ) -> None:
         self.batches = batches
+        self.on_partition = on_partition
         self.read_ahead = read_ahead
         self.source = source
         self.train = train
@@ -323,9 +330,11 @@ class Pipeline:
                     return
                 if self.train and not self._wait_pushes(steps, step):
                     return
+                if not self._partition_begins(previous, step):
+                    return
                 step.timings["wait_push"] = time.perf_counter() - waiting
                 self._pull(step)
-                step.sync = self.sync_after is not None and self.sync_after(number)
+                step.sync = self.sync_after is not None and self.sync_after(number, step.batch)
                 if not self.train:
                     step.linked.set_result(None)
                     step.applied.set_result(None)
@@ -339,6 +348,20 @@ class Pipeline:
         except BaseException as e:
             self.pull_error = e
             self._put(_END)
+
+    def _partition_begins(self, previous: Step | None, step: Step) -> bool:
+        """``on_partition`` when step begins a partition, after the pushes
+        before it; False when the pipeline stops meanwhile."""
+        partition = getattr(step.batch, "partition", None)
+        if self.on_partition is None or partition is None:
+            return True
+        before = None if previous is None else getattr(previous.batch, "partition", None)
+        if before is not None and before.name == partition.name:
+            return True
+        if previous is not None and not self._until(previous.applied):
+            return False
+        self.on_partition(partition)
+        return True
 
     def _read_step(self, seq: int, number: int) -> Step | None:
         """The next batch read and prepared as step ``seq`` (its global step

@@ -54,6 +54,7 @@ from wuliang.ps_server import Handle, PullPart, PushPart, PushResult
 from wuliang.ps_server.storage import location
 from wuliang.reader.batch import CsrBatch
 from wuliang.reader.prepare import KeyPreparer, PreparedKeys
+from wuliang.stopping import StopOnSignal
 from wuliang.tower import TowerState
 
 STANDARD_FETCHES = ("loss", "predictions", "logits")
@@ -158,6 +159,8 @@ class Session:
         self._failed = False  # a step raised: close() does not end the session hooks
         self._resume_position: dict[str, Any] | None = None  # for the next train()
         self.restored: Path | None = None  # the checkpoint restored last
+        self.stopped_by: str | None = None  # the signal that stopped the last train()
+        self.data_time: int | None = None  # the newest partition's time trained (unix s)
 
     # -- public ----------------------------------------------------------------
 
@@ -177,14 +180,19 @@ class Session:
         return names + sorted(self._output_names or ())
 
     def save_checkpoint(
-        self, model_dir: str | os.PathLike, position: Any = None, keep: int | None = 5
+        self,
+        model_dir: str | os.PathLike,
+        position: Any = None,
+        keep: int | None = 5,
+        keep_daily: int | None = None,
     ) -> Path:
-        """Writes ``model_dir/ckpt-<global step>`` (``wuliang.checkpoint``).
-        Between ``run`` calls or from a hook's ``after_run`` when
+        """Writes ``model_dir/ckpt-<global step>`` (``wuliang.checkpoint``),
+        keeping the newest ``keep`` and, with ``keep_daily=D``, one a day for
+        D days. Between ``run`` calls or from a hook's ``after_run`` when
         ``run_context.synced``; ``position``: the reader position to resume at.
         In a cluster (the chief): the job's step, every trainer's position."""
         self._sync_cluster()
-        return checkpoint.save(self.context, self.tower, model_dir, position, keep)
+        return checkpoint.save(self.context, self.tower, model_dir, position, keep, keep_daily)
 
     def _sync_cluster(self) -> None:
         """Before a checkpoint or an export in a cluster: the job's step now,
@@ -231,6 +239,25 @@ class Session:
         self._sync_cluster()
         return export(LiveSource(self.context, self.tower), export_dir, kind)
 
+    def prune_exports(
+        self,
+        export_dir: str | os.PathLike,
+        keep_versions: int | None = None,
+        keep_bytes: int | None = None,
+    ) -> Any:
+        """Removes export_dir's oldest versions, never LATEST's chain
+        (``wuliang.export.prune``); returns its ``PruneResult``."""
+        from wuliang.export import prune
+
+        return prune(export_dir, keep_versions=keep_versions, keep_bytes=keep_bytes)
+
+    def publish(self, export_dir: str | os.PathLike, redis_url: str, model: str | None) -> Any:
+        """Puts export_dir's newest version into Redis (or a Redis Cluster),
+        as ``wuliang publish`` does; returns its ``PublishResult``."""
+        from wuliang.serving.redis.publish import publish
+
+        return publish(export_dir, redis_url, model)
+
     def run(
         self, feed: CsrBatch, fetch: str | Sequence[str] = ("loss",), train: bool = True
     ) -> Any:
@@ -250,7 +277,7 @@ class Session:
         self._check_fetches(names, strict=True)
         if train:  # every run step is synced: the periodic hooks act when due
             for hook in self.hooks:
-                hook.sync_after(self.global_step)
+                hook.sync_after_batch(self.global_step, feed)
         try:
             step = Step(0, self.global_step, feed, prepared, inputs, rows, sync=True)
             source.pull(prepared, rows, self.global_step if train else None).wait()
@@ -263,12 +290,16 @@ class Session:
     def train(
         self, reader: Any, steps: int | None = None, hooks: Sequence[SessionRunHook] = ()
     ) -> dict[str, float]:
-        """Trains on the reader's batches (all, or ``steps``) through the pipeline."""
+        """Trains on the reader's batches (all, or ``steps``) through the
+        pipeline. SIGTERM (in the main thread) stops it after the step being
+        trained, as the end of the data does, and sets ``stopped_by``
+        (``wuliang.stopping``)."""
         extra = list(hooks)
         own = self.hooks
         if self._own_evict is not None and any(isinstance(h, Evict) for h in extra):
             own = [h for h in own if h is not self._own_evict]  # the caller's replaces it
         hooks = [*own, *extra]
+        _check_gates(hooks)
         if steps is not None and (not isinstance(steps, int) or steps < 0):
             raise ValueError(f"steps must be an int >= 0 or None, got {steps!r}")
         self._begin(extra)
@@ -293,8 +324,8 @@ class Session:
         if steps is not None:  # nothing read (or pulled) past the last step
             batches = _limit(batches, steps)
 
-        def sync_after(step: int) -> bool:
-            wanted = [hook.sync_after(step) for hook in hooks]  # ask every hook
+        def sync_after(step: int, batch: CsrBatch) -> bool:
+            wanted = [hook.sync_after_batch(step, batch) for hook in hooks]  # ask every hook
             return any(wanted)
 
         pipeline = Pipeline(
@@ -309,19 +340,23 @@ class Session:
             background=ctx.background,
             step_floor=None if job is None else (lambda: ctx.global_step),
             read_ahead=ctx.ps.prefetches,
+            on_partition=self._data_clock,
         )
         done = samples = 0
         start = time.perf_counter()
         finished = False
+        self.stopped_by = None
         try:
-            for step in pipeline:
-                _, stop = self._step(step, hooks, (), True, pipeline)
-                step.released.set_result(None)
-                done += 1
-                samples += step.batch.size
-                if stop or (steps is not None and done >= steps):
-                    break
+            with StopOnSignal(reader) as signalled:
+                for step in pipeline:
+                    _, stop = self._step(step, hooks, (), True, pipeline)
+                    step.released.set_result(None)
+                    done += 1
+                    samples += step.batch.size
+                    if stop or signalled or (steps is not None and done >= steps):
+                        break
             finished = True
+            self.stopped_by = signalled.signal
         except BaseException:
             self._failed = True
             raise
@@ -329,7 +364,7 @@ class Session:
             pipeline.close()  # raises a pending push error
         # As TensorFlow's MonitoredSession: no end() after a failed step, so
         # a Checkpoint hook does not save what the failure left (a NaN tower).
-        if finished and done == 0:  # never silently: a run that trained nothing says why
+        if finished and done == 0 and self.stopped_by is None:  # never silently: says why
             if resume:
                 log.warning(
                     "resumed at step %d; the reader is at its end: nothing to train "
@@ -343,6 +378,8 @@ class Session:
         if finished:
             for hook in extra:
                 hook.end(self)
+        if self.stopped_by is not None:
+            log.warning("%s: stopped after step %d", self.stopped_by, self.global_step)
         elapsed = time.perf_counter() - start
         return {"steps": done, "samples": samples, "samples_per_s": samples / max(elapsed, 1e-9)}
 
@@ -407,6 +444,17 @@ class Session:
         if position is not None:
             log.info("trainer %d resumes its reader where the job board has it", job.trainer)
             self._resume_position = position
+
+    def _data_clock(self, partition: Any) -> None:
+        """Training a partition: the servers' clock (rows' times, TTLs in
+        seconds) is the data's, the newest partition's time trained, so a
+        replay of old partitions evicts nothing live and a trainer that was
+        down does not evict what it has not had the data to refresh."""
+        seconds = partition.seconds
+        if self.data_time is not None and seconds <= self.data_time:
+            return  # a late partition: the data clock does not go back
+        self.data_time = seconds
+        self.context.ps.set_clock(seconds)
 
     def _pull_tower(self, inputs: StepInputs, rows: list[np.ndarray]) -> None:
         """A shared tower's variables from the servers before a step; at the
@@ -859,6 +907,20 @@ def _limit(batches: Iterator[Any], n: int) -> Iterator[Any]:
         close = getattr(batches, "close", None)
         if close is not None:
             close()
+
+
+def _check_gates(hooks: Sequence[SessionRunHook]) -> None:
+    """A hook gated by another (``IncrementalExport(gate=...)``) runs after it."""
+    for k, hook in enumerate(hooks):
+        gate = getattr(hook, "gate", None)
+        if gate is None:
+            continue
+        if not any(h is gate for h in hooks[:k]):
+            where = "after it" if any(h is gate for h in hooks) else "missing"
+            raise ValueError(
+                f"{type(hook).__name__}'s gate {type(gate).__name__} must come before it in "
+                f"the hooks (it is {where}): it scores a partition before the export asks"
+            )
 
 
 def _numpy(value: Any) -> Any:
