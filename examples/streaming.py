@@ -203,7 +203,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # A trainer waits for ever (timeout=None); this one ends once no partition
     # has landed for a while.
     source = PartitionSource(landing, poll_s=0.1)
-    reader = StreamReader(source, args.batch_size, list(FEATURES), LABEL, timeout=15)
+    idle = max(5.0, 3 * args.interval)
+    reader = StreamReader(source, args.batch_size, list(FEATURES), LABEL, timeout=idle)
     serving = None if args.no_serve else Serving(export_dir, work)
     producer.start()
     if serving is not None:

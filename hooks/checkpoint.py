@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from wuliang.hooks.base import HookSession, SessionRunContext, SessionRunValues
-from wuliang.hooks.periodic import PeriodicSyncHook
+from wuliang.hooks.periodic import PeriodicSyncHook, results
 from wuliang.ps_server.storage import latest_checkpoint, location
 
 
@@ -55,7 +55,7 @@ class Checkpoint(PeriodicSyncHook):
         self.keep = keep
         self.keep_daily = keep_daily
         self.restore = restore
-        self.saved: list[Path] = []  # what this hook wrote, oldest first
+        self.saved: list[Path] = results()  # what this hook wrote (the newest), oldest first
         self._position: Any = None
 
     def restore_session(self, session: HookSession) -> None:

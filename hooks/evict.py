@@ -6,7 +6,7 @@ import logging
 from collections.abc import Sequence
 
 from wuliang.hooks.base import HookSession
-from wuliang.hooks.periodic import PeriodicSyncHook
+from wuliang.hooks.periodic import PeriodicSyncHook, results
 
 log = logging.getLogger("wuliang.evict")
 
@@ -43,7 +43,7 @@ class Evict(PeriodicSyncHook):
             every_steps = DEFAULT_EVERY_STEPS
         super().__init__(every_steps, every_secs)
         self.tables = None if tables is None else list(tables)
-        self.results: list[tuple[int, dict[str, dict[str, int]]]] = []  # (step, per table)
+        self.results: list[tuple[int, dict[str, dict[str, int]]]] = results()  # (step, per table)
 
     def after_create_session(self, session: HookSession) -> None:
         known = session.context.tables

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from wuliang.hooks.base import HookSession
-from wuliang.hooks.periodic import PeriodicSyncHook
+from wuliang.hooks.periodic import PeriodicSyncHook, results
 from wuliang.ps_server.storage import RemotePath, latest, location
 
 log = logging.getLogger("wuliang.export")
@@ -25,7 +25,10 @@ class IncrementalExport(PeriodicSyncHook):
     full, so that chains stay short (None: only when needed).
 
     Each export runs with the engine in sync after a step (the pipeline
-    stalls for it) and takes time proportional to the rows changed.
+    stalls for it) and takes time proportional to the rows changed. The
+    servers then forget the removals it holds (``trim_removed``): a delta
+    from a checkpoint older than it, into another export folder, is written
+    full.
     ``results`` lists what was written; each status line is logged at INFO.
 
     With ``keep_versions`` or ``keep_bytes``, each version written is
@@ -66,6 +69,11 @@ class IncrementalExport(PeriodicSyncHook):
         if every_steps is None and every_secs is None and not every_partition:
             every_secs = 3600.0
         super().__init__(every_steps, every_secs, every_partition)
+        if keep_versions is not None and full_every is not None and keep_versions < full_every:
+            raise ValueError(
+                f"keep_versions={keep_versions} cannot hold a chain of full_every={full_every} "
+                "versions (a full one and its deltas stay whole): keep_versions >= full_every"
+            )
         if gate is not None and not callable(getattr(gate, "verdict", None)):
             raise TypeError(f"gate must be a ProgressiveValidation hook, got {gate!r}")
         if full_every is not None and (not isinstance(full_every, int) or full_every < 1):
@@ -89,9 +97,9 @@ class IncrementalExport(PeriodicSyncHook):
         self.gate = gate
         self.redis = redis
         self.redis_model = redis_model
-        self.results: list[Any] = []
-        self.pruned: list[Any] = []  # PruneResult of each prune
-        self.published: list[Any] = []  # PublishResult of each publish
+        self.results: list[Any] = results()
+        self.pruned: list[Any] = results()  # PruneResult of each prune
+        self.published: list[Any] = results()  # PublishResult of each publish
         self.held = 0  # triggers the gate held back
         self.after_partition: dict[str, int] = {}  # partition -> the version written after it
         self._holding: str | None = None  # why the newest partition is held
@@ -116,10 +124,23 @@ class IncrementalExport(PeriodicSyncHook):
             while len(self.after_partition) > KEEP_PARTITIONS:
                 del self.after_partition[next(iter(self.after_partition))]
         log.info("%s", result.status())
+        if result.written:
+            self._trim_removals(session)
         if result.written and self.redis is not None:
             self._publish(session)
         if result.written and (self.keep_versions is not None or self.keep_bytes is not None):
             self._prune(session)
+
+    def _trim_removals(self, session: HookSession) -> None:
+        """The servers forget the removals the version just written holds:
+        the next delta lists only later ones, and the removal logs stay the
+        size of what an export interval removes."""
+        newest = latest(self.export_dir)
+        if newest is None:
+            return
+        ps = session.context.ps
+        for table in session.context.tables:
+            ps.trim_removed(table, newest.engine_version)
 
     def _publish(self, session: HookSession) -> None:
         assert self.redis is not None

@@ -12,6 +12,21 @@ from wuliang.hooks.base import HookSession, SessionRunContext, SessionRunHook, S
 from wuliang.reader.partitions import Partition
 from wuliang.reader.stream import ends_partition
 
+KEEP_RESULTS = 1000  # what a hook's result lists keep, newest last: flat memory for months
+
+
+class Recent(list):
+    """A list of a hook's results that keeps the newest ``KEEP_RESULTS``."""
+
+    def append(self, item: Any) -> None:
+        super().append(item)
+        if len(self) > KEEP_RESULTS:
+            del self[: len(self) - KEEP_RESULTS]
+
+
+def results() -> Recent:
+    return Recent()
+
 
 class PeriodicSyncHook(SessionRunHook):
     """Calls ``trigger(session)`` after every ``every_steps``-th step, once

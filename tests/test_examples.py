@@ -100,6 +100,23 @@ def test_movielens_example_on_a_prefix(tmp_path: Path) -> None:
     assert "export_rows" not in result
 
 
+def test_streaming_example_follows_partitions_and_serves_each_delta(tmp_path: Path) -> None:
+    """Weekly MovieLens partitions land one a second; each is scored before
+    it trains, exported after, and served by a running `wuliang serve`."""
+    work = tmp_path / "streaming"
+    args = ["--data", str(MOVIELENS), "--work-dir", str(work), "--weeks", "6"]
+    result = run_example("streaming.py", [*args, "--interval", "1"], tmp_path)
+    assert result["partitions"] == 6 and result["examples"] > 600, result
+    assert result["versions_exported"] >= 6 and result["served_version"] >= 6, result
+    assert 0 < result["freshness_p50_s"] < 30, result  # every partition's delta was served
+    assert 0.3 < result["progressive_auc"] < 0.9, result
+    lines = (work / "progressive.jsonl").read_text().splitlines()
+    assert [json.loads(line)["partition"] for line in lines] == sorted(
+        json.loads(line)["partition"] for line in lines
+    )  # in time order
+    assert result["stopped_by"] is None
+
+
 def test_clicks_example_converts_or_reads_strings_alike(tmp_path: Path) -> None:
     """Click logs with string columns: converted with a schema, or read
     directly as strings, train the same model (the same keys); the saved

@@ -229,7 +229,7 @@ def test_removal_log_round_trip_and_bounds(make_engine: MakeEngine) -> None:
     with pytest.raises(ValueError, match="versions"):
         other.load_removed("emb", keys, versions[:1])
 
-    # Bounded: about twice the live rows (+ 65536 per shard) are kept.
+    # Bounded: about twice the live rows (+ 8192 per shard) are kept.
     one = make_engine(1)
     one.create_table(TableSpec("churn", dim=1, optimizer=SGD()))
     for start in range(0, 400_000, 100_000):

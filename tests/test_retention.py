@@ -482,11 +482,12 @@ def test_a_prune_killed_midway_leaves_no_half_version(
 
 
 class ExportingSession:
-    """What ``IncrementalExport`` uses of a session: ``export`` and
-    ``prune_exports``."""
+    """What ``IncrementalExport`` uses of a session: ``export``,
+    ``prune_exports`` and the context's server and tables."""
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
+        self.context = SimpleNamespace(ps=trainer.engine, tables={"t": None})
 
     def export(self, export_dir: Any, kind: str = "auto") -> Any:
         return self.trainer.export(export_dir, kind)

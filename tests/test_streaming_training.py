@@ -118,6 +118,9 @@ def test_a_partition_that_scores_far_below_the_trend_is_not_exported(tmp_path: P
         assert list(exports.after_partition) == [DAYS[0], DAYS[1], DAYS[3]]
         assert [r.version for r in exports.results] == [1, 2, 3]
         assert exports.results[-1].step == session.global_step
+        newest = wl.export.latest(tmp_path / "exports")
+        for table in ("users", "items"):  # the removals exported are forgotten
+            assert session.context.ps.stats(table)["removed_floor"] == newest.engine_version
     finally:
         session.close()
         session.context.close()

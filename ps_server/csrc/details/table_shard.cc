@@ -28,7 +28,7 @@ namespace {
 constexpr size_t kSlotsAhead = WL_SLOTS_AHEAD;  // prefetch distance of index probes
 constexpr size_t kRowsAhead = WL_ROWS_AHEAD;    // prefetch distance of row reads
 constexpr size_t kAheadOfVisit = 8;             // of a push's scattered inputs and outputs
-constexpr size_t kMinLog = 1 << 16;             // change/removal log entries always kept
+constexpr size_t kMinLog = 1 << 13;             // change/removal log entries always kept
 constexpr size_t kScanBlock = 16;               // slots an export scan visits in a row
 
 // The slot an export scan visits p-th: blocks of kScanBlock slots in a
