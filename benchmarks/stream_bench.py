@@ -4,9 +4,9 @@ once across kills, memory flat.
 Synthetic Criteo-shaped hourly partitions (``dt=YYYY-MM-DD/hour=HH``, each
 ``--rows`` rows of ``wuliang.reader.datagen``: C1…C26 keys, I1…I13, a label;
 a fifth of each field's keys new in each hour, so tables grow unless
-eviction bounds them; a ``row_id`` column, read as a dense feature the tower
-ignores, names each row). The model: 26 tables of dim 16 (Adagrad), the 13
-dense features, a 256-128 MLP. Four measurements, all in one run:
+eviction bounds them; a ``row_key`` column names each row). The model: 26
+tables of dim 16 (Adagrad), the 13 dense features, a 256-128 MLP. Four
+measurements, all in one run:
 
 * ``follow_vs_batch``: samples/s of ``Session.train`` following the
   partitions (``StreamReader`` over a ``PartitionSource``, every partition
@@ -22,13 +22,15 @@ dense features, a 256-128 MLP. Four measurements, all in one run:
   20 ms. Per partition: the first answer computed with a version that
   includes it, minus the partition's marker time, minus the partition's own
   training time (``ProgressiveValidation``'s ``started``/``finished``).
-* ``duplicated_rows`` / ``skipped_rows``: a trainer process follows the
-  partitions as they land (one every ``--interval`` s), checkpointing every
-  ``--checkpoint-steps`` steps, and is SIGKILLed ``--kills`` times at random
-  moments and started again; each run logs the row ids of every step it
-  trains. A run's steps at or after the step the next run restored are not
-  in the model (it went back to the checkpoint), so the rows the final model
-  trained are the other runs' logged steps: each row must appear once.
+* ``duplicated_rows`` / ``skipped_rows``: trainers follow the partitions as
+  they land (one every ``--interval`` s), checkpointing every
+  ``--checkpoint-steps`` steps, and are SIGKILLed ``--kills`` times at random
+  moments and started again: a trainer process alone (embedded), and a
+  ``wuliang launch`` job of 2 servers, a chief and a worker, any of them
+  killed (``cluster_``). The model counts the rows it trained: ``row_key``
+  is a sparse feature of its own 1-wide table whose rows the tower reads
+  (times 0), so each row's ``count`` is the number of updates the final
+  model holds of it: every row must have exactly 1.
 * ``rss_growth_200_vs_20``: one trainer follows ``--rss-partitions``
   partitions (progressive validation, a delta export after each partition,
   a full one every 8, pruned to 16 versions, a checkpoint every 30 s keeping
@@ -74,10 +76,15 @@ HOUR = 3600
 START = dt.datetime(2026, 1, 1)
 DIM = 16
 BATCH = 512
-ROW_ID = "row_id"
+ROW_KEY = "row_key"
 
 
 # -- data --------------------------------------------------------------------------------
+
+
+def row_keys(k: int, rows: int) -> np.ndarray:
+    """The keys naming partition k's rows."""
+    return (np.uint64(k) << np.uint64(32)) | np.arange(rows, dtype=np.uint64)
 
 
 def partition_name(k: int) -> str:
@@ -85,8 +92,10 @@ def partition_name(k: int) -> str:
     return f"dt={when:%Y-%m-%d}/hour={when:%H}"
 
 
-def write_partition(root: Path, k: int, rows: int, seed: int = 0, fresh: float = 0.2) -> Path:
-    """Partition ``k`` (the k-th hour): its file, then its marker."""
+def write_partition(
+    root: Path, k: int, rows: int, seed: int = 0, fresh: float = 0.2, files: int = 1
+) -> Path:
+    """Partition ``k`` (the k-th hour): its ``files`` files, then its marker."""
     rng = np.random.default_rng([seed, k])
     cfg = DatagenConfig(rows, seed=seed, mean_length=0.0)
     table = generate_table(cfg, rows, rng).select([*SINGLE, *DENSE, "label"])
@@ -97,10 +106,14 @@ def write_partition(root: Path, k: int, rows: int, seed: int = 0, fresh: float =
         ids = np.arange(rows, dtype=np.int64) + (k << 32)
         keys[new] = hash_ints(ids[new], f"fresh-{name}")
         columns[name] = pa.array(keys, pa.uint64())
-    columns[ROW_ID] = pa.array(np.arange(rows, dtype=np.float32))
+    columns[ROW_KEY] = pa.array(row_keys(k, rows), pa.uint64())
     folder = root / partition_name(k)
     folder.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table(columns), folder / "part-0.parquet", row_group_size=8192)
+    table = pa.table(columns)
+    step = -(-rows // files)
+    for i in range(files):
+        part = table.slice(i * step, step)
+        pq.write_table(part, folder / f"part-{i}.parquet", row_group_size=8192)
     (folder / "_SUCCESS").touch()
     return folder
 
@@ -109,10 +122,12 @@ class Producer(threading.Thread):
     """Lands partitions ``first``… one every ``interval`` seconds; ``landed``:
     each one's marker time."""
 
-    def __init__(self, root: Path, first: int, count: int, rows: int, interval: float) -> None:
+    def __init__(
+        self, root: Path, first: int, count: int, rows: int, interval: float, files: int = 1
+    ) -> None:
         super().__init__(name="producer", daemon=True)
         self.root, self.first, self.count, self.rows = root, first, count, rows
-        self.interval = interval
+        self.interval, self.files = interval, files
         self.landed: dict[str, float] = {}
         self.stop = threading.Event()
 
@@ -120,7 +135,7 @@ class Producer(threading.Thread):
         for k in range(self.first, self.first + self.count):
             if self.stop.is_set():
                 return
-            write_partition(self.root, k, self.rows)
+            write_partition(self.root, k, self.rows, files=self.files)
             self.landed[partition_name(k)] = time.time()
             self.stop.wait(self.interval)
 
@@ -128,7 +143,11 @@ class Producer(threading.Thread):
 # -- the model -----------------------------------------------------------------------------
 
 
-def make_session(hooks: Sequence[Any] = (), ttl: int = 0, **context: Any) -> Any:
+def make_session(
+    hooks: Sequence[Any] = (), ttl: int = 0, count_rows: bool = False, context: Any = None
+) -> Any:
+    """The model; ``count_rows``: with the ``row_key`` table that counts
+    the rows trained."""
     import keras
 
     import wuliang as wl
@@ -141,7 +160,10 @@ def make_session(hooks: Sequence[Any] = (), ttl: int = 0, **context: Any) -> Any
         )
         for name in SINGLE
     ]
-    features += [wl.DenseFeature(name) for name in [*DENSE, ROW_ID]]
+    features += [wl.DenseFeature(name) for name in DENSE]
+    if count_rows:
+        counter = wl.EmbeddingTable(ROW_KEY, 1, optimizer=wl.optimizers.SGD(1e-6))
+        features.append(wl.SparseFeature(ROW_KEY, counter))
     mlp = keras.Sequential(
         [
             keras.layers.Dense(256, activation="relu"),
@@ -150,14 +172,15 @@ def make_session(hooks: Sequence[Any] = (), ttl: int = 0, **context: Any) -> Any
         ]
     )
 
-    def tower(embeddings: dict, dense: dict) -> Any:  # row_id is not an input
+    def tower(embeddings: dict, dense: dict) -> Any:
         inputs = [embeddings[n] for n in SINGLE] + [dense[n] for n in DENSE]
-        return mlp(wl.embedding.concat(inputs))
+        logits = mlp(wl.embedding.concat(inputs))
+        return logits + 0.0 * embeddings[ROW_KEY] if count_rows else logits
 
     return wl.Session(
         tower,
         features,
-        wl.Context(**context),
+        context if context is not None else wl.Context(),
         hooks=list(hooks),
         optimizer=keras.optimizers.Adagrad(0.01),
     )
@@ -342,91 +365,146 @@ import numpy as np
 import stream_bench as sb
 import wuliang as wl
 
-class RowLog(wl.hooks.SessionRunHook):
-    # the rows of every step, written before a checkpoint can include it
-    def __init__(self, path, run):
-        self.out = open(path, "a")
-        self.run = run
-
-    def after_create_session(self, session):
-        print("restored", session.global_step, flush=True)
-
-    def after_run(self, run_context, run_values):
-        batch = run_context.batch
-        ids = batch.dense_feature(sb.ROW_ID).astype(np.int64).ravel().tolist()
-        line = f"{{self.run}} {{run_context.step}} {{batch.partition.name}} "
-        self.out.write(line + " ".join(map(str, ids)) + "\\n")
-        self.out.flush()
-
-run = int(sys.argv[1])
+context = wl.Context()  # a trainer of the job in TF_CONFIG, else embedded
+job = context.job
 checkpoint = wl.hooks.Checkpoint({model!r}, every_steps={every})
-session = sb.make_session([RowLog({log!r}, run), checkpoint])
+session = sb.make_session([checkpoint], count_rows=True, context=context)
+print("started", flush=True)
 session.train(sb.stream(sb.Path({root!r}), timeout={idle}, poll_s=0.2))
-session.close()
-print("done", session.global_step, flush=True)
+if job is not None:
+    job.finish()
+    if not job.is_chief:
+        session.close()
+        context.close()
+        sys.exit(0)
+    job.wait_finished(timeout=600)
+session.close()  # the last checkpoint
+chunks = list(context.ps.export(sb.ROW_KEY))
+keys = np.concatenate([c.keys for c in chunks])
+counts = np.concatenate([c.counts for c in chunks]).astype(np.uint64)
+np.save({out!r}, np.stack([keys, counts]))
+context.close()
+print("done", flush=True)
 """
 
 
-def kills(work: Path, partitions: int, rows: int, interval: float, n: int, every: int) -> Any:
-    """Trains following landing partitions, SIGKILLed ``n`` times at random
-    moments; the rows in the final model counted from the runs' logs."""
-    root, model, log = work / "kill", work / "kill-model", work / "rows.log"
-    fresh(root, model, log)
-    script = work / "kill_trainer.py"
+def count_rows(out: Path, partitions: int, rows: int) -> dict[str, int]:
+    """Rows the final model trained more than once, and not at all."""
+    keys, counts = np.load(out)
+    expected = np.concatenate([row_keys(k, rows) for k in range(partitions)])
+    counted = dict(zip(keys.tolist(), counts.tolist(), strict=True))
+    duplicated = sum(c - 1 for c in counted.values() if c > 1)
+    skipped = sum(1 for key in expected.tolist() if counted.get(key, 0) == 0)
+    return {"duplicated_rows": int(duplicated), "skipped_rows": skipped, "rows": len(expected)}
+
+
+def trainer_script(work: Path, name: str, every: int, interval: float) -> tuple[Path, Path]:
+    """The trainer of a kill run, and the file its final counts go to."""
+    root, model, out = work / name, work / f"{name}-model", work / f"{name}-counts.npy"
+    fresh(root, model, out)
     here = str(Path(__file__).resolve().parent)
-    idle = max(20.0, 5 * interval)
-    fields = {"here": here, "model": str(model), "every": every, "log": str(log)}
-    script.write_text(TRAINER.format(root=str(root), idle=idle, **fields))
-    producer = Producer(root, 0, partitions, rows, interval)
+    fields = {"here": here, "model": str(model), "every": every, "out": str(out)}
+    script = work / f"{name}_trainer.py"
+    script.write_text(TRAINER.format(root=str(root), idle=max(10.0, 5 * interval), **fields))
+    return script, out
+
+
+def kills(work: Path, partitions: int, rows: int, interval: float, n: int, every: int) -> Any:
+    """One trainer process following landing partitions, SIGKILLed ``n``
+    times at random moments and started again."""
+    script, out = trainer_script(work, "kill", every, interval)
+    producer = Producer(work / "kill", 0, partitions, rows, interval)
     producer.start()
     rng = random.Random(7)
-    starts: list[int] = []  # the step each run restored
     killed = 0
-    final_step = None
     for run in range(n + 1):
         errors = work / f"kill-run-{run}.log"
         with errors.open("w") as err:
-            command = [sys.executable, str(script), str(run)]
+            command = [sys.executable, str(script)]
             proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True)
         assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line.startswith("restored"):
+        if not proc.stdout.readline().startswith("started"):
             proc.kill()
             raise RuntimeError(f"run {run} did not start: {errors.read_text()[-3000:]}")
-        starts.append(int(line.split()[1]))
         if run < n:
             time.sleep(rng.uniform(1.0, 2.5 * interval))
             if proc.poll() is not None:
                 raise RuntimeError(f"run {run} failed: {errors.read_text()[-3000:]}")
             proc.kill()
             killed += 1
-        else:
-            for rest in proc.stdout:
-                if rest.startswith("done"):
-                    final_step = int(rest.split()[1])
         code = proc.wait(timeout=600)
         proc.stdout.close()
         if run == n and code != 0:
             raise RuntimeError(f"the last run failed: {errors.read_text()[-3000:]}")
     producer.join()
-    trained: Counter[tuple[str, int]] = Counter()
-    for text in log.read_text().splitlines():
-        run_text, step_text, name, *ids = text.split()
-        run, step = int(run_text), int(step_text)
-        if run + 1 < len(starts) and step >= starts[run + 1]:
-            continue  # undone: the next run went back to a checkpoint before it
-        for i in ids:
-            trained[(name, int(i))] += 1
-    expected = {(partition_name(k), i) for k in range(partitions) for i in range(rows)}
-    duplicated = sum(c - 1 for c in trained.values() if c > 1)
-    skipped = len(expected - set(trained))
+    counted = count_rows(out, partitions, rows)
     return {
-        "duplicated_rows": duplicated,
-        "skipped_rows": skipped,
+        "duplicated_rows": counted["duplicated_rows"],
+        "skipped_rows": counted["skipped_rows"],
         "kills": killed,
-        "kill_runs_restored_at": starts,
-        "kill_final_step": final_step,
-        "kill_rows": len(expected),
+        "kill_rows": counted["rows"],
+    }
+
+
+def cluster_kills(
+    work: Path, partitions: int, rows: int, interval: float, n: int, every: int, recovery: str
+) -> dict[str, Any]:
+    """A ``wuliang launch --recovery RECOVERY`` job (2 servers, a chief, a
+    worker) following landing partitions; ``n`` SIGKILLs of random roles at
+    random moments."""
+    script, out = trainer_script(work, "cluster", every, interval)
+    model = work / "cluster-model"
+    command = [sys.executable, "-m", "wuliang", "launch", "--ps", "2", "--workers", "1"]
+    command += ["--model-dir", str(model), "--recovery", recovery]
+    command += ["--", sys.executable, str(script)]
+    log = work / "cluster-launch.log"
+    pids: dict[str, int] = {}
+    lines: list[str] = []
+    with log.open("w") as err:
+        launch = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True)
+
+    def follow() -> None:
+        assert launch.stdout is not None
+        for line in launch.stdout:
+            lines.append(line.rstrip())
+            found = re.match(r"\[launch\] started (\S+) \(pid (\d+)\)", line)
+            if found:
+                pids[found[1]] = int(found[2])
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    while not any(line.split("] ")[-1] == "started" for line in lines if "[worker-0]" in line):
+        if time.monotonic() > deadline or launch.poll() is not None:
+            launch.kill()
+            raise RuntimeError("the job did not start:\n" + "\n".join(lines[-30:]))
+        time.sleep(0.2)
+    producer = Producer(work / "cluster", 0, partitions, rows, interval, files=2)
+    producer.start()
+    rng = random.Random(11)
+    killed: list[str] = []
+    for _ in range(n):
+        time.sleep(rng.uniform(2.0, 3.0 * interval))
+        role = rng.choice(sorted(pids))
+        try:
+            os.kill(pids[role], signal.SIGKILL)
+            killed.append(role)
+        except ProcessLookupError:
+            pass
+    producer.join()
+    code = launch.wait(timeout=900)
+    reader.join(timeout=10)
+    assert launch.stdout is not None
+    launch.stdout.close()
+    (work / "cluster-job.log").write_text("\n".join(lines) + "\n")
+    if code != 0:
+        raise RuntimeError(f"the job ended with {code}:\n" + "\n".join(lines[-40:]))
+    counted = count_rows(out, partitions, rows)
+    return {
+        f"cluster_{recovery}_duplicated_rows": counted["duplicated_rows"],
+        f"cluster_{recovery}_skipped_rows": counted["skipped_rows"],
+        f"cluster_{recovery}_kills": killed,
+        "cluster_rows": counted["rows"],
     }
 
 
@@ -462,7 +540,8 @@ def memory(work: Path, partitions: int, rows: int) -> dict[str, Any]:
         work / "memory-exports", every_partition=True, keep_versions=16, full_every=8
     )
     checkpoint = wl.hooks.Checkpoint(work / "memory-model", every_secs=30, keep=2)
-    session = make_session([progressive, exports, checkpoint], ttl=12 * HOUR, evict_every_steps=20)
+    context = wl.Context(evict_every_steps=20)
+    session = make_session([progressive, exports, checkpoint], ttl=12 * HOUR, context=context)
     try:
         session.train(stream(root, timeout=0))
     finally:
@@ -490,7 +569,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--checkpoint-steps", type=int, default=10)
     p.add_argument("--rss-partitions", type=int, default=200)
-    p.add_argument("--only", nargs="+", choices=["follow", "fresh", "kills", "memory"])
+    p.add_argument("--only", nargs="+", choices=["follow", "fresh", "kills", "cluster", "memory"])
     p.add_argument("--work-dir", type=Path, default=None)
     args = p.parse_args(argv)
     quick = args.quick
@@ -500,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     interval = args.interval or (3.0 if quick else 4.0)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="stream-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    only = set(args.only or ["follow", "fresh", "kills", "memory"])
+    only = set(args.only or ["follow", "fresh", "kills", "cluster", "memory"])
     result: dict[str, Any] = {"quick": quick, "rows_per_partition": rows, "batch": BATCH}
     try:
         if "follow" in only:
@@ -510,6 +589,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if "kills" in only:
             result |= kills(work, 10 if quick else 20, rows // 2, interval, args.kills,
                             args.checkpoint_steps)  # fmt: skip
+        if "cluster" in only:
+            for recovery in ("full", "partial"):
+                result |= cluster_kills(work, 10 if quick else 20, rows // 2, interval,
+                                        args.kills, args.checkpoint_steps, recovery)  # fmt: skip
         if "memory" in only:
             result |= memory(work, args.rss_partitions, 1024 if quick else 2048)
     finally:

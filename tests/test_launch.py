@@ -207,6 +207,8 @@ def test_usage_errors() -> None:
     for args, message in (
         (["--ps", "1"], "give the trainer's command after --"),
         (["--no-chief", "--", "python", "x.py"], "nobody trains"),
+        (["--recovery", "full", "--", "python", "x.py"], "give --model-dir"),
+        (["--restart-window", "0", "--", "python", "x.py"], "--restart-window must be > 0"),
     ):
         done = subprocess.run(
             [sys.executable, "-m", "wuliang", "launch", *args],

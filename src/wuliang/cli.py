@@ -330,6 +330,7 @@ def _launch_options(args: argparse.Namespace) -> Any:
         max_restarts=args.max_restarts,
         restart_window=args.restart_window,
         max_backoff=args.max_backoff,
+        recovery=args.recovery,
         model_dir=args.model_dir,
     )
 
@@ -700,6 +701,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=bounded_int(0),
         default=10,
         help="failures of one role within --restart-window that stop the job (a crash loop)",
+    )
+    launch.add_argument(
+        "--recovery",
+        choices=("partial", "full"),
+        default="partial",
+        help="partial: restart only the role that failed (a server restores its part of "
+        "the newest checkpoint, the others keep theirs); full: any failure restarts every "
+        "role from the newest checkpoint (exactly once; needs --model-dir)",
     )
     launch.add_argument(
         "--restart-window",

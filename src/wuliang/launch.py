@@ -19,7 +19,17 @@ times within ``restart_window`` seconds is in a crash loop and the job stops,
 naming it; preemptions spread over a job's months never stop it. A role's
 first failure within the window restarts at once, each further one after a
 delay doubling from 1 s up to ``max_backoff`` (Kubernetes' CrashLoopBackOff),
-so a crash loop does not spin. A trainer that exits 0 is done. The job
+so a crash loop does not spin. A trainer that exits 0 is done.
+
+Recovery (``recovery``): ``"partial"`` (the default) restarts only the
+role that failed: a server restores its part of the newest checkpoint and
+the others keep their rows (updates since that checkpoint to the restarted
+server's rows are lost, as Meta's CPR weighs it), a trainer resumes its
+reader from the job board. ``"full"`` makes a job exact: any failure kills
+every role and restarts them all from the newest checkpoint (servers, then
+trainers, the chief restoring the checkpoint's reader positions), so no row
+is trained twice or lost; the job retrains what came after that
+checkpoint. The job
 ends when the chief ends (or, without a chief, when every worker has): the
 others get SIGTERM, then SIGKILL after ``grace`` seconds, and the launcher
 exits with the chief's status. Ctrl-C or SIGTERM stops everything the same way (exit 130).
@@ -40,6 +50,8 @@ from typing import IO
 
 __all__ = ["LaunchOptions", "launch"]
 
+RECOVERY = ("partial", "full")
+
 
 @dataclass
 class LaunchOptions:
@@ -54,6 +66,7 @@ class LaunchOptions:
     max_restarts: int = 10  # failures of one role within restart_window
     restart_window: float = 600.0  # seconds
     max_backoff: float = 30.0  # seconds
+    recovery: str = "partial"  # or "full": any failure restarts every role from the checkpoint
     start_timeout: float = 60.0
     grace: float = 10.0
     model_dir: str | None = None  # servers restore their part of its newest checkpoint
@@ -67,6 +80,12 @@ class LaunchOptions:
             raise ValueError("nobody trains: --no-chief needs --workers >= 1")
         if self.restart_window <= 0:
             raise ValueError(f"--restart-window must be > 0 seconds, got {self.restart_window:g}")
+        if self.recovery not in RECOVERY:
+            raise ValueError(
+                f"--recovery must be one of {', '.join(RECOVERY)}, got {self.recovery!r}"
+            )
+        if self.recovery == "full" and self.model_dir is None:
+            raise ValueError("--recovery full restores the newest checkpoint: give --model-dir")
         if self.max_backoff < 0:
             raise ValueError(f"--max-backoff must be >= 0 seconds, got {self.max_backoff:g}")
 
@@ -201,6 +220,10 @@ class _Job:
                     self.say(f"[launch] {role.name} finished")
                     continue
                 self._restart(role, code)
+                if self.options.recovery == "full":
+                    if not self._roll_back(role):
+                        return 130
+                    break
             if chief is not None and chief.done:
                 return 0
             if chief is None and all(r.done for r in trainers):
@@ -230,6 +253,37 @@ class _Job:
         )
         role.proc = None
         role.restart_at = now + delay
+
+    def _roll_back(self, failed: _Role) -> bool:
+        """Full recovery: every other role is killed (SIGKILL: a trainer must
+        not checkpoint what a lost server left), then, after the failed role's
+        backoff, the servers start again (each restores its part of the
+        newest checkpoint), then every trainer (the chief restores the
+        checkpoint, reader positions included). False when the job is
+        stopped meanwhile."""
+        self.say(f"[launch] {failed.name} failed: every role restarts from the newest checkpoint")
+        running = [r for r in self.roles if r.proc is not None and r.proc.poll() is None]
+        for role in running:
+            assert role.proc is not None
+            role.proc.kill()
+        for role in running:
+            assert role.proc is not None
+            role.proc.wait(timeout=30)
+        wait = max(0.0, (failed.restart_at or 0.0) - time.monotonic())
+        if self.stopping.wait(wait):
+            return False
+        for role in self.roles:
+            role.done, role.restart_at, role.proc = False, None, None
+        servers = [r for r in self.roles if r.kind == "ps"]
+        for role in servers:
+            self.start(role)
+        for role in servers:
+            if not self._wait_started(role):
+                return False
+        for role in self.roles:
+            if role.kind != "ps":
+                self.start(role)
+        return True
 
     def stop_all(self) -> None:
         running = [r.proc for r in self.roles if r.proc is not None and r.proc.poll() is None]

@@ -1,0 +1,33 @@
+"""Exactly once across SIGKILLs: trainers following partitions as they land
+are killed at random moments and started again, alone and in a `wuliang
+launch` job (servers too, with `--recovery full`); the final model's
+per-row update counts (a table keyed by row, `benchmarks/stream_bench.py`)
+show every row trained once."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from repo_data import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import stream_bench
+
+
+def test_a_trainer_killed_twice_trains_every_row_once(tmp_path: Path) -> None:
+    result = stream_bench.kills(tmp_path, partitions=4, rows=2048, interval=2.0, n=2, every=3)
+    assert result["kills"] == 2, result
+    assert (result["duplicated_rows"], result["skipped_rows"]) == (0, 0), result
+
+
+def test_a_job_whose_roles_are_killed_trains_every_row_once(tmp_path: Path) -> None:
+    result = stream_bench.cluster_kills(
+        tmp_path, partitions=4, rows=2048, interval=2.0, n=2, every=3, recovery="full"
+    )
+    assert len(result["cluster_full_kills"]) == 2, result
+    duplicated, skipped = (
+        result["cluster_full_duplicated_rows"],
+        result["cluster_full_skipped_rows"],
+    )
+    assert (duplicated, skipped) == (0, 0), result
