@@ -219,6 +219,7 @@ def follow_vs_batch(work: Path, partitions: int, rows: int, rounds: int) -> dict
         write_partition(root, k, rows)
     files = [str(root / partition_name(k) / "part-0.parquet") for k in range(partitions)]
     rates: dict[str, list[float]] = {"follow": [], "batch": []}
+    cpu_us: dict[str, list[float]] = {"follow": [], "batch": []}
     for r in range(-1, 2 * rounds):  # -1: a warm-up (TensorFlow's tracing), not counted
         kind = ("follow", "batch")[(r + r // 2) % 2]  # follow, batch, batch, follow, ...
         if kind == "follow":
@@ -227,6 +228,7 @@ def follow_vs_batch(work: Path, partitions: int, rows: int, rounds: int) -> dict
         else:
             session = make_session()
             reader = ParquetReader(files, BATCH, label="label", epochs=1)
+        cpu = time.process_time()
         try:
             result = session.train(reader)
         finally:
@@ -234,12 +236,17 @@ def follow_vs_batch(work: Path, partitions: int, rows: int, rounds: int) -> dict
         assert result["samples"] == partitions * rows, result
         if r >= 0:
             rates[kind].append(result["samples_per_s"])
+            cpu_us[kind].append((time.process_time() - cpu) / result["samples"] * 1e6)
     follow, batch = statistics.median(rates["follow"]), statistics.median(rates["batch"])
     return {
         "follow_vs_batch": follow / batch,
         "follow_samples_per_s": follow,
         "batch_samples_per_s": batch,
         "rounds_samples_per_s": rates,
+        # CPU time per sample, all threads (steadier than rates on a shared VM)
+        "follow_vs_batch_cpu": statistics.median(cpu_us["batch"])
+        / statistics.median(cpu_us["follow"]),
+        "cpu_us_per_sample": {k: statistics.median(v) for k, v in cpu_us.items()},
     }
 
 
@@ -447,14 +454,21 @@ def kills(work: Path, partitions: int, rows: int, interval: float, n: int, every
 
 
 def cluster_kills(
-    work: Path, partitions: int, rows: int, interval: float, n: int, every: int, recovery: str
+    work: Path,
+    partitions: int,
+    rows: int,
+    interval: float,
+    n: int,
+    every: int,
+    recovery: str,
+    workers: int = 1,
 ) -> dict[str, Any]:
-    """A ``wuliang launch --recovery RECOVERY`` job (2 servers, a chief, a
-    worker) following landing partitions; ``n`` SIGKILLs of random roles at
-    random moments."""
+    """A ``wuliang launch --recovery RECOVERY`` job (2 servers, a chief and
+    ``workers`` workers) following landing partitions; ``n`` SIGKILLs of
+    random roles at random moments."""
     script, out = trainer_script(work, "cluster", every, interval)
     model = work / "cluster-model"
-    command = [sys.executable, "-m", "wuliang", "launch", "--ps", "2", "--workers", "1"]
+    command = [sys.executable, "-m", "wuliang", "launch", "--ps", "2", "--workers", str(workers)]
     command += ["--model-dir", str(model), "--recovery", recovery]
     command += ["--", sys.executable, str(script)]
     log = work / "cluster-launch.log"
@@ -474,7 +488,8 @@ def cluster_kills(
     reader = threading.Thread(target=follow, daemon=True)
     reader.start()
     deadline = time.monotonic() + 120
-    while not any(line.split("] ")[-1] == "started" for line in lines if "[worker-0]" in line):
+    last = f"[worker-{workers - 1}]" if workers else "[chief-0]"
+    while not any(line.split("] ")[-1] == "started" for line in lines if last in line):
         if time.monotonic() > deadline or launch.poll() is not None:
             launch.kill()
             raise RuntimeError("the job did not start:\n" + "\n".join(lines[-30:]))
@@ -500,10 +515,11 @@ def cluster_kills(
     if code != 0:
         raise RuntimeError(f"the job ended with {code}:\n" + "\n".join(lines[-40:]))
     counted = count_rows(out, partitions, rows)
+    name = f"cluster_{recovery}" + ("" if workers else "_one_trainer")
     return {
-        f"cluster_{recovery}_duplicated_rows": counted["duplicated_rows"],
-        f"cluster_{recovery}_skipped_rows": counted["skipped_rows"],
-        f"cluster_{recovery}_kills": killed,
+        f"{name}_duplicated_rows": counted["duplicated_rows"],
+        f"{name}_skipped_rows": counted["skipped_rows"],
+        f"{name}_kills": killed,
         "cluster_rows": counted["rows"],
     }
 
@@ -575,7 +591,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     quick = args.quick
     rows = args.rows or (8192 if quick else 16384)
     partitions = args.partitions or (16 if quick else 32)
-    rounds = args.rounds or 3
+    rounds = args.rounds or (3 if quick else 5)
     interval = args.interval or (3.0 if quick else 4.0)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="stream-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -590,9 +606,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             result |= kills(work, 10 if quick else 20, rows // 2, interval, args.kills,
                             args.checkpoint_steps)  # fmt: skip
         if "cluster" in only:
-            for recovery in ("full", "partial"):
+            for recovery, workers in (("full", 0), ("full", 1), ("partial", 1)):
                 result |= cluster_kills(work, 10 if quick else 20, rows // 2, interval,
-                                        args.kills, args.checkpoint_steps, recovery)  # fmt: skip
+                                        args.kills, args.checkpoint_steps, recovery,
+                                        workers)  # fmt: skip
         if "memory" in only:
             result |= memory(work, args.rss_partitions, 1024 if quick else 2048)
     finally:

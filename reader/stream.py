@@ -5,7 +5,11 @@ A ``StreamReader`` reads the partitions a ``PartitionSource`` gives
 ``ParquetReader`` over this trainer's share of its files
 (``Partition.files_for``), and yields their batches one partition after
 another: a batch never holds rows of two partitions, and says which it is
-of (``batch.partition``).
+of (``batch.partition``). Once a partition's first batch is out, the next
+complete partition's reader starts (its threads read ahead), so a
+partition boundary costs no wait for the first batches of the next; if
+another partition comes first after all (a late one), that reader is
+closed unused.
 
 Its position (``batch.position``, a ``StreamPosition``) is where the
 stream stands after the batch: the source's state (the partitions done)
@@ -32,6 +36,15 @@ from wuliang.reader.parquet import ParquetReader, ReaderPosition, _shard_of
 from wuliang.reader.partitions import Partition, PartitionSource
 
 __all__ = ["StreamPosition", "StreamReader", "ends_partition"]
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """A partition's reader started before its turn."""
+
+    partition: Partition
+    reader: ParquetReader
+    batches: Iterator[CsrBatch]
 
 
 @dataclass(frozen=True)
@@ -195,16 +208,44 @@ class StreamReader:
             self.source.restore(position.partitions)
             if position.partition is not None:
                 resume = position.partition, position.inner
-        while True:
-            if resume is not None:
-                partition = self._resumed(resume[0])
-                inner_start, resume = resume[1], None
-            else:
-                partition = self.source.next(self.timeout)
-                inner_start = None
-                if partition is None or self.source.stopped:
-                    return
-            yield from self._partition(partition, inner_start)
+        ahead: _Ahead | None = None  # the next partition, opened while this one is read
+        try:
+            while True:
+                if resume is not None:
+                    partition = self._resumed(resume[0])
+                    inner_start, resume = resume[1], None
+                else:
+                    partition = self.source.next(self.timeout)
+                    inner_start = None
+                    if partition is None or self.source.stopped:
+                        return
+                opened = None
+                if ahead is not None:
+                    if ahead.partition.name == partition.name and inner_start is None:
+                        opened = ahead.batches
+                    else:
+                        ahead.reader.close()
+                    ahead = None
+                for k, batch in enumerate(self._partition(partition, inner_start, opened)):
+                    yield batch
+                    if k == 0:  # its first batch is out: start reading the next one
+                        ahead = self._open_next(partition)
+        finally:
+            if ahead is not None:
+                ahead.reader.close()
+
+    def _open_next(self, current: Partition) -> _Ahead | None:
+        """The partition ``next`` will most likely give after ``current``
+        (the oldest complete one not done), its reader started."""
+        for partition in self.source.ready():
+            if partition.name == current.name:
+                continue
+            files = partition.files_for(self.index, self.count)
+            if not files:
+                return None
+            reader = self._reader(files, None)
+            return _Ahead(partition, reader, iter(reader))
+        return None
 
     def _resumed(self, name: str) -> Partition:
         for partition in self.source.ready():
@@ -215,10 +256,16 @@ class StreamReader:
             "longer a complete partition there: resume with the data of the run that wrote it"
         )
 
-    def _partition(self, partition: Partition, start: ReaderPosition | None) -> Iterator[CsrBatch]:
+    def _partition(
+        self,
+        partition: Partition,
+        start: ReaderPosition | None,
+        opened: Iterator[CsrBatch] | None = None,
+    ) -> Iterator[CsrBatch]:
+        """Its batches (from ``opened``, its reader started ahead, if given)."""
         files = partition.files_for(self.index, self.count)
         if files:
-            for batch in self._reader(files, start):
+            for batch in opened if opened is not None else self._reader(files, start):
                 inner = batch.position
                 last = inner.finished_epochs is not None
                 if last:

@@ -1,8 +1,8 @@
-"""Exactly once across SIGKILLs: trainers following partitions as they land
-are killed at random moments and started again, alone and in a `wuliang
-launch` job (servers too, with `--recovery full`); the final model's
-per-row update counts (a table keyed by row, `benchmarks/stream_bench.py`)
-show every row trained once."""
+"""Exactly once across SIGKILLs: a trainer following partitions as they land
+is killed at random moments and started again, alone and in a `wuliang
+launch` job whose servers are killed too (`--recovery full`); the final
+model's per-row update counts (a table keyed by row,
+`benchmarks/stream_bench.py`) show every row trained once."""
 
 from __future__ import annotations
 

@@ -273,3 +273,23 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_0(tmp_path: Path) -> No
     assert (tmp_path / "m" / f"ckpt-{total}").is_dir()
     manifest = json.loads((tmp_path / "m" / f"ckpt-{total}" / "manifest.json").read_text())
     assert manifest["reader_position"]["partitions"]["done"] == DAYS[:2]
+
+
+def test_each_partition_is_published_to_redis(tmp_path: Path, redis_url: str) -> None:
+    """``IncrementalExport(redis=...)``: a fleet reading Redis gets the
+    version written after each partition (a delta on top of the one before)."""
+    import redis
+
+    write_days(tmp_path / "data", DAYS[:3])
+    exports = wl.hooks.IncrementalExport(
+        tmp_path / "exports", every_partition=True, redis=redis_url, redis_model="days"
+    )
+    session = follow(tmp_path / "data", [exports])
+    try:
+        assert [r.version for r in exports.published] == [1, 2, 3]
+        client = redis.Redis.from_url(redis_url)
+        assert client.get("wl:{days}:current") == b"3"
+        client.close()
+    finally:
+        session.close()
+        session.context.close()
