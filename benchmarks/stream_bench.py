@@ -462,10 +462,11 @@ def cluster_kills(
     every: int,
     recovery: str,
     workers: int = 1,
+    roles: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """A ``wuliang launch --recovery RECOVERY`` job (2 servers, a chief and
-    ``workers`` workers) following landing partitions; ``n`` SIGKILLs of
-    random roles at random moments."""
+    ``workers`` workers) following landing partitions; ``n`` SIGKILLs at
+    random moments, of random roles (or of ``roles``, in turn)."""
     script, out = trainer_script(work, "cluster", every, interval)
     model = work / "cluster-model"
     command = [sys.executable, "-m", "wuliang", "launch", "--ps", "2", "--workers", str(workers)]
@@ -500,7 +501,7 @@ def cluster_kills(
     killed: list[str] = []
     for _ in range(n):
         time.sleep(rng.uniform(2.0, 3.0 * interval))
-        role = rng.choice(sorted(pids))
+        role = rng.choice(sorted(pids)) if roles is None else roles[len(killed) % len(roles)]
         try:
             os.kill(pids[role], signal.SIGKILL)
             killed.append(role)
