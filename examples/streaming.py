@@ -65,6 +65,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument(
+        "--gate-auc-drop",
+        type=float,
+        default=None,
+        help="hold a week's export when its progressive AUC is this far below the trailing mean",
+    )
     p.add_argument("--resume", action="store_true", help="keep WORK/model and WORK/landing")
     p.add_argument("--no-serve", action="store_true", help="train and export only")
     return p.parse_args(argv)
@@ -196,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"producer: {len(partitions)} weekly partitions of {rows} ratings into {landing}")
     producer = Producer(landing, partitions, args.interval)
 
-    progressive = wl.hooks.ProgressiveValidation(jsonl=jsonl)
+    progressive = wl.hooks.ProgressiveValidation(jsonl=jsonl, gate_auc_drop=args.gate_auc_drop)
     exports = wl.hooks.IncrementalExport(export_dir, every_partition=True, gate=progressive)
     checkpoint = wl.hooks.Checkpoint(model_dir, every_secs=60, keep=3)
     session = make_session(args, [progressive, exports, checkpoint])
