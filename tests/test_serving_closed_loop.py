@@ -376,7 +376,10 @@ def test_an_open_loop_overload_is_still_shed_early(server: Server) -> None:
         start = time.perf_counter()
         answers = burst(lookup, request, BURST)
         took = time.perf_counter() - start
-        # back to normal: the queue left its overload (an interval without a shed)
+        # back to normal: the queue leaves its overload after an interval
+        # without a refusal (100 ms); callers arriving within it, their waits
+        # over max_queue_ms, would be refused until a probe frees them (2 s)
+        time.sleep(0.3)
         failures, made = closed_loop(16, again, seconds=1.0)
     finally:
         channel.close()
