@@ -113,6 +113,7 @@ class ProgressiveValidation(SessionRunHook):
         self._verdicts: dict[str, str | None] = {}  # partition -> why held (None: passes)
         self._current: str | None = None
         self._started = 0.0  # time.time() at the partition's first step
+        self._unpartitioned = False  # warned that batches have no partition
         self._metrics = Metrics()
         self._writer: Any = None
         self._gauges: dict[str, Any] = {}
@@ -151,6 +152,14 @@ class ProgressiveValidation(SessionRunHook):
         if not run_context.train:
             return
         batch = run_context.batch
+        if getattr(batch, "partition", None) is None:  # not a StreamReader's: nothing to score
+            if not self._unpartitioned:
+                self._unpartitioned = True
+                log.warning(
+                    "ProgressiveValidation scores partitions; the reader's batches have none "
+                    "(read partitions with a StreamReader): nothing is scored"
+                )
+            return
         labels, scores = batch.labels, run_values.results["predictions"]
         if self.task is not None:
             labels, scores = labels[self.task], scores[self.task]

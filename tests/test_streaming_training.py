@@ -293,3 +293,19 @@ def test_each_partition_is_published_to_redis(tmp_path: Path, redis_url: str) ->
     finally:
         session.close()
         session.context.close()
+
+
+def test_progressive_validation_keeps_nothing_of_a_reader_without_partitions(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from small_model import reader, write_data
+
+    progressive = wl.hooks.ProgressiveValidation()
+    session = make_session(hooks=(progressive,))
+    try:
+        session.train(reader(write_data(tmp_path), 0), steps=5)
+    finally:
+        session.close()
+        session.context.close()
+    assert not progressive.records and progressive._metrics.result()["examples"] == 0
+    assert "the reader's batches have none" in caplog.text
