@@ -61,6 +61,7 @@ from wuliang.ps_server.storage.version import (
     Version,
     VersionWriter,
     remove_stale_temporaries,
+    remove_version,
     write_json_atomic,
 )
 
@@ -93,6 +94,7 @@ __all__ = [
     "location",
     "read_part",
     "remove_stale_temporaries",
+    "remove_version",
     "select_rows",
     "uncommitted_checkpoints",
     "versions",

@@ -103,6 +103,28 @@ def write_json_atomic(path: Path, value: Any) -> None:
     os.replace(tmp, path)
 
 
+def remove_version(path: Location, crash: str, why: str = "removed") -> None:
+    """Removes a version (a checkpoint or an export) so that no listing ever
+    sees it half removed: in a folder it is renamed to a ``.tmp-`` name first
+    (synced, so that it stays renamed; the next writer removes what a crash
+    leaves), in an object store its manifest goes first. ``crash``: the
+    name of the crash point between the two steps; ``why``: in the
+    temporary name (``.tmp-<name>-<why>-<pid>``)."""
+    if isinstance(path, RemotePath):
+        (path / MANIFEST).unlink(missing_ok=True)
+        crash_point(crash)
+        path.rmtree()
+        return
+    doomed = path.with_name(f"{TMP_PREFIX}{path.name}-{why}-{os.getpid()}")
+    try:
+        os.rename(path, doomed)
+        _fsync_path(path.parent)
+    except OSError:  # cannot be renamed: removed in place
+        doomed = path
+    crash_point(crash)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def remove_stale_temporaries(root: Location) -> None:
     """Removes what crashed writers left in root (``.tmp-*``; nothing in an
     object store, where a crashed writer leaves a folder without a manifest,

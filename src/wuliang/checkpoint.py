@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import shutil
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -66,16 +65,15 @@ from wuliang.ps_server.storage import (
     CHECKPOINT_PREFIX,
     MANIFEST,
     SERVING,
-    TMP_PREFIX,
     CorruptVersionError,
     Location,
     RemotePath,
     Version,
     VersionWriter,
     checkpoints,
-    crash_point,
     latest_checkpoint,
     location,
+    remove_version,
     uncommitted_checkpoints,
 )
 from wuliang.saved_model import quiet_tensorflow
@@ -261,7 +259,7 @@ def rotate(
     times = [(step, _created(path) if keep_daily else 0.0) for step, path in found]
     removed = [paths[step] for step in checkpoints_to_remove(times, keep, keep_daily, written)]
     for old in removed:
-        _remove(old)
+        remove_version(old, "checkpoint-rotate")
     root = location(model_dir)
     if isinstance(root, RemotePath) and found:  # what crashed writers left there
         newest = max(step for step, _ in found)
@@ -278,25 +276,6 @@ def _created(path: Location) -> float:
         return Version(path).manifest.created
     except (CorruptVersionError, OSError, ValueError):
         return 0.0
-
-
-def _remove(path: Location) -> None:
-    """Removes a checkpoint: renamed out of sight first (atomic), so a crash
-    while its files go leaves a ``.tmp-`` folder for the next writer to
-    remove, never a listed checkpoint with files missing. In an object
-    store its manifest goes first: no reader sees it from then on."""
-    if isinstance(path, RemotePath):
-        (path / MANIFEST).unlink(missing_ok=True)
-        crash_point("checkpoint-rotate")
-        path.rmtree()
-        return
-    doomed = path.with_name(f"{TMP_PREFIX}{path.name}-removed-{os.getpid()}")
-    try:
-        os.rename(path, doomed)
-    except OSError:
-        doomed = path
-    crash_point("checkpoint-rotate")
-    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def restore(

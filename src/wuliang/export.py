@@ -75,7 +75,6 @@ import contextlib
 import fcntl
 import logging
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -91,7 +90,6 @@ from wuliang.ps_server.storage import (
     LATEST,
     MANIFEST,
     SERVING,
-    TMP_PREFIX,
     Location,
     ModelDescription,
     RemotePath,
@@ -102,6 +100,7 @@ from wuliang.ps_server.storage import (
     latest,
     location,
     remove_stale_temporaries,
+    remove_version,
     select_rows,
     versions,
 )
@@ -591,7 +590,7 @@ def _prune(root: Location, keep_versions: int | None, keep_bytes: int | None) ->
     for number in [n for n, _ in found if n < base]:  # oldest first
         if not over():
             break
-        _remove_version(paths[number])
+        remove_version(paths[number], "export-prune", "pruned")
         kept.remove(number)
         result.removed.append(number)
         removed_bytes += sizes.get(number, 0)
@@ -617,30 +616,6 @@ def _version_bytes(version: Version) -> int:
         sum(f.bytes for f in version.manifest.files.values())
         + (version.path / MANIFEST).stat().st_size
     )
-
-
-def _remove_version(path: Location) -> None:
-    """Removes a version so that no listing ever sees it half removed: in a
-    folder renamed to a ``.tmp-`` name first (synced, so that it stays
-    renamed), in an object store its manifest deleted first."""
-    if isinstance(path, RemotePath):
-        (path / MANIFEST).unlink(missing_ok=True)
-        crash_point("export-prune")
-        path.rmtree()
-        return
-    doomed = path.with_name(f"{TMP_PREFIX}{path.name}-pruned-{os.getpid()}")
-    os.rename(path, doomed)
-    _fsync_dir(path.parent)
-    crash_point("export-prune")
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _numbers(numbers: list[int]) -> str:
