@@ -13,7 +13,8 @@ restarts finds them again:
   this step, not one process's count;
 * **values** by name (bytes): the chief's ``ready`` mark (the job's tables
   and tower are in place: restored, or initialized), each trainer's reader
-  position (``position/<trainer>``), …
+  position (``position/<trainer>``), the chief's ``hold`` while it cuts a
+  checkpoint and each trainer's answer to it (``held/<trainer>``), …
 
 ``JobBoard.apply`` is one atomic read-modify-write; ``ParameterServer.job``
 calls it. See ``wuliang.job`` for what the trainers do with it.
@@ -26,10 +27,12 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-__all__ = ["POSITION", "READY", "JobBoard", "JobState", "checkpoint_values"]
+__all__ = ["HELD", "HOLD", "POSITION", "READY", "JobBoard", "JobState", "checkpoint_values"]
 
 READY = "ready"  # set once the job's tables and tower are in place (JSON)
 POSITION = "position/"  # + trainer index: that trainer's reader position (JSON)
+HOLD = "hold"  # the chief cuts a checkpoint: trainers stop pushing (its id)
+HELD = "held/"  # + trainer index: the hold id that trainer stopped for
 
 MAX_VALUE_BYTES = 1 << 20  # one value (a reader position is a few hundred bytes)
 MAX_VALUES = 100_000

@@ -83,14 +83,15 @@ def test_a_restored_server_puts_the_checkpoint_on_its_board() -> None:
     assert json.loads(state.values["position/2"]) == {"b": 2}
 
 
+class Position:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def to_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+
 def test_trainers_count_steps_and_share_positions(remote: RemoteServer) -> None:
-    class Position:
-        def __init__(self, n: int) -> None:
-            self.n = n
-
-        def to_dict(self) -> dict[str, int]:
-            return {"n": self.n}
-
     chief, worker = Job(remote, cluster("chief", 0)), Job(remote, cluster("worker", 1))
     assert (chief.is_chief, chief.trainer, worker.trainer, worker.trainers) == (True, 0, 2, 3)
     for n in range(50):
@@ -105,6 +106,58 @@ def test_trainers_count_steps_and_share_positions(remote: RemoteServer) -> None:
     assert Job(remote, cluster("worker", 0)).position() == {"n": 7}
     chief.close()
     worker.close()
+
+
+def test_the_chief_holds_every_trainer_for_a_checkpoints_cut(remote: RemoteServer) -> None:
+    chief = Job(remote, cluster("chief", 0))
+    busy, idle = Job(remote, cluster("worker", 0)), Job(remote, cluster("worker", 1))
+    chief.mark_ready(restored=None)
+    busy.wait_ready()
+    idle.wait_ready()  # answers holds from now on, without a step
+    busy.note_step(Position(1))  # its push begun, not applied
+    holds: list[bytes | None] = []
+    holder = threading.Thread(target=lambda: holds.append(chief.hold_trainers()))
+    holder.start()
+    holder.join(timeout=1.0)
+    assert holder.is_alive(), "the cut did not wait for the begun push"
+    busy.push_done()
+    holder.join(timeout=10)
+    assert not holder.is_alive() and holds[0] is not None
+    assert chief.positions()["1"] == {"n": 1}  # sent with its answer
+    stepped = threading.Event()
+
+    def step() -> None:
+        busy.note_step(Position(2))
+        stepped.set()
+
+    stepper = threading.Thread(target=step)
+    stepper.start()
+    assert not stepped.wait(0.5), "a push began during the hold"
+    chief.release(holds[0])
+    assert stepped.wait(10)
+    stepper.join()
+    busy.push_done()
+    assert busy.sync() == chief.sync() == 2
+    for job in (chief, busy, idle):
+        job.close()
+
+
+def test_a_trainer_that_does_not_stop_is_named_and_the_cut_goes_on(
+    remote: RemoteServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    chief = Job(remote, cluster("chief", 0, workers=1))
+    Job(remote, cluster("worker", 0, workers=1))  # never joins: no thread answers
+    chief.cut_seconds = 0.3
+    start = time.monotonic()
+    hold = chief.hold_trainers()
+    assert time.monotonic() - start < 5
+    assert "trainer(s) 1 did not stop for the checkpoint" in caplog.text
+    chief.release(hold)
+    assert chief.call(get=["hold"]).values == {}
+    Job(remote, cluster("worker", 0, workers=1)).finish()  # a finished trainer counts as held
+    caplog.clear()
+    chief.release(chief.hold_trainers())
+    assert "did not stop" not in caplog.text
 
 
 def test_workers_wait_for_the_chief_and_the_wait_is_bounded(remote: RemoteServer) -> None:

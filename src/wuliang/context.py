@@ -271,16 +271,23 @@ class Context:
             self.ps.create_table(spec)
             self.tower_tables[spec.name] = spec
 
-    def advance(self, position: object = None) -> int:
-        """Counts one training step (each call to the parameter server that
-        stamps rows passes the step it belongs to). In a cluster the step is
-        the job's: counted on the job board with the reader ``position``
-        after the step, and raised to the job's as far as it is known."""
+    def advance(self, position: object = None, parts: int = 1) -> int:
+        """Counts one training step, before its push (each call to the
+        parameter server that stamps rows passes the step it belongs to). In
+        a cluster the step is the job's: counted on the job board with the
+        reader ``position`` after the step, and raised to the job's as far as
+        it is known; the push's ``parts`` each end with ``push_done`` (a
+        checkpoint's cut waits for them, ``wuliang.job``)."""
         self.global_step += 1
         if self.job is not None:
-            self.job.note_step(position)
+            self.job.note_step(position, parts)
             self.global_step = max(self.global_step, self.job.step)
         return self.global_step
+
+    def push_done(self) -> None:
+        """One part of a counted step's push is applied (or failed)."""
+        if self.job is not None:
+            self.job.push_done()
 
     def sync_step(self) -> int:
         """In a cluster: counts what is unsent and takes the job's step now

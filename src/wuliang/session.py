@@ -190,9 +190,16 @@ class Session:
         keeping the newest ``keep`` and, with ``keep_daily=D``, one a day for
         D days. Between ``run`` calls or from a hook's ``after_run`` when
         ``run_context.synced``; ``position``: the reader position to resume at.
-        In a cluster (the chief): the job's step, every trainer's position."""
-        self._sync_cluster()
-        return checkpoint.save(self.context, self.tower, model_dir, position, keep, keep_daily)
+        In a cluster (the chief): the job's step, every trainer's position,
+        the other trainers held meanwhile so it is one cut (``wuliang.job``)."""
+        job = self.context.job
+        hold = job.hold_trainers() if job is not None and job.is_chief else None
+        try:
+            self._sync_cluster()
+            return checkpoint.save(self.context, self.tower, model_dir, position, keep, keep_daily)
+        finally:
+            if hold is not None:
+                job.release(hold)
 
     def _sync_cluster(self) -> None:
         """Before a checkpoint or an export in a cluster: the job's step now,
@@ -434,6 +441,7 @@ class Session:
         the mark. Either takes the job's step and its own reader position
         from the job board."""
         if job.is_chief:
+            job.release()  # a hold of this chief's before it restarted
             if not self.context.shares_tower and job.ready() is None:
                 job.mark_ready(restored=None if self.restored is None else str(self.restored))
         else:
@@ -766,12 +774,18 @@ class Session:
                 stop_on_loss=any(isinstance(h, NanGuard) and not h.fail for h in hooks),
             )
             grads = None if skip else out["gather_grads"]  # None: nothing pushed
+            if not skip:  # in a cluster, waits while the chief cuts a checkpoint
+                parts = 1 if self._shared is None else 2
+                self.context.advance(getattr(batch, "position", None), parts)
             pusher.push(item, (inputs, grads))
+            if not skip:
+                item.applied.add_done_callback(lambda _: self.context.push_done())
             if not skip and self._shared is not None:
                 grads = out.get("tower_grads")
-                self._shared.after_step(None if grads is None else list(grads), item.number)
-            if not skip:
-                self.context.advance(getattr(batch, "position", None))
+                try:
+                    self._shared.after_step(None if grads is None else list(grads), item.number)
+                finally:
+                    self.context.push_done()
         timings = {**item.timings, "compute": computed - start}
         if train and item.sync:
             pusher.wait_applied(item)
@@ -888,8 +902,13 @@ class _Direct:
         self.source = source
 
     def push(self, step: Step, grads: Any) -> None:
-        with self.source.session.trace.span("push", step.number):
-            self.source.push(step.prepared, grads, step.number, None, lambda: None)
+        try:
+            with self.source.session.trace.span("push", step.number):
+                result = self.source.push(step.prepared, grads, step.number, None, lambda: None)
+        except BaseException as error:
+            step.applied.set_exception(error)
+            raise
+        step.applied.set_result(result)
 
     def wait_applied(self, step: Step) -> None:
         pass
