@@ -23,9 +23,7 @@ def test_a_trainer_killed_twice_trains_every_row_once(tmp_path: Path) -> None:
 
 def test_a_job_whose_roles_are_killed_trains_every_row_once(tmp_path: Path) -> None:
     """The servers and the trainer of a job killed, ``--recovery full``: the
-    job restarts from the newest checkpoint each time. (With several
-    trainers, the steps the others have in flight when the chief
-    checkpoints are not in its positions: see docs/streaming.md.)"""
+    job restarts from the newest checkpoint each time."""
     result = stream_bench.cluster_kills(
         tmp_path,
         partitions=4,
@@ -40,4 +38,23 @@ def test_a_job_whose_roles_are_killed_trains_every_row_once(tmp_path: Path) -> N
     name = "cluster_full_one_trainer"
     assert result[f"{name}_kills"] == ["chief-0", "ps-1"], result
     counted = result[f"{name}_duplicated_rows"], result[f"{name}_skipped_rows"]
+    assert counted == (0, 0), result
+
+
+def test_a_job_of_two_trainers_killed_trains_every_row_once(tmp_path: Path) -> None:
+    """A chief and a worker, each killed once: the chief's checkpoints are
+    one cut of both (it holds the worker while it writes, ``wuliang.job``)."""
+    result = stream_bench.cluster_kills(
+        tmp_path,
+        partitions=5,
+        rows=2048,
+        interval=2.0,
+        n=2,
+        every=3,
+        recovery="full",
+        workers=1,
+        roles=["worker-0", "chief-0"],
+    )
+    assert result["cluster_full_kills"] == ["worker-0", "chief-0"], result
+    counted = result["cluster_full_duplicated_rows"], result["cluster_full_skipped_rows"]
     assert counted == (0, 0), result
