@@ -22,7 +22,8 @@ class IncrementalExport(PeriodicSyncHook):
     end: a delta of
     the newest version there, or a full one when there is none or a delta
     cannot be made (``wuliang.export``). Every ``full_every``-th version is
-    full, so that chains stay short (None: only when needed).
+    full, so that chains stay short (None: only when needed; with
+    ``keep_versions``, half of it, so that retention can remove old chains).
 
     Each export runs with the engine in sync after a step (the pipeline
     stalls for it) and takes time proportional to the rows changed. The
@@ -34,8 +35,9 @@ class IncrementalExport(PeriodicSyncHook):
     With ``keep_versions`` or ``keep_bytes``, each version written is
     followed by ``wuliang.export.prune``: the oldest versions go until at
     most that many versions (or bytes) are left, never one of LATEST's chain
-    (a chain over the budget is kept whole, with a warning; ``full_every``
-    keeps chains short). ``pruned`` lists what each prune did. A prune that
+    (a chain over the budget is kept whole, with a warning, and the next
+    version is written full, so that the one after can remove it;
+    ``full_every`` keeps chains short). ``pruned`` lists what each prune did. A prune that
     fails (a broken chain, an object store's error) is logged and training
     goes on; the next one tries again. None and None (the default): every
     version stays.
@@ -87,6 +89,8 @@ class IncrementalExport(PeriodicSyncHook):
             ):
                 raise ValueError(f"{name} must be an int >= {low} or None, got {value!r}")
         self.export_dir = location(export_dir)  # a folder, or a URI of an object store
+        if full_every is None and keep_versions is not None:
+            full_every = max(1, keep_versions // 2)  # else no chain could ever go
         self.full_every = full_every
         self.keep_versions = keep_versions
         self.keep_bytes = keep_bytes
@@ -103,6 +107,7 @@ class IncrementalExport(PeriodicSyncHook):
         self.held = 0  # triggers the gate held back
         self.after_partition: dict[str, int] = {}  # partition -> the version written after it
         self._holding: str | None = None  # why the newest partition is held
+        self._full_next = False  # LATEST's chain alone was over the budget
 
     def trigger(self, session: HookSession) -> None:
         if self.gate is not None:
@@ -112,7 +117,7 @@ class IncrementalExport(PeriodicSyncHook):
                 self.held += 1
                 log.warning("export held back: %s", self._holding)
                 return
-        kind = "auto"
+        kind = "full" if self._full_next else "auto"
         if self.full_every is not None:
             newest = latest(self.export_dir)
             if newest is not None and newest.number % self.full_every == 0:
@@ -159,5 +164,6 @@ class IncrementalExport(PeriodicSyncHook):
             log.error("pruning %s failed (training goes on): %s", self.export_dir, error)
             return
         self.pruned.append(pruned)
+        self._full_next = pruned.over_budget
         if not pruned.over_budget:  # prune logged a warning for that
             log.info("%s", pruned.status())

@@ -526,6 +526,29 @@ def test_incremental_export_prunes_after_each_version(tmp_path: Path, trainer: T
     assert plain.pruned == [] and numbers(exports) == [5, 6, 7, 8, 9]
 
 
+def test_retention_keeps_its_budget_without_full_every(tmp_path: Path, trainer: Trainer) -> None:
+    """Untuned retention works: ``keep_versions`` alone writes a full version
+    every half of it, and a chain over a bytes budget makes the next version
+    full, so old chains can go."""
+    session = ExportingSession(trainer)
+    by_count = IncrementalExport(tmp_path / "count", every_steps=1, keep_versions=4)
+    assert by_count.full_every == 2
+    for _ in range(10):
+        trainer.train()
+        by_count.trigger(session)  # type: ignore[arg-type]
+    assert len(numbers(tmp_path / "count")) <= 4
+    assert not any(p.over_budget for p in by_count.pruned)
+    assert_whole(tmp_path / "count", trainer)
+    by_bytes = IncrementalExport(tmp_path / "bytes", every_steps=1, keep_bytes=1)
+    for _ in range(4):
+        trainer.train()
+        by_bytes.trigger(session)  # type: ignore[arg-type]
+    # each chain is over a 1-byte budget: every version after it is written full
+    assert [r.kind for r in by_bytes.results] == ["full"] * 4
+    assert numbers(tmp_path / "bytes") == [4]
+    assert_whole(tmp_path / "bytes", trainer)
+
+
 def test_export_job_prunes(
     tmp_path: Path, trainer: Trainer, capsys: pytest.CaptureFixture[str]
 ) -> None:
