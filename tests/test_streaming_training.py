@@ -9,6 +9,7 @@ import datetime as dt
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -293,6 +294,58 @@ def test_each_partition_is_published_to_redis(tmp_path: Path, redis_url: str) ->
     finally:
         session.close()
         session.context.close()
+
+
+class PublishFailsAt(wl.hooks.IncrementalExport):
+    """Its publish of version ``down`` goes to a port nothing listens on."""
+
+    def __init__(self, *args: Any, down: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.down = down
+
+    def _publish(self, session: Any) -> None:
+        url = self.redis
+        if self.results[-1].version == self.down:
+            with socket.socket() as s:  # a port nothing listens on
+                s.bind(("127.0.0.1", 0))
+                self.redis = f"redis://127.0.0.1:{s.getsockname()[1]}"
+        try:
+            super()._publish(session)
+        finally:
+            self.redis = url
+
+
+def test_a_failed_publish_is_bridged_by_the_next(
+    tmp_path: Path, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis unreachable for version 3: training goes on, and version 4 goes
+    to Redis as a delta on version 2 holding what 3 and 4 changed, so the
+    fleet's rows are the export's."""
+    from wuliang.serving.redis.publish import publish
+    from wuliang.serving.redis.replica import RedisStore
+
+    write_days(tmp_path / "data", DAYS)
+    exports = PublishFailsAt(
+        tmp_path / "exports", every_partition=True, redis=redis_url, redis_model="gap", down=3
+    )
+    session = follow(tmp_path / "data", [exports])
+    try:
+        assert [r.version for r in exports.results if r.written] == [1, 2, 3, 4]
+        assert [p.version for p in exports.published] == [1, 2, 4]
+        assert (exports.published[-1].kind, exports.published[-1].base) == ("delta", 2)
+        assert "publishing to redis://127.0.0.1:" in caplog.text and "failed" in caplog.text
+    finally:
+        session.close()
+        session.context.close()
+    publish(tmp_path / "exports", redis_url, "whole", version=4, full=True)
+    with RedisStore(redis_url, "gap") as gap, RedisStore(redis_url, "whole") as whole:
+        assert gap.version == whole.version == 4
+        keys = np.arange(60, dtype=np.uint64)
+        for table in whole.tables():
+            a, b = gap.lookup(table, keys), whole.lookup(table, keys)
+            assert b.found.sum() > 0
+            np.testing.assert_array_equal(a.found, b.found)
+            np.testing.assert_array_equal(a.rows, b.rows)
 
 
 def test_progressive_validation_keeps_nothing_of_a_reader_without_partitions(
