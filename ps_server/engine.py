@@ -50,6 +50,7 @@ from wuliang.ps_server.checks import (
 from wuliang.ps_server.interface import (
     MISSING,
     ONLY,
+    ExchangePart,
     KeyArray,
     LookupResult,
     ParameterServer,
@@ -250,6 +251,25 @@ class Engine(ParameterServer):
                 raise ValueError(f"pull_many: the part for table {part.table!r} has no out")
             args.append(self._pull_args(part))
         self.native.pull_many(args, train, check_step(step))
+
+    def exchange_many(
+        self, parts: Sequence[ExchangePart], *, step: int | None = None
+    ) -> list[tuple[RowChunk, np.ndarray]]:
+        """``ParameterServer.exchange_many`` in one round of the shards: each
+        shard's worker loads, pulls and reads its keys of every part."""
+        args = []
+        for part in parts:
+            tid, keys, out, offsets = self._pull_args(
+                PullPart(part.table, part.keys, part.out, part.shard_offsets)
+            )
+            if out is None:
+                raise ValueError(f"exchange_many: the part for table {part.table!r} has no out")
+            back = None
+            if part.back is not None:
+                back = self._load_columns(part.table, part.back)
+            args.append((tid, keys, out, offsets, back, as_keys(part.incoming)))
+        answers = self.native.exchange_many(args, check_step(step))
+        return [(RowChunk(**rows), found) for rows, found in answers]
 
     @property
     def prefetches(self) -> bool:
@@ -580,17 +600,42 @@ class Engine(ParameterServer):
         """
         tid, spec = self._table(table)
         keys = as_keys(keys)
-        n = len(keys)
-        self.native.load(
-            tid,
-            keys,
-            as_float32(weights, (n, spec.dim), "weights"),
-            None if state is None else as_float32(state, (n, spec.state_dim), "state"),
-            as_column(counts, np.uint32, (n,), "counts"),
-            as_column(steps, np.uint64, (n,), "steps"),
-            as_column(times, np.uint32, (n,), "times"),
-            as_column(versions, np.uint64, (n,), "versions"),
-            as_column(shows, np.float32, (n,), "shows"),
-            as_column(clicks, np.float32, (n,), "clicks"),
-            check_step(step),
-        )
+        columns = _load_columns(spec, keys, weights, state, counts, steps, times, versions,
+                                shows, clicks)  # fmt: skip
+        self.native.load(tid, *columns.values(), check_step(step))
+
+    def _load_columns(self, table: str, rows: RowChunk) -> dict[str, Any]:
+        """A RowChunk's columns as the native calls take them, checked."""
+        _, spec = self._table(table)
+        return _load_columns(
+            spec, as_keys(rows.keys), rows.weights, rows.state, rows.counts, rows.steps,
+            rows.times, rows.versions, rows.shows, rows.clicks,
+        )  # fmt: skip
+
+
+def _load_columns(
+    spec: TableSpec,
+    keys: np.ndarray,
+    weights: Any,
+    state: Any,
+    counts: Any,
+    steps: Any,
+    times: Any,
+    versions: Any,
+    shows: Any,
+    clicks: Any,
+) -> dict[str, Any]:
+    """Rows' columns for ``load`` (and rows given back), as the native
+    calls take them: exact dtypes and shapes, None where absent."""
+    n = len(keys)
+    return {
+        "keys": keys,
+        "weights": as_float32(weights, (n, spec.dim), "weights"),
+        "state": None if state is None else as_float32(state, (n, spec.state_dim), "state"),
+        "counts": as_column(counts, np.uint32, (n,), "counts"),
+        "steps": as_column(steps, np.uint64, (n,), "steps"),
+        "times": as_column(times, np.uint32, (n,), "times"),
+        "versions": as_column(versions, np.uint64, (n,), "versions"),
+        "shows": as_column(shows, np.float32, (n,), "shows"),
+        "clicks": as_column(clicks, np.float32, (n,), "clicks"),
+    }

@@ -148,6 +148,28 @@ class PushPart:
     clicks: np.ndarray | None = None  # float32 [n]
 
 
+@dataclass(frozen=True)
+class ExchangePart:
+    """One table's part of ``exchange_many``: what a hot cache in front of
+    the server gives back and takes in for one training pull.
+
+    ``back``: whole rows the cache gives back (its victims' newest values,
+    every column as ``load`` takes them), loaded first. ``keys``: the keys
+    the cache lacks, as the batch has them (repeats and order kept), pulled
+    for training into ``out`` (float32 ``[n, dim]``, written) with
+    ``shard_offsets`` as a ``PullPart``'s. ``incoming``: the keys that
+    come into the cache (some of ``keys``), whose whole rows are read after
+    the pull, as ``read_rows`` gives them.
+    """
+
+    table: str
+    keys: KeyArray
+    out: np.ndarray
+    incoming: KeyArray
+    back: RowChunk | None = None
+    shard_offsets: np.ndarray | None = None
+
+
 @dataclass
 class TableUpdate:
     """One table's part of a version to apply (``apply_update``).
@@ -255,6 +277,29 @@ class ParameterServer(abc.ABC):
         it, and a ``push_many(step=s)`` leaves alone the rows that a pull of a
         later step admitted (a trainer that pulls ahead of its pushes gets
         what running the steps one by one gives). None: the server's own."""
+
+    def exchange_many(
+        self, parts: Sequence[ExchangePart], *, step: int | None = None
+    ) -> list[tuple[RowChunk, np.ndarray]]:
+        """A hot cache's exchange for one training pull, for many tables: per
+        part, ``load`` of its ``back`` rows, then ``pull_many`` of its
+        ``keys`` into ``out`` (training: sightings counted, rows created as
+        admission allows), then ``read_rows`` of its ``incoming`` keys;
+        returns each part's ``(rows, found)`` as ``read_rows`` does. The same
+        rows and answers as those calls one after the other. The engine does
+        all of it in one round of its shards; this default makes the three
+        calls."""
+        for part in parts:
+            back = part.back
+            if back is not None and len(back):
+                self.load(
+                    part.table, back.keys, back.weights, back.state, back.counts, back.steps,
+                    back.times, back.versions, back.shows, back.clicks, step=step,
+                )  # fmt: skip
+        pulls = [PullPart(p.table, p.keys, p.out, p.shard_offsets) for p in parts if len(p.keys)]
+        if pulls:
+            self.pull_many(pulls, train=True, step=step)
+        return [self.read_rows(part.table, part.incoming) for part in parts]
 
     @abc.abstractmethod
     def push_many(

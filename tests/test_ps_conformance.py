@@ -56,7 +56,9 @@ What passing guarantees, for every implementation and shard count:
    shows decayed to a step; export / load and part files carry them exactly.
 11. ``read_rows``: for any keys (repeated, absent, none), exactly the rows
    ``export`` gives of them, every column, in the order of the keys, and
-   which keys have one; it changes nothing.
+   which keys have one; it changes nothing. ``exchange_many`` (a hot
+   cache's round: rows given back, misses pulled, incoming rows read)
+   gives what those calls give one after the other.
 12. The clock: with ``set_clock(T)`` every call that writes a row stamps T
    (``clock()`` reads it back), TTLs in seconds count back from T, so a
    trainer replaying month-old partitions evicts nothing live and one that
@@ -90,6 +92,7 @@ from wuliang.ps_server import (
     Constant,
     Engine,
     Eviction,
+    ExchangePart,
     Optimizer,
     ParameterServer,
     PullPart,
@@ -1618,6 +1621,79 @@ def test_read_rows_gives_what_export_gives(
     check_read(ps, "t", asked.tolist(), exported)  # a list of ints
     assert unmoved(ps.stats("t")) == unmoved(stats) and ps.version == version
     assert_same_rows(export_every_column(ps, "t"), exported, ALL_COLUMNS)
+
+
+def exchange_setup(ps: ParameterServer) -> np.ndarray:
+    """Two tables (one admitting on the second training pull) with trained
+    rows, the clock fixed; returns the trained keys of "a"."""
+    ps.set_clock(1_750_000_000)
+    spec = TableSpec(
+        "a", dim=3, optimizer=OPTIMIZERS["adagrad"], initializer=TruncatedNormal(stddev=0.1),
+        seed=5, stats_half_life=4.0,
+    )  # fmt: skip
+    ps.create_table(spec)
+    sgd_table(ps, "b", dim=2, admission=Admission(min_count=2))
+    return train_rows(ps, "a", np.random.default_rng(SEED))
+
+
+def test_exchange_many_equals_its_calls_one_by_one(
+    ps: ParameterServer, make_ps: MakeServer
+) -> None:
+    """``exchange_many`` (rows given back loaded, misses pulled for training,
+    incoming rows read whole) gives what ``load``, ``pull_many`` and
+    ``read_rows`` give one after the other on a server in the same state:
+    the same ``out``, the same rows read (found or not: a key waiting for
+    admission has none), and the same rows afterwards, every column."""
+    other = make_ps(ps.num_shards)
+    trained = exchange_setup(ps)
+    assert (exchange_setup(other) == trained).all()
+    back, _ = ps.read_rows("a", trained[:20])  # a cache's victims, changed there
+    back = RowChunk(
+        keys=back.keys, weights=back.weights + 1, state=back.state * 2, counts=back.counts + 3,
+        steps=back.steps + 1, times=back.times, versions=back.versions,
+        shows=back.shows + 2, clicks=back.clicks,
+    )  # fmt: skip
+    new = np.array([11, -7, 2**40], np.int64)
+    misses_a = np.concatenate([trained[30:60], new, trained[35:37], new[:1]])
+    incoming_a = np.concatenate([trained[30:40], new])
+    misses_b = np.array([5, 6, 5, 9], np.int64)  # 5 is admitted (seen twice), 6 and 9 wait
+    out = {name: (np.empty((len(m), d), F32), np.empty((len(m), d), F32))
+           for name, m, d in (("a", misses_a, 3), ("b", misses_b, 2))}  # fmt: skip
+    got = ps.exchange_many(
+        [
+            ExchangePart("a", misses_a, out["a"][0], incoming_a, back=back),
+            ExchangePart("b", misses_b, out["b"][0], np.array([5, 6], np.int64)),
+            ExchangePart("a", [], np.empty((0, 3), F32), []),
+        ],
+        step=120,
+    )
+    other.load(
+        "a", back.keys, back.weights, back.state, back.counts, back.steps, back.times,
+        back.versions, back.shows, back.clicks, step=120,
+    )  # fmt: skip
+    other.pull_many(
+        [PullPart("a", misses_a, out["a"][1]), PullPart("b", misses_b, out["b"][1])], step=120
+    )
+    want = [
+        other.read_rows("a", incoming_a),
+        other.read_rows("b", np.array([5, 6], np.int64)),
+        other.read_rows("a", []),
+    ]
+    for name in ("a", "b"):
+        np.testing.assert_array_equal(out[name][0], out[name][1], err_msg=name)
+    assert [f.tolist() for _, f in got] == [f.tolist() for _, f in want]
+    assert got[1][1].tolist() == [True, False]
+    for (rows, _), (expected, _) in zip(got, want, strict=True):
+        assert_same_rows(rows, expected, ALL_COLUMNS)
+    for name in ("a", "b"):
+        assert_same_rows(export_every_column(ps, name), export_every_column(other, name),
+                         ALL_COLUMNS)  # fmt: skip
+    assert ps.version == other.version
+    with pytest.raises(ValueError, match="weights"):  # rows given back need their weights
+        bad = RowChunk(**{**back.__dict__, "weights": np.zeros((20, 2), F32)})
+        ps.exchange_many([ExchangePart("a", [], np.empty((0, 3), F32), [], back=bad)])
+    with pytest.raises(UnknownTableError, match="nope"):
+        ps.exchange_many([ExchangePart("nope", [1], np.empty((1, 3), F32), [])])
 
 
 def test_read_rows_of_no_keys_absent_keys_and_an_empty_table(ps: ParameterServer) -> None:

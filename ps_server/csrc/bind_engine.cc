@@ -395,6 +395,65 @@ void BindEngine(py::module_& m) {
           },
           "parts"_a, "train"_a = true, "step"_a = py::none())
       .def(
+          "exchange_many",
+          [](Engine& e, const py::list& parts, std::optional<uint64_t> step) {
+            // parts: [(table, keys, out, shard_offsets, back, in_keys)]; back:
+            // None or a dict of the given rows' columns (keys, weights, state,
+            // counts, steps, times, versions, shows, clicks; None: absent).
+            std::vector<Engine::ExchangePart> many;
+            std::vector<RowArrays> incoming;
+            std::vector<py::array_t<bool>> found;
+            many.reserve(parts.size());
+            incoming.reserve(parts.size());
+            found.reserve(parts.size());
+            for (const py::handle& item : parts) {
+              const auto t = item.cast<py::tuple>();
+              int dim = 0;
+              const Engine::TablePart p = PartOf(e, t, 6, "exchange_many", &dim);
+              Engine::ExchangePart x;
+              x.table = p.table;
+              x.keys = p.keys;
+              x.n = p.n;
+              x.shard_offsets = p.shard_offsets;
+              x.out = PullInto(dim, p.n, py::reinterpret_borrow<py::object>(t[2])).mutable_data();
+              if (!t[4].is_none()) {
+                const auto back = t[4].cast<py::dict>();
+                const auto get = [&](const char* name) -> py::object {
+                  return back.contains(name) ? py::reinterpret_borrow<py::object>(back[name])
+                                             : py::none();
+                };
+                const py::object back_keys = get("keys");
+                if (!py::isinstance<py::array>(back_keys)) {
+                  throw py::type_error("exchange_many: back keys must be a numpy array");
+                }
+                const KeyArray k = Keys(py::reinterpret_borrow<py::array>(back_keys), "back keys");
+                x.n_back = k.size;
+                x.back = Columns(e.Spec(p.table), k, get("weights"), get("state"), get("counts"),
+                                 get("steps"), get("times"), get("versions"), get("shows"),
+                                 get("clicks"));
+              }
+              const KeyArray in = Keys(ArrayIn(t, 5, "in_keys"));
+              x.in_keys = in.data;
+              x.n_in = in.size;
+              incoming.emplace_back(e.Spec(p.table), in.size);
+              found.emplace_back(in.size);
+              x.in_rows = incoming.back().columns();
+              x.in_found = reinterpret_cast<uint8_t*>(found.back().mutable_data());
+              many.push_back(x);
+            }
+            std::vector<size_t> read;
+            {
+              py::gil_scoped_release release;
+              read = e.ExchangeMany(many, StepOr(step));
+            }
+            py::list out;
+            for (size_t i = 0; i < many.size(); ++i) {
+              out.append(py::make_tuple(incoming[i].Head(read[i]), found[i]));
+            }
+            return out;
+          },
+          "parts"_a, "step"_a = py::none())
+      .def(
           "prefetch_many",
           [](Engine& e, const py::list& parts) {
             // parts: [(table, keys, _, shard_offsets)], as pull_many's.

@@ -936,6 +936,54 @@ void Engine::Load(int table, size_t n, const RowColumns& rows, uint64_t step) {
   RunOnShards([&](int s) { def->shards[s]->Load(plan.For(s), rows, clock); }, &plan);
 }
 
+std::vector<size_t> Engine::ExchangeMany(const std::vector<ExchangePart>& parts, uint64_t step) {
+  const GracePeriod::ReadScope scope(*grace_);
+  std::vector<TableDef*> defs;
+  std::vector<TablePart> planned;  // per part: its back, its keys, its in_keys
+  defs.reserve(parts.size());
+  planned.reserve(3 * parts.size());
+  for (const ExchangePart& p : parts) {
+    defs.push_back(MutableDef(p.table));
+    RequireTrainable(*defs.back());
+    if (p.n_back > 0 && (p.back.keys == nullptr || p.back.weights == nullptr)) {
+      throw std::invalid_argument("exchange with '" + defs.back()->spec.name +
+                                  "': rows given back need keys and weights");
+    }
+    if (p.n > 0 && p.out == nullptr) {
+      throw std::invalid_argument("exchange with '" + defs.back()->spec.name + "': no out");
+    }
+    planned.push_back(Part(p.table, p.back.keys, p.n_back, nullptr));
+    planned.push_back(Part(p.table, p.keys, p.n, p.shard_offsets));
+    planned.push_back(Part(p.table, p.in_keys, p.n_in, nullptr));
+  }
+  std::vector<Plan> plans;
+  const std::vector<int> active = PlanParts(planned, &plans);
+  const Clock clock = ClockAt(step);
+  RunOn(active, [&](int s) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const ExchangePart& p = parts[i];
+      details::TableShard& shard = *defs[i]->shards[s];
+      if (p.n_back > 0) shard.Load(plans[3 * i].For(s), p.back, clock);
+      if (p.n > 0) shard.Pull(plans[3 * i + 1].For(s), p.out, true, clock);
+      if (p.n_in > 0) shard.ReadRows(plans[3 * i + 2].For(s), p.in_rows, p.in_found);
+    }
+  });
+  std::vector<size_t> read(parts.size(), 0);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const ExchangePart& p = parts[i];
+    const auto dim = static_cast<size_t>(defs[i]->layout.dim);
+    const auto state_dim = static_cast<size_t>(defs[i]->layout.state_dim);
+    size_t m = 0;
+    for (size_t k = 0; k < p.n_in; ++k) {
+      if (p.in_found[k] == 0) continue;
+      if (m != k) MoveRow(p.in_rows, dim, state_dim, k, m);
+      ++m;
+    }
+    read[i] = m;
+  }
+  return read;
+}
+
 EvictResult Engine::Evict(int table, uint64_t step) {
   const GracePeriod::ReadScope scope(*grace_);
   if (table >= 0) return EvictTable(MutableDef(table), step);

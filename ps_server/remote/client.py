@@ -78,6 +78,7 @@ from wuliang.ps_server.chunk import concat_rows, stats_decay
 from wuliang.ps_server.interface import (
     MISSING,
     ONLY,
+    ExchangePart,
     Handle,
     KeyArray,
     LookupResult,
@@ -752,6 +753,101 @@ class RemoteServer(ParameterServer):
                     part.out[where[start:stop]] = values
 
         return _then(answer, write)
+
+    def exchange_many(
+        self, parts: Sequence[ExchangePart], *, step: int | None = None
+    ) -> list[tuple[RowChunk, np.ndarray]]:
+        """One ``exchange`` request per server on its data stream (ordered
+        with the pulls and pushes), the servers at once: each loads, pulls
+        and reads its keys of every part in one round of its shards. Each
+        server's request and answer is one message (a step's misses): over
+        ``max_message_mb`` is a ValueError naming the sizes."""
+        step = check_step(step)
+        plans = []
+        for part in parts:
+            spec = self.spec(part.table)
+            keys = as_keys(part.keys).view(np.uint64)
+            check_float32(part.out, (len(keys), spec.dim), "out")
+            if not part.out.flags.c_contiguous or not part.out.flags.writeable:
+                raise ValueError("out must be a writeable C-contiguous array")
+            back = None
+            if part.back is not None and len(part.back):
+                back = self._rows_given_back(part.back, spec)
+            incoming = as_keys(part.incoming).view(np.uint64)
+            plans.append((part, spec, keys, self._route(keys, part.shard_offsets), back,
+                          self._route(incoming, None)))  # fmt: skip
+        futures: dict[int, Future] = {}
+        for j, server in enumerate(self._servers):
+            request = M["ExchangeRequest"](has_step=step is not None, step=step or 0)
+            size = 0
+            for part, spec, _, route, back, incoming in plans:
+                message = request.parts.add(table=part.table, keys=route.keys[j].tobytes())
+                if route.offsets[j] is not None:
+                    message.shard_offsets = route.offsets[j].tobytes()
+                if back is not None:
+                    mine = server_of(back.keys, self.num_servers) == j
+                    if mine.any():
+                        chunk_to_message(_rows_at(back, mine), message.back)
+                message.incoming = incoming.keys[j].tobytes()
+                row = 4 * (spec.dim + spec.state_dim) + 40
+                size += len(route.keys[j]) * 4 * spec.dim + len(incoming.keys[j]) * row
+            data = M["DataRequest"](exchange=request).SerializeToString()
+            if not any(len(m.keys) or len(m.incoming) or len(m.back.keys) for m in request.parts):
+                continue
+            if max(len(data), size) > self.max_message_bytes:
+                raise ValueError(
+                    f"exchange_many: {max(len(data), size):,} bytes for server "
+                    f"{server.address}, over its message limit of {self.max_message_bytes:,} "
+                    "(max_message_mb): exchange fewer keys at a time"
+                )
+            tables = ",".join(dict.fromkeys(part.table for part, *_ in plans))
+            futures[j] = server.data.submit(data, "exchange", tables)
+        answers = dict(zip(futures, _wait_all(list(futures.values()), None), strict=True))
+        read: list[list[tuple[np.ndarray, RowChunk, np.ndarray]]] = [[] for _ in plans]
+        for j, answer in answers.items():
+            exchange = answer.exchange
+            if len(exchange.rows) != len(plans) or len(exchange.incoming) != len(plans):
+                raise RemoteError(
+                    "INTERNAL", f"parameter server {self._servers[j].address}: an exchange "
+                    f"answered {len(exchange.rows)} parts of {len(plans)}",
+                )  # fmt: skip
+            for i, (part, spec, _, route, _, incoming) in enumerate(plans):
+                what = f"exchange with table {part.table!r}"
+                values = array(exchange.rows[i], FLOAT, f"{what}: rows",
+                               len(route.keys[j]), spec.dim)  # fmt: skip
+                part.out[route.where[j]] = values
+                answer_i = exchange.incoming[i]
+                found = array(answer_i.found, MASK, f"{what}: found", len(incoming.keys[j])) != 0
+                rows = chunk_of(answer_i.rows, f"{what}: incoming rows", spec.dim)
+                if not np.array_equal(rows.keys, incoming.keys[j][found]):
+                    raise RemoteError(
+                        "INTERNAL", f"parameter server {self._servers[j].address}, {what}: "
+                        "the rows answered are not those of the keys asked",
+                    )  # fmt: skip
+                where = incoming.where[j]
+                if isinstance(where, slice):
+                    where = np.arange(where.start, where.stop)
+                read[i].append((where, rows, found))
+        return [
+            merge_rows(read[i], sum(map(len, incoming.keys)), spec.dim, spec.state_dim)
+            for i, (_, spec, _, _, _, incoming) in enumerate(plans)
+        ]
+
+    def _rows_given_back(self, rows: RowChunk, spec: TableSpec) -> RowChunk:
+        """Rows for a load, every column checked and present."""
+        keys = as_keys(rows.keys).view(np.uint64)
+        n = len(keys)
+        return RowChunk(
+            keys=keys,
+            weights=as_float32(rows.weights, (n, spec.dim), "weights"),
+            state=as_float32(rows.state, (n, spec.state_dim), "state"),
+            counts=as_column(rows.counts, np.uint32, (n,), "counts"),
+            steps=as_column(rows.steps, np.uint64, (n,), "steps"),
+            times=as_column(rows.times, np.uint32, (n,), "times"),
+            versions=as_column(rows.versions, np.uint64, (n,), "versions"),
+            shows=as_column(rows.shows, np.float32, (n,), "shows"),
+            clicks=as_column(rows.clicks, np.float32, (n,), "clicks"),
+        )
 
     @property
     def prefetches(self) -> bool:

@@ -42,6 +42,7 @@ from google.protobuf.message import DecodeError
 
 from wuliang.ps_server.engine import Engine
 from wuliang.ps_server.interface import (
+    ExchangePart,
     PullPart,
     PushPart,
     PushResult,
@@ -236,7 +237,9 @@ class PsService:
                 return self.pull(request.pull)
             if kind == "push":
                 return self.push(request.push)
-            raise RpcError("INVALID_ARGUMENT", "a data request needs a pull or a push")
+            if kind == "exchange":
+                return self.exchange(request.exchange)
+            raise RpcError("INVALID_ARGUMENT", "a data request needs a pull, a push or an exchange")
         except Exception as error:  # the call fails, the stream goes on
             code, message = _status(error)
             if code == "INTERNAL":
@@ -263,6 +266,41 @@ class PsService:
         for out in outs:
             rows.add_array("rows", out)
         return Encoded(M["DataResponse"]).add_message("pull", rows).join()
+
+    def exchange(self, request: Any) -> bytes:
+        """A cache's exchange (``ParameterServer.exchange_many``): its answer
+        (serialized ``DataResponse``), the misses' rows and the incoming
+        keys' whole rows per part. A retried exchange is run again: the rows
+        given back are the cache's values (a load writes them again) and the
+        misses' sightings count again, as a retried training pull's do."""
+        parts, outs = [], []
+        for part in request.parts:
+            spec = self.engine.spec(part.table)
+            what = f"exchange with table {part.table!r}"
+            keys = array(part.keys, KEY, f"{what}: keys")
+            out = np.empty((len(keys), spec.dim), np.float32)
+            offsets = (
+                array(part.shard_offsets, I64, "shard_offsets") if part.shard_offsets else None
+            )
+            back = None
+            if part.back.keys:
+                back = chunk_of(part.back, f"{what}: rows given back", spec.dim)
+                empty = {  # left empty: the defaults, as a load's
+                    name: None
+                    for name in ("state", "counts", "steps", "times", "versions")
+                    if len(getattr(back, name)) != len(back.keys)
+                }
+                back = dataclasses.replace(back, **empty)
+            incoming = array(part.incoming, KEY, f"{what}: incoming keys")
+            parts.append(ExchangePart(part.table, keys, out, incoming, back, offsets))
+            outs.append(out)
+        answers = self.engine.exchange_many(parts, step=_step(request.has_step, request.step))
+        response = M["ExchangeResponse"]()
+        for out, (rows, found) in zip(outs, answers, strict=True):
+            response.rows.append(out.tobytes())
+            read = response.incoming.add(found=np.asarray(found, np.uint8).tobytes())
+            chunk_to_message(rows, read.rows)
+        return M["DataResponse"](exchange=response).SerializeToString()
 
     def push(self, request: Any) -> bytes:
         """A push's answer (serialized ``DataResponse``), applied once per

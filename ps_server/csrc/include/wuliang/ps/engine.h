@@ -265,6 +265,30 @@ class Engine {
   enum class Only { kAll, kUpdated, kRest };
   static constexpr uint64_t kCurrentStep = UINT64_MAX;
   void PullMany(const std::vector<TablePart>& parts, bool train, uint64_t step = kCurrentStep);
+  // A cache's exchange with the engine, for several tables in one round
+  // (each shard's worker does its part of every table): per table, first
+  // `back` (the rows the cache gives back, whole) is loaded as Load does,
+  // then `keys` are pulled for training into `out` as PullMany does
+  // (sightings counted, rows created as admission allows), then the whole
+  // rows of `in_keys` (the keys coming into the cache, a subset of `keys`)
+  // are read as ReadRows does into `in_rows`, `in_found` saying which have
+  // a row. Returns, per part, the rows read (moved up over the keys without
+  // one, in order). The same rows and results as those calls one by one.
+  struct ExchangePart {
+    int table = -1;
+    const uint64_t* keys = nullptr;  // the misses, as the batch has them
+    size_t n = 0;
+    const int64_t* shard_offsets = nullptr;
+    float* out = nullptr;  // (n, dim)
+    size_t n_back = 0;
+    RowColumns back;  // keys and weights required when n_back > 0
+    const uint64_t* in_keys = nullptr;
+    size_t n_in = 0;
+    RowColumns in_rows;           // (n_in) rows, every column
+    uint8_t* in_found = nullptr;  // (n_in,)
+  };
+  std::vector<size_t> ExchangeMany(const std::vector<ExchangePart>& parts,
+                                   uint64_t step = kCurrentStep);
   // The disk tier: reads the cold rows of the parts' keys into RAM now,
   // ahead of their pull, and keeps them there until that pull's push
   // (docs/disk_tier.md). Changes no row; returns the rows read (0 without
