@@ -9,6 +9,7 @@ picks the implementation (``factory``); ``Engine`` is the embedded one. See
 from wuliang.ps_server.engine import Engine
 from wuliang.ps_server.factory import address_kind, parameter_server, register_backend
 from wuliang.ps_server.interface import (
+    Exchanged,
     ExchangePart,
     Handle,
     LookupResult,
@@ -49,6 +50,7 @@ __all__ = [
     "Engine",
     "Eviction",
     "ExchangePart",
+    "Exchanged",
     "Handle",
     "Initializer",
     "LookupResult",

@@ -50,6 +50,7 @@ from wuliang.ps_server.checks import (
 from wuliang.ps_server.interface import (
     MISSING,
     ONLY,
+    Exchanged,
     ExchangePart,
     KeyArray,
     LookupResult,
@@ -254,7 +255,7 @@ class Engine(ParameterServer):
 
     def exchange_many(
         self, parts: Sequence[ExchangePart], *, step: int | None = None
-    ) -> list[tuple[RowChunk, np.ndarray]]:
+    ) -> list[Exchanged]:
         """``ParameterServer.exchange_many`` in one round of the shards: each
         shard's worker loads, pulls and reads its keys of every part."""
         args = []
@@ -269,7 +270,7 @@ class Engine(ParameterServer):
                 back = self._load_columns(part.table, part.back)
             args.append((tid, keys, out, offsets, back, as_keys(part.incoming)))
         answers = self.native.exchange_many(args, check_step(step))
-        return [(RowChunk(**rows), found) for rows, found in answers]
+        return [Exchanged(RowChunk(**rows), found, created) for rows, found, created in answers]
 
     @property
     def prefetches(self) -> bool:

@@ -159,7 +159,8 @@ class ExchangePart:
     for training into ``out`` (float32 ``[n, dim]``, written) with
     ``shard_offsets`` as a ``PullPart``'s. ``incoming``: the keys that
     come into the cache (some of ``keys``), whose whole rows are read after
-    the pull, as ``read_rows`` gives them.
+    the pull, as ``read_rows`` gives them. A column of ``back`` that is None
+    takes ``load``'s default (``versions`` None: the server's version now).
     """
 
     table: str
@@ -168,6 +169,17 @@ class ExchangePart:
     incoming: KeyArray
     back: RowChunk | None = None
     shard_offsets: np.ndarray | None = None
+
+
+class Exchanged(NamedTuple):
+    """What ``exchange_many`` gives of one part's incoming keys: their whole
+    rows (those that have one, in the keys' order, as ``read_rows``),
+    which keys have one (``found``, bool ``[k]``), and which had none before
+    the exchange's pull (``created``, bool ``[k]``: the rows it admitted)."""
+
+    rows: RowChunk
+    found: np.ndarray
+    created: np.ndarray
 
 
 @dataclass
@@ -280,15 +292,16 @@ class ParameterServer(abc.ABC):
 
     def exchange_many(
         self, parts: Sequence[ExchangePart], *, step: int | None = None
-    ) -> list[tuple[RowChunk, np.ndarray]]:
+    ) -> list[Exchanged]:
         """A hot cache's exchange for one training pull, for many tables: per
         part, ``load`` of its ``back`` rows, then ``pull_many`` of its
         ``keys`` into ``out`` (training: sightings counted, rows created as
         admission allows), then ``read_rows`` of its ``incoming`` keys;
-        returns each part's ``(rows, found)`` as ``read_rows`` does. The same
-        rows and answers as those calls one after the other. The engine does
-        all of it in one round of its shards; this default makes the three
-        calls."""
+        returns each part's ``Exchanged`` (the rows and ``found`` as
+        ``read_rows`` gives them, and which rows the pull created). The same
+        rows and answers as those calls one after the other (and
+        ``contains`` of the incoming keys before the pull). The engine does
+        all of it in one round of its shards; this default makes the calls."""
         for part in parts:
             back = part.back
             if back is not None and len(back):
@@ -296,10 +309,15 @@ class ParameterServer(abc.ABC):
                     part.table, back.keys, back.weights, back.state, back.counts, back.steps,
                     back.times, back.versions, back.shows, back.clicks, step=step,
                 )  # fmt: skip
+        had = [self.contains(part.table, part.incoming) for part in parts]
         pulls = [PullPart(p.table, p.keys, p.out, p.shard_offsets) for p in parts if len(p.keys)]
         if pulls:
             self.pull_many(pulls, train=True, step=step)
-        return [self.read_rows(part.table, part.incoming) for part in parts]
+        answers = []
+        for part, before in zip(parts, had, strict=True):
+            rows, found = self.read_rows(part.table, part.incoming)
+            answers.append(Exchanged(rows, found, found & ~before))
+        return answers
 
     @abc.abstractmethod
     def push_many(

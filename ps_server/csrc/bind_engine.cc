@@ -402,10 +402,11 @@ void BindEngine(py::module_& m) {
             // counts, steps, times, versions, shows, clicks; None: absent).
             std::vector<Engine::ExchangePart> many;
             std::vector<RowArrays> incoming;
-            std::vector<py::array_t<bool>> found;
+            std::vector<py::array_t<bool>> found, created;
             many.reserve(parts.size());
             incoming.reserve(parts.size());
             found.reserve(parts.size());
+            created.reserve(parts.size());
             for (const py::handle& item : parts) {
               const auto t = item.cast<py::tuple>();
               int dim = 0;
@@ -437,8 +438,10 @@ void BindEngine(py::module_& m) {
               x.n_in = in.size;
               incoming.emplace_back(e.Spec(p.table), in.size);
               found.emplace_back(in.size);
+              created.emplace_back(in.size);
               x.in_rows = incoming.back().columns();
               x.in_found = reinterpret_cast<uint8_t*>(found.back().mutable_data());
+              x.in_created = reinterpret_cast<uint8_t*>(created.back().mutable_data());
               many.push_back(x);
             }
             std::vector<size_t> read;
@@ -448,7 +451,7 @@ void BindEngine(py::module_& m) {
             }
             py::list out;
             for (size_t i = 0; i < many.size(); ++i) {
-              out.append(py::make_tuple(incoming[i].Head(read[i]), found[i]));
+              out.append(py::make_tuple(incoming[i].Head(read[i]), found[i], created[i]));
             }
             return out;
           },

@@ -964,6 +964,7 @@ std::vector<size_t> Engine::ExchangeMany(const std::vector<ExchangePart>& parts,
       const ExchangePart& p = parts[i];
       details::TableShard& shard = *defs[i]->shards[s];
       if (p.n_back > 0) shard.Load(plans[3 * i].For(s), p.back, clock);
+      if (p.n_in > 0) shard.Contains(plans[3 * i + 2].For(s), p.in_created);  // before the pull
       if (p.n > 0) shard.Pull(plans[3 * i + 1].For(s), p.out, true, clock);
       if (p.n_in > 0) shard.ReadRows(plans[3 * i + 2].For(s), p.in_rows, p.in_found);
     }
@@ -975,6 +976,7 @@ std::vector<size_t> Engine::ExchangeMany(const std::vector<ExchangePart>& parts,
     const auto state_dim = static_cast<size_t>(defs[i]->layout.state_dim);
     size_t m = 0;
     for (size_t k = 0; k < p.n_in; ++k) {
+      p.in_created[k] = p.in_found[k] != 0 && p.in_created[k] == 0 ? 1 : 0;  // had no row
       if (p.in_found[k] == 0) continue;
       if (m != k) MoveRow(p.in_rows, dim, state_dim, k, m);
       ++m;

@@ -78,6 +78,7 @@ from wuliang.ps_server.chunk import concat_rows, stats_decay
 from wuliang.ps_server.interface import (
     MISSING,
     ONLY,
+    Exchanged,
     ExchangePart,
     Handle,
     KeyArray,
@@ -756,7 +757,7 @@ class RemoteServer(ParameterServer):
 
     def exchange_many(
         self, parts: Sequence[ExchangePart], *, step: int | None = None
-    ) -> list[tuple[RowChunk, np.ndarray]]:
+    ) -> list[Exchanged]:
         """One ``exchange`` request per server on its data stream (ordered
         with the pulls and pushes), the servers at once: each loads, pulls
         and reads its keys of every part in one round of its shards. Each
@@ -804,9 +805,15 @@ class RemoteServer(ParameterServer):
             futures[j] = server.data.submit(data, "exchange", tables)
         answers = dict(zip(futures, _wait_all(list(futures.values()), None), strict=True))
         read: list[list[tuple[np.ndarray, RowChunk, np.ndarray]]] = [[] for _ in plans]
+        created = [np.zeros(sum(map(len, plan[5].keys)), bool) for plan in plans]
         for j, answer in answers.items():
             exchange = answer.exchange
-            if len(exchange.rows) != len(plans) or len(exchange.incoming) != len(plans):
+            if (
+                not len(exchange.rows)
+                == len(exchange.incoming)
+                == len(exchange.created)
+                == len(plans)
+            ):
                 raise RemoteError(
                     "INTERNAL", f"parameter server {self._servers[j].address}: an exchange "
                     f"answered {len(exchange.rows)} parts of {len(plans)}",
@@ -828,25 +835,38 @@ class RemoteServer(ParameterServer):
                 if isinstance(where, slice):
                     where = np.arange(where.start, where.stop)
                 read[i].append((where, rows, found))
-        return [
-            merge_rows(read[i], sum(map(len, incoming.keys)), spec.dim, spec.state_dim)
-            for i, (_, spec, _, _, _, incoming) in enumerate(plans)
-        ]
+                mask = array(exchange.created[i], MASK, f"{what}: created", len(found)) != 0
+                created[i][where] = mask
+        answers_by_part = []
+        for i, (_, spec, *_) in enumerate(plans):
+            rows, found = merge_rows(read[i], len(created[i]), spec.dim, spec.state_dim)
+            answers_by_part.append(Exchanged(rows, found, created[i]))
+        return answers_by_part
 
     def _rows_given_back(self, rows: RowChunk, spec: TableSpec) -> RowChunk:
-        """Rows for a load, every column checked and present."""
+        """Rows for a load, every column checked; a column that is None
+        travels empty (the server's default, as a load's)."""
         keys = as_keys(rows.keys).view(np.uint64)
         n = len(keys)
+
+        def column(values: Any, dtype: type, name: str) -> np.ndarray:
+            checked = as_column(values, dtype, (n,), name)
+            return np.zeros(0, dtype) if checked is None else checked
+
         return RowChunk(
             keys=keys,
             weights=as_float32(rows.weights, (n, spec.dim), "weights"),
-            state=as_float32(rows.state, (n, spec.state_dim), "state"),
-            counts=as_column(rows.counts, np.uint32, (n,), "counts"),
-            steps=as_column(rows.steps, np.uint64, (n,), "steps"),
-            times=as_column(rows.times, np.uint32, (n,), "times"),
-            versions=as_column(rows.versions, np.uint64, (n,), "versions"),
-            shows=as_column(rows.shows, np.float32, (n,), "shows"),
-            clicks=as_column(rows.clicks, np.float32, (n,), "clicks"),
+            state=(
+                np.zeros((n, 0), np.float32)
+                if rows.state is None
+                else as_float32(rows.state, (n, spec.state_dim), "state")
+            ),
+            counts=column(rows.counts, np.uint32, "counts"),
+            steps=column(rows.steps, np.uint64, "steps"),
+            times=column(rows.times, np.uint32, "times"),
+            versions=column(rows.versions, np.uint64, "versions"),
+            shows=column(rows.shows, np.float32, "shows"),
+            clicks=column(rows.clicks, np.float32, "clicks"),
         )
 
     @property

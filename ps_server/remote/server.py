@@ -296,10 +296,11 @@ class PsService:
             outs.append(out)
         answers = self.engine.exchange_many(parts, step=_step(request.has_step, request.step))
         response = M["ExchangeResponse"]()
-        for out, (rows, found) in zip(outs, answers, strict=True):
+        for out, (rows, found, created) in zip(outs, answers, strict=True):
             response.rows.append(out.tobytes())
             read = response.incoming.add(found=np.asarray(found, np.uint8).tobytes())
             chunk_to_message(rows, read.rows)
+            response.created.append(np.asarray(created, np.uint8).tobytes())
         return M["DataResponse"](exchange=response).SerializeToString()
 
     def push(self, request: Any) -> bytes:

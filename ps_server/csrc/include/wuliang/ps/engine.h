@@ -272,8 +272,10 @@ class Engine {
   // (sightings counted, rows created as admission allows), then the whole
   // rows of `in_keys` (the keys coming into the cache, a subset of `keys`)
   // are read as ReadRows does into `in_rows`, `in_found` saying which have
-  // a row. Returns, per part, the rows read (moved up over the keys without
-  // one, in order). The same rows and results as those calls one by one.
+  // a row and `in_created` which had none before this call's pull (the rows
+  // it admitted). Returns, per part, the rows read (moved up over the keys
+  // without one, in order). The same rows and results as those calls one
+  // by one.
   struct ExchangePart {
     int table = -1;
     const uint64_t* keys = nullptr;  // the misses, as the batch has them
@@ -284,8 +286,9 @@ class Engine {
     RowColumns back;  // keys and weights required when n_back > 0
     const uint64_t* in_keys = nullptr;
     size_t n_in = 0;
-    RowColumns in_rows;           // (n_in) rows, every column
-    uint8_t* in_found = nullptr;  // (n_in,)
+    RowColumns in_rows;             // (n_in) rows, every column
+    uint8_t* in_found = nullptr;    // (n_in,)
+    uint8_t* in_created = nullptr;  // (n_in,)
   };
   std::vector<size_t> ExchangeMany(const std::vector<ExchangePart>& parts,
                                    uint64_t step = kCurrentStep);
