@@ -16,6 +16,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -212,19 +213,24 @@ def test_hit_miss_and_write_back_counters(policy: str) -> None:
 
 
 def test_a_failed_write_back_is_tried_again_and_never_dropped() -> None:
-    """Evicted rows go back in the background; a load that fails is tried
-    again by the next call on the inner server, and one that fails twice
-    raises naming the table, its rows kept until a try succeeds."""
+    """Evicted rows go back in the pull's exchange; when it fails, the pull
+    raises and the rows are kept: the next call on the inner server loads
+    them first, and a load that fails again raises naming the table, its
+    rows kept until a try succeeds."""
     engine = Engine(1)
-    real_load, failures = engine.load, []
+    real_exchange, real_load, failures = engine.exchange_many, engine.load, []
 
-    def flaky_load(*args: object, **kwargs: object) -> object:
-        if failures:
-            failures.pop()
-            raise OSError("disk on fire")
-        return real_load(*args, **kwargs)
+    def flaky(real: Any) -> Any:
+        def call(*args: object, **kwargs: object) -> object:
+            if failures:
+                failures.pop()
+                raise OSError("disk on fire")
+            return real(*args, **kwargs)
 
-    engine.load = flaky_load  # type: ignore[method-assign]
+        return call
+
+    engine.exchange_many = flaky(real_exchange)  # type: ignore[method-assign]
+    engine.load = flaky(real_load)  # type: ignore[method-assign]
     with CachedServer(engine, rows=2, xp="numpy") as ps:
         ps.create_table(TableSpec("t", 2, optimizer=SGD(0.5)))
         out = np.empty((2, 2), F32)
@@ -234,8 +240,9 @@ def test_a_failed_write_back_is_tried_again_and_never_dropped() -> None:
             ps.pull_many([PullPart("t", [hot], out[:1])], step=attempts * 10 + 1)
             ps.push("t", [cold], np.ones((1, 2), F32), step=attempts * 10 + 1)  # in the cache
             want = ps.pull("t", [cold], train=False)
-            failures[:] = [True] * attempts
-            ps.pull_many([PullPart("t", [new], out[:1], counts=often)], step=attempts * 10 + 2)
+            failures[:] = [True] * attempts  # the exchange, then (twice) its retry
+            with pytest.raises(OSError, match="disk on fire"):
+                ps.pull_many([PullPart("t", [new], out[:1], counts=often)], step=attempts * 10 + 2)
             assert ps.cache_stats("t")["evicted"] == attempts  # cold left
             if attempts == 2:
                 with pytest.raises(RuntimeError, match=r"1 evicted rows of tables \['t'\]"):

@@ -13,29 +13,29 @@ path to TensorFlow), or host arrays (everything else).
 
 Per training pull (``pull_many(train=True)``), all tables at once: the
 keys go to the device and through the index (one launch per stage: lookup,
-score, populate); the victims' updated rows are copied out and written
-back in the background (one job per pull, a ``load`` per table, on the
-cache's writer thread) while the pull goes on; all misses come from the
-inner server in one ``pull_many``
-(which counts their sightings and creates rows as admission allows, exactly
-as without the cache); the incoming rows are copied to their slots; the
-hits are gathered into ``out`` on the device. The pipeline runs this for
-step i + 1 while step i trains: the rows step i uses are locked (the
-index's epochs), and a key that step i sent to the inner server is not
-brought in before step i's push has landed (its row there is not final).
+score, populate); the victims' updated rows are copied out; then **one**
+``exchange_many`` with the inner server, for every table of the pull (one
+round of the engine's shards, one request per remote server): the
+victims' rows go back, all misses are pulled (which counts their
+sightings and creates rows as admission allows, exactly as without the
+cache), and the incoming rows come back whole, with which of them the pull
+created; the incoming rows are copied to their slots; the hits are
+gathered into ``out`` on the device. The uncached tables' keys ride in the
+same exchange. The pipeline runs this for step i + 1 while step i trains:
+the rows step i uses are locked (the index's epochs), and a key that step
+i sent to the inner server is not brought in before step i's push has
+landed (its row there is not final).
 
 Per push: the keys' slots come from their pull (or a lookup); cached rows
 are updated on the device with the engine's own arithmetic (``kernels``),
 the rest go to the inner server in one ``push_many``.
 
-The write-back in flight. The pull's own inner calls never touch its
-victims (a victim was cached, so none of its keys is a miss). Every other
-call on the inner server first waits for the write-backs in flight (the
-``inner`` property; a training pull waits at its start), except a push
-whose keys were found by its pull while their slots were locked (none of
-them can be a victim since). A write-back that failed is tried again
-there, once; failing again, the call raises naming the tables, and the
-rows are kept for the next try: an update is never dropped.
+A failed exchange. Its victims' rows were copied out and their slots
+taken: they are kept as a write-back in flight, which every later call on
+the inner server first tries again (the ``inner`` property; a training
+pull at its start), once; failing again, the call raises naming the
+tables, and the rows are kept for the next try: an update is never
+dropped.
 
 Every call that reads or changes the inner server's rows as a whole
 (``export``, ``write_rows``, ``evict``, ``stats``, ``advance_version``,
@@ -50,7 +50,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,6 +72,8 @@ from wuliang.ps_server.checks import as_column, check_clock, check_step
 from wuliang.ps_server.interface import (
     MISSING,
     ONLY,
+    Exchanged,
+    ExchangePart,
     KeyArray,
     LookupResult,
     ParameterServer,
@@ -186,8 +188,7 @@ class CachedServer(ParameterServer):
         self._admitted: list[tuple[int, str, np.ndarray]] = []  # (epoch, table, keys) came in
         self.inner_seconds = 0.0  # time the data half spent waiting on the inner server
         self._timed_lock = threading.Lock()
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="wuliang-cache-writeback")
-        self._in_flight: list[tuple[Future, list[_Load]]] = []  # write-backs, oldest first
+        self._in_flight: list[tuple[Future, list[_Load]]] = []  # failed write-backs, oldest first
         self._settle_lock = threading.Lock()
         self._clock: int | None = None  # set_clock's: the time pushes stamp (None: wall clock)
 
@@ -260,7 +261,6 @@ class CachedServer(ParameterServer):
                 self._tables.clear()
         finally:
             super().close()
-            self._writer.shutdown(wait=True)
             self._inner.close()
 
     def add_restart_listener(self, listener: Callable[[str, int | None], None]) -> None:
@@ -580,22 +580,7 @@ class CachedServer(ParameterServer):
         try:
             for i, (cache, part, part_keys) in enumerate(local):
                 pulls.append(self._part_of_plan(cache, part, part_keys, plan, bounds[i], counts))
-            self._write_back_victims(plan)
-            for p in pulls:  # which incoming keys admission has just let in
-                if p.incoming.any() and p.cache.spec.admission.min_count > 1:
-                    p.new = ~self._timed(
-                        self._inner.contains, p.part.table, p.keys[p.miss[p.incoming]]
-                    )
-            inner_parts = [
-                PullPart(p.part.table, p.keys[p.miss], p.miss_rows, p.miss_offsets)
-                for p in pulls
-                if len(p.miss)
-            ] + forward
-            if inner_parts:
-                self._timed(self._inner.pull_many, inner_parts, train=True, step=step)
-            for p in pulls:
-                if p.incoming.any():
-                    self._swap_in(p, step)
+            self._exchange(pulls, forward, self._copy_victims(plan), step, pull=True)
         except BaseException:
             for p in pulls:  # the incoming keys did not come in
                 self._forget_keys(p.part.table, p.keys[p.miss[p.incoming]])
@@ -660,13 +645,12 @@ class CachedServer(ParameterServer):
             np.empty((len(miss), cache.spec.dim), F32), offsets,
         )  # fmt: skip
 
-    def _write_back_victims(self, plan: Any) -> None:
+    def _copy_victims(self, plan: Any) -> list[_Load]:
         """The victims' updated rows, copied out before their slots take the
-        incoming rows, then written back by the writer thread (one job, a
-        ``load`` per table)."""
-        if not len(plan.victims):
-            return
+        incoming rows (a ``_Load`` per table)."""
         loads: list[_Load] = []
+        if not len(plan.victims):
+            return loads
         bases = np.array([r.entry_base for r in self.index.regions.values()])
         names = list(self.index.regions)
         region = np.searchsorted(bases, plan.victim_entries, side="right") - 1
@@ -680,22 +664,65 @@ class CachedServer(ParameterServer):
             self._write_back(name, cache, slots, plan.victims[at], loads)
             cache.rows.admitted_at[self.kernels.to_device(slots)] = 0
             cache.counters["evicted"] += int(at.sum())
-        if loads:
-            self._in_flight.append((self._writer.submit(self._load_all, loads), loads))
+        return loads
 
-    def _swap_in(self, p: _PartPull, step: int | None) -> None:
-        """Copies the incoming rows to their slots, read whole from the
-        inner server as the pull left them (one ``read_rows``). Keys left
-        without a row (waiting for admission) do not come in (``p.failed``)."""
+    def _exchange(
+        self,
+        pulls: list[_PartPull],
+        forward: list[PullPart],
+        victims: list[_Load],
+        step: int | None,
+        pull: bool,
+    ) -> None:
+        """One ``exchange_many`` with the inner server: the victims' rows go
+        back, the misses (``pull``) and the uncached tables' keys are pulled,
+        the incoming rows come in (``_swap_in``). If it fails, the victims'
+        rows stay as a write-back in flight (``_settle`` tries again)."""
+        back = {load.table: _rows_of(load) for load in victims}
+        parts = []
+        for p in pulls:
+            misses = p.miss if pull else p.miss[:0]
+            parts.append(ExchangePart(
+                p.part.table, p.keys[misses], p.miss_rows[: len(misses)],
+                p.keys[p.miss[p.incoming]], back.pop(p.part.table, None),
+                p.miss_offsets if pull else None,
+            ))  # fmt: skip
+        for part in forward:
+            parts.append(ExchangePart(part.table, part.keys, part.out, [], None,
+                                      part.shard_offsets))  # fmt: skip
+        for table, rows in back.items():  # victims of tables this pull does not read
+            dim = rows.weights.shape[1]
+            parts.append(ExchangePart(table, [], np.empty((0, dim), F32), [], rows))
+        if not any(len(x.keys) or len(x.incoming) or x.back is not None for x in parts):
+            return
+        try:
+            answers = self._timed(self._inner.exchange_many, parts, step=step)
+        except BaseException as error:
+            if victims:
+                failed: Future = Future()
+                failed.set_exception(error)
+                self._in_flight.append((failed, victims))
+            raise
+        for p, answer in zip(pulls, answers, strict=False):
+            if p.incoming.any():
+                self._swap_in(p, step, answer)
+
+    def _swap_in(self, p: _PartPull, step: int | None, answer: Exchanged) -> None:
+        """Copies the incoming rows to their slots, whole as the exchange's
+        pull left them. Keys left without a row (waiting for admission) do
+        not come in (``p.failed``)."""
         cache, name = p.cache, p.part.table
         incoming = np.nonzero(p.incoming)[0]  # positions in miss
         keys = p.keys[p.miss[incoming]]
         slots = p.slots[incoming]
-        rows, found = self._timed(self._inner.read_rows, name, keys)  # as the pull left them
+        rows, found, created = answer
         if not found.all():
             self._forget_keys(name, keys[~found])
             p.failed = incoming[~found]
-        new = p.new[found] if p.new is not None else np.zeros(len(rows.keys), bool)
+        if cache.spec.admission.min_count > 1:  # rows this pull admitted
+            new = created[found]
+        else:
+            new = np.zeros(len(rows.keys), bool)
         admitted_at = np.where(new, np.uint64(self._step_of(step) + 1), np.uint64(0))
         columns = {c: getattr(rows, c) for c in SlotRows.COLUMNS}
         columns["state"] = rows.state.reshape(len(rows.keys), cache.math.state_dim)
@@ -996,10 +1023,7 @@ class CachedServer(ParameterServer):
             p = self._part_of_plan(cache, PullPart(table, keys), keys, plan, 0, None)
             before = cache.counters["swapped_in"]
             try:
-                self._write_back_victims(plan)
-                if p.incoming.any():
-                    p.miss_rows[:] = 0
-                    self._swap_in(p, None)
+                self._exchange([p], [], self._copy_victims(plan), None, pull=False)
             except BaseException:
                 self._forget_keys(table, keys[p.miss[p.incoming]])
                 raise
@@ -1216,7 +1240,6 @@ class _PartPull:
     incoming: np.ndarray  # bool per miss: came in (its row is to be loaded)
     miss_rows: np.ndarray  # float32 [len(miss), dim]: pulled from the inner server
     miss_offsets: np.ndarray | None = None  # shard_offsets of the misses' keys
-    new: np.ndarray | None = None  # bool per incoming miss: no row before this pull
     failed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # positions in miss
 
     def miss_cached(self) -> np.ndarray:
@@ -1227,6 +1250,18 @@ class _PartPull:
             lost = self.keys[self.miss[self.failed]]
             cached &= ~np.isin(self.keys[self.miss], lost)
         return cached
+
+
+def _rows_of(load: _Load) -> RowChunk:
+    """A write-back's rows as rows given back to the inner server (the
+    version left to it: its current one)."""
+    weights, state = load.columns
+    n = len(load.keys)
+    return RowChunk(
+        keys=load.keys, weights=weights,
+        state=np.zeros((n, 0), F32) if state is None else state,
+        versions=None, **load.named,
+    )  # fmt: skip
 
 
 def _check_rows(n: Any, what: str) -> None:
