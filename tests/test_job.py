@@ -172,6 +172,8 @@ def test_workers_wait_for_the_chief_and_the_wait_is_bounded(remote: RemoteServer
     assert worker.wait_ready() == {"restored": None}
     assert time.monotonic() - start < 10
     timer.join()
+    worker.close()  # its thread (answering holds) ends
+    assert not [t for t in threading.enumerate() if t.name == "wuliang-job"]
 
 
 def test_the_chief_waits_for_every_trainer_to_finish(remote: RemoteServer) -> None:
