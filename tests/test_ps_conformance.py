@@ -1659,6 +1659,7 @@ def test_exchange_many_equals_its_calls_one_by_one(
     misses_a = np.concatenate([trained[30:60], new, trained[35:37], new[:1]])
     incoming_a = np.concatenate([trained[30:40], new])
     misses_b = np.array([5, 6, 5, 9], np.int64)  # 5 is admitted (seen twice), 6 and 9 wait
+    reads_only = np.concatenate([trained[100:103], [999]])  # 999: no row
     out = {name: (np.empty((len(m), d), F32), np.empty((len(m), d), F32))
            for name, m, d in (("a", misses_a, 3), ("b", misses_b, 2))}  # fmt: skip
     got = ps.exchange_many(
@@ -1666,6 +1667,7 @@ def test_exchange_many_equals_its_calls_one_by_one(
             ExchangePart("a", misses_a, out["a"][0], incoming_a, back=back),
             ExchangePart("b", misses_b, out["b"][0], np.array([5, 6], np.int64)),
             ExchangePart("a", [], np.empty((0, 3), F32), []),
+            ExchangePart("a", [], np.empty((0, 3), F32), reads_only),  # no pull: rows read
         ],
         step=120,
     )
@@ -1673,7 +1675,7 @@ def test_exchange_many_equals_its_calls_one_by_one(
         "a", back.keys, back.weights, back.state, back.counts, back.steps, back.times,
         back.versions, back.shows, back.clicks, step=120,
     )  # fmt: skip
-    asked = [("a", incoming_a), ("b", np.array([5, 6], np.int64)), ("a", [])]
+    asked = [("a", incoming_a), ("b", np.array([5, 6], np.int64)), ("a", []), ("a", reads_only)]
     before = [other.contains(table, keys) for table, keys in asked]
     other.pull_many(
         [PullPart("a", misses_a, out["a"][1]), PullPart("b", misses_b, out["b"][1])], step=120

@@ -15,6 +15,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+#include <unordered_map>
 
 #include "details/grace_period.h"
 #include "details/shard_worker.h"
@@ -956,6 +957,36 @@ std::vector<size_t> Engine::ExchangeMany(const std::vector<ExchangePart>& parts,
     planned.push_back(Part(p.table, p.keys, p.n, p.shard_offsets));
     planned.push_back(Part(p.table, p.in_keys, p.n_in, nullptr));
   }
+  // Where every incoming key is among the misses (a cache's pull), one
+  // pass over the misses pulls them and reads the incoming rows at their
+  // last occurrence (TableShard::PullWhole); else (a seed: no misses) the
+  // incoming keys are checked, the misses pulled, then the rows read.
+  std::vector<std::vector<int32_t>> in_of(parts.size());
+  std::vector<std::vector<uint8_t>> in_last(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const ExchangePart& p = parts[i];
+    if (p.n_in == 0 || p.n == 0) continue;
+    std::unordered_map<uint64_t, int32_t> index;
+    index.reserve(p.n_in);
+    for (size_t k = 0; k < p.n_in; ++k) index.emplace(p.in_keys[k], static_cast<int32_t>(k));
+    std::vector<int64_t> last(p.n_in, -1);
+    std::vector<int32_t>& of = in_of[i];
+    of.assign(p.n, -1);
+    for (size_t pos = 0; pos < p.n; ++pos) {
+      const auto it = index.find(p.keys[pos]);
+      if (it == index.end()) continue;
+      of[pos] = it->second;
+      last[it->second] = static_cast<int64_t>(pos);
+    }
+    if (std::find(last.begin(), last.end(), -1) != last.end() || index.size() != p.n_in) {
+      of.clear();  // an incoming key not among the misses, or given twice
+      continue;
+    }
+    in_last[i].assign(p.n, 0);
+    for (const int64_t pos : last) in_last[i][static_cast<size_t>(pos)] = 1;
+    std::fill(p.in_created, p.in_created + p.n_in, 0);
+    std::fill(p.in_found, p.in_found + p.n_in, 0);
+  }
   std::vector<Plan> plans;
   const std::vector<int> active = PlanParts(planned, &plans);
   const Clock clock = ClockAt(step);
@@ -964,6 +995,11 @@ std::vector<size_t> Engine::ExchangeMany(const std::vector<ExchangePart>& parts,
       const ExchangePart& p = parts[i];
       details::TableShard& shard = *defs[i]->shards[s];
       if (p.n_back > 0) shard.Load(plans[3 * i].For(s), p.back, clock);
+      if (!in_of[i].empty()) {
+        shard.PullWhole(plans[3 * i + 1].For(s), p.out, in_of[i].data(), in_last[i].data(),
+                        p.in_rows, p.in_found, p.in_created, clock);
+        continue;
+      }
       if (p.n_in > 0) shard.Contains(plans[3 * i + 2].For(s), p.in_created);  // before the pull
       if (p.n > 0) shard.Pull(plans[3 * i + 1].For(s), p.out, true, clock);
       if (p.n_in > 0) shard.ReadRows(plans[3 * i + 2].For(s), p.in_rows, p.in_found);
@@ -975,8 +1011,9 @@ std::vector<size_t> Engine::ExchangeMany(const std::vector<ExchangePart>& parts,
     const auto dim = static_cast<size_t>(defs[i]->layout.dim);
     const auto state_dim = static_cast<size_t>(defs[i]->layout.state_dim);
     size_t m = 0;
+    const bool fused = !in_of[i].empty();  // in_created says created; else: had a row before
     for (size_t k = 0; k < p.n_in; ++k) {
-      p.in_created[k] = p.in_found[k] != 0 && p.in_created[k] == 0 ? 1 : 0;  // had no row
+      if (!fused) p.in_created[k] = p.in_found[k] != 0 && p.in_created[k] == 0 ? 1 : 0;
       if (p.in_found[k] == 0) continue;
       if (m != k) MoveRow(p.in_rows, dim, state_dim, k, m);
       ++m;

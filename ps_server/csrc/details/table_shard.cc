@@ -271,8 +271,9 @@ char* TableShard::ResolveMissing(const Slice& s, size_t k, Create create, const 
 // A two-stage software pipeline over the slice: index slots are prefetched
 // kSlotsAhead + kRowsAhead keys ahead, rows are resolved (found or created)
 // and prefetched kRowsAhead keys ahead, and visit(k, row) runs last.
-template <bool kCold, class Visit>
-void TableShard::Pipeline(const Slice& s, Create create, const Clock& clock, Visit&& visit) {
+template <bool kCold, class Visit, class OnCreate>
+void TableShard::Pipeline(const Slice& s, Create create, const Clock& clock, Visit&& visit,
+                          OnCreate&& on_create) {
   // Always inlined, like PrefetchBytes: an outlined lambda made only of
   // prefetches is deemed pure by GCC and its calls are deleted.
   const auto prefetch = [&](char* row) __attribute__((always_inline)) {
@@ -303,6 +304,7 @@ void TableShard::Pipeline(const Slice& s, Create create, const Clock& clock, Vis
     char** found = index_.Find(s.key(k), hashes_[k]);
     if (found != nullptr) return *found;
     char* row = ResolveMissing(s, k, create, clock);
+    if (row != nullptr) on_create(k);
     if (num_pending_init_ == 0) {
       pending_from = n;
     } else if (pending_from == n) {
@@ -375,6 +377,45 @@ void TableShard::Pull(const ShardBatch& batch, float* out, bool train, const Clo
           }
         });
   });
+  counters_.pulled_keys += s.size();
+  counters_.pull_misses += misses;
+  AfterCall(clock.step);
+}
+
+void TableShard::PullWhole(const ShardBatch& batch, float* out, const int32_t* in_of,
+                           const uint8_t* in_last, const RowColumns& in_rows, uint8_t* in_found,
+                           uint8_t* in_created, const Clock& clock) {
+  const Slice s = Select(batch);
+  Promote(s);
+  const int dim = layout_.dim;
+  uint64_t misses = 0;
+  RequireFp32("a training pull");
+  if (tier_) {
+    std::vector<uint64_t>& pinned = tier_->pinned[tier_->pin_turn ^= 1];
+    pinned.resize(s.size());
+    for (size_t k = 0; k < s.size(); ++k) pinned[k] = s.key(k);
+  }
+  Pipeline</*kCold=*/true>(
+      s, Create::kAdmit, clock,
+      [&](size_t k, char* row) {
+        const size_t pos = s.pos(k);
+        float* dst = out + pos * dim;
+        if (row != nullptr) {
+          ReadWeights<Precision::kFp32>(row, dim, dst);
+        } else {
+          InitializeWeights(spec_.initializer, spec_.seed, s.key(k), dim, dst);
+          ++misses;
+        }
+        const int32_t in = in_of[pos];
+        if (in >= 0 && in_last[pos] != 0) {
+          in_found[in] = row != nullptr ? 1 : 0;
+          if (row != nullptr) WriteRow(s.key(k), row, in_rows, static_cast<size_t>(in));
+        }
+      },
+      [&](size_t k) {
+        const int32_t in = in_of[s.pos(k)];
+        if (in >= 0) in_created[in] = 1;
+      });
   counters_.pulled_keys += s.size();
   counters_.pull_misses += misses;
   AfterCall(clock.step);

@@ -138,6 +138,14 @@ class alignas(128) TableShard {
   // Push, rows created with initial weights) needs Precision::kFp32: the
   // engine refuses it on compressed tables first; here it throws too.
   void Pull(const ShardBatch& batch, float* out, bool train, const Clock& clock);
+  // A hot cache's misses in one pass: a training Pull of the batch into
+  // out, and for the keys coming into the cache (in_of[pos] >= 0: their
+  // index in in_rows), their whole row as ReadRows writes it at their last
+  // occurrence (in_last[pos]), in_found, and in_created = the pass created
+  // their row (they had none before it).
+  void PullWhole(const ShardBatch& batch, float* out, const int32_t* in_of, const uint8_t* in_last,
+                 const RowColumns& in_rows, uint8_t* in_found, uint8_t* in_created,
+                 const Clock& clock);
   // The disk tier, ahead of a pull, in three steps so that the worker is
   // free while the disk works (Engine::PrefetchMany): PlanPrefetch (owner)
   // finds the batch's keys on disk only and where their records are;
@@ -334,8 +342,11 @@ class alignas(128) TableShard {
   // kCold: the visit also touches the cold part (prefetched too). Rows it
   // creates get their initial weights in batches (see FlushInit), always
   // before their visit.
-  template <bool kCold, class Visit>
-  void Pipeline(const Slice& s, Create create, const Clock& clock, Visit&& visit);
+  // on_create(k): key k's row was created by this pass (before its visit).
+  template <bool kCold, class Visit, class OnCreate = void (*)(size_t)>
+  void Pipeline(
+      const Slice& s, Create create, const Clock& clock, Visit&& visit,
+      OnCreate&& on_create = [](size_t) {});
   // Initializes the weights of the rows created since the last flush.
   void FlushInit();
   // Finds repeated keys; returns per-key group (-1 plain, -2 repeat, >= 0
