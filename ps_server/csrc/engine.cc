@@ -15,7 +15,6 @@
 #include <sstream>
 #include <stdexcept>
 #include <thread>
-#include <unordered_map>
 
 #include "details/grace_period.h"
 #include "details/shard_worker.h"
@@ -966,19 +965,42 @@ std::vector<size_t> Engine::ExchangeMany(const std::vector<ExchangePart>& parts,
   for (size_t i = 0; i < parts.size(); ++i) {
     const ExchangePart& p = parts[i];
     if (p.n_in == 0 || p.n == 0) continue;
-    std::unordered_map<uint64_t, int32_t> index;
-    index.reserve(p.n_in);
-    for (size_t k = 0; k < p.n_in; ++k) index.emplace(p.in_keys[k], static_cast<int32_t>(k));
+    // An open-addressing table of the incoming keys (Mix64 is a bijection:
+    // equal hashes are equal keys): slot -> index + 1, 0 empty.
+    size_t capacity = 16;
+    while (capacity < 2 * p.n_in) capacity <<= 1;
+    const size_t mask = capacity - 1;
+    std::vector<uint64_t> hashes(capacity);
+    std::vector<int32_t> slots(capacity, 0);
+    bool repeated = false;
+    for (size_t k = 0; k < p.n_in; ++k) {
+      const uint64_t h = Mix64(p.in_keys[k]);
+      for (size_t j = h & mask;; j = (j + 1) & mask) {
+        if (slots[j] == 0) {
+          hashes[j] = h;
+          slots[j] = static_cast<int32_t>(k + 1);
+          break;
+        }
+        if (hashes[j] == h) {
+          repeated = true;
+          break;
+        }
+      }
+    }
     std::vector<int64_t> last(p.n_in, -1);
     std::vector<int32_t>& of = in_of[i];
     of.assign(p.n, -1);
     for (size_t pos = 0; pos < p.n; ++pos) {
-      const auto it = index.find(p.keys[pos]);
-      if (it == index.end()) continue;
-      of[pos] = it->second;
-      last[it->second] = static_cast<int64_t>(pos);
+      const uint64_t h = Mix64(p.keys[pos]);
+      for (size_t j = h & mask; slots[j] != 0; j = (j + 1) & mask) {
+        if (hashes[j] == h) {
+          of[pos] = slots[j] - 1;
+          last[slots[j] - 1] = static_cast<int64_t>(pos);
+          break;
+        }
+      }
     }
-    if (std::find(last.begin(), last.end(), -1) != last.end() || index.size() != p.n_in) {
+    if (repeated || std::find(last.begin(), last.end(), -1) != last.end()) {
       of.clear();  // an incoming key not among the misses, or given twice
       continue;
     }
