@@ -93,7 +93,13 @@ front of the embedded engine: cupy where a GPU is present, numpy in host
 memory otherwise), taking its turn with the others. Its result adds
 ``wuliang_cached_samples_per_s``, ``cache_on_vs_off`` (its samples/s over
 wuliang's without the cache), the cache's hit rate per key occurrence and
-its stage timings.
+its stage timings. With ``--remote N`` too it also adds
+``wuliang_remote_cached``: the cache in front of N servers of its own (a
+host cache before remote servers, on a machine without a GPU), with
+``remote_cache_on_vs_off`` (its samples/s over ``wuliang_remote``'s) and
+the bytes of data messages a step sends and receives, with the cache
+(``remote_cached_wire_bytes_per_step``) and without
+(``remote_wire_bytes_per_step``).
 
 ``--disk DIR`` adds ``wuliang_disk``: the same ``Session.train`` with the
 engine's disk tier (``Context(disk_dir=DIR, memory_gb=...)``, row files
@@ -433,13 +439,15 @@ class WuliangLoop:
 
         self.session = Session(tower, features, self.context, optimizer=tower_optimizer(kind))
         self.name = (
-            "wuliang_remote" if ps
+            "wuliang_remote_cached" if ps and gpu_cache_rows
+            else "wuliang_remote" if ps
             else "wuliang_cached" if gpu_cache_rows
             else "wuliang_disk" if disk is not None
             else "wuliang"
         )  # fmt: skip
         self.kind, self.data, self.args = kind, data, args
         self.server_cpu_s = 0.0  # of the rounds with timed steps, their untimed steps included
+        self.wire_bytes = 0  # pull and push messages to and from the servers, the same rounds
         self.server_steps = 0
         self.plan = plan
         self.rounds = _Rounds(plan)
@@ -484,10 +492,12 @@ class WuliangLoop:
             self.thread = threading.Thread(target=self._train, name="bench-wuliang")
             self.thread.start()
         cpu0 = sum(server.cpu_seconds() for server in self.servers)
+        wire0 = self._wire()
         self.rounds.go.release()
         self.rounds.paused.acquire()
         if timed and self.servers:
             self.server_cpu_s += sum(server.cpu_seconds() for server in self.servers) - cpu0
+            self.wire_bytes += self._wire() - wire0
             self.server_steps += untimed + timed
         if self.played == len(self.plan):
             self.thread.join()
@@ -505,6 +515,13 @@ class WuliangLoop:
             self.timings += meter.timings[first + untimed : first + untimed + timed]
             self.uniques += meter.uniques[first + untimed : first + untimed + timed]
             self.step_seconds += list(np.diff([c.wall for c in clocks]))
+
+    def _wire(self) -> int:
+        """Bytes of data messages sent and received so far (remote servers;
+        behind a cache, its inner client's)."""
+        ps = getattr(self.context.ps, "_inner", self.context.ps)
+        counted = getattr(ps, "data_bytes", None)
+        return 0 if counted is None else sum(counted().values())
 
     def result(self, batch: int) -> Run:
         stages = {
@@ -526,6 +543,7 @@ class WuliangLoop:
         if self.servers:
             extra["servers"] = len(self.servers)
             extra["server_cpu_ms_per_step"] = round(1e3 * self.server_cpu_s / self.server_steps, 1)
+            extra["wire_bytes_per_step"] = round(self.wire_bytes / self.server_steps)
         cache_stats = getattr(self.context.ps, "cache_stats", None)
         if cache_stats is not None:
             counted = cache_stats().values()
@@ -652,6 +670,7 @@ def bench_optimizer(
         "wuliang": split(args.steps, args.rounds),
         "wuliang_remote": split(args.steps, args.rounds),
         "wuliang_cached": split(args.steps, args.rounds),
+        "wuliang_remote_cached": split(args.steps, args.rounds),
         "wuliang_disk": split(args.steps, args.rounds),
     }
     plan = [(args.warmup, 0), *((1, n) for n in timed["wuliang"])]  # as played below
@@ -671,6 +690,13 @@ def bench_optimizer(
                 tf, kind, files, data, args, reserve, plan, gpu_cache_rows=args.gpu_cache_rows
             )
             contenders.append(cached)
+        if args.remote and args.gpu_cache_rows:  # the host cache in front of servers of its own
+            own = [PsProcess.start() for _ in range(args.remote)]
+            servers = servers + own  # the remote contender meters its own list
+            contenders.append(
+                WuliangLoop(tf, kind, files, data, args, reserve, plan, ps=own,
+                            gpu_cache_rows=args.gpu_cache_rows)
+            )  # fmt: skip
         disk_budget_gb = 0.0
         if args.disk:
             rows = sum(vocabulary(data).values())
@@ -710,6 +736,14 @@ def bench_optimizer(
                 f"; {other.extra['cold_reads_per_step']} cold rows read per step "
                 f"({other.extra['cold_reads_waited_per_step']} waited for); = "
                 f"{other.samples_per_s / ours.samples_per_s:.2f} of all in RAM"
+            )
+        elif other.name == "wuliang_remote_cached":
+            remote = next(o for o in others if o.name == "wuliang_remote")
+            note = (
+                f"; cache hit rate {other.extra['cache_hit_rate']}; "
+                f"{other.extra['wire_bytes_per_step'] / 1e6:.2f} MB on the wire a step against "
+                f"{remote.extra['wire_bytes_per_step'] / 1e6:.2f}; = "
+                f"{other.samples_per_s / remote.samples_per_s:.2f} of remote without the cache"
             )
         elif other.name == "wuliang_cached":
             note = (
@@ -786,6 +820,15 @@ def bench_optimizer(
                 disk_error=other.extra["disk_error"],
                 disk_stages_ms=other.extra["stages"],
             )
+        elif other.name == "wuliang_remote_cached":
+            remote = next(o for o in others if o.name == "wuliang_remote")
+            result.update(
+                wuliang_remote_cached_samples_per_s=round(other.samples_per_s),
+                remote_cache_on_vs_off=ratio(other.samples_per_s, remote.samples_per_s),
+                remote_cached_wire_bytes_per_step=other.extra["wire_bytes_per_step"],
+                remote_cached_hit_rate=other.extra["cache_hit_rate"],
+                remote_cached_stages_ms=other.extra["stages"],
+            )
         elif other.name == "wuliang_cached":
             result.update(
                 wuliang_cached_samples_per_s=round(other.samples_per_s),
@@ -801,6 +844,7 @@ def bench_optimizer(
                 remote_to_embedded=ratio(other.samples_per_s, ours.samples_per_s),
                 remote_servers=other.extra["servers"],
                 remote_server_cpu_ms_per_step=other.extra["server_cpu_ms_per_step"],
+                remote_wire_bytes_per_step=other.extra["wire_bytes_per_step"],
                 remote_stages_ms=other.extra["stages"],
             )
         result["cpu_ms_per_step"][other.name] = round(other.cpu_ms_per_step, 1)
