@@ -330,7 +330,7 @@ def embedding_step(args: argparse.Namespace, xp, tables: int) -> dict:
     keys = [
         [step_keys(np.random.default_rng([args.seed, tables, s, t]), cdf, per_table)
          for t in range(tables)]
-        for s in range(steps)
+        for s in range(steps * args.step_rounds)  # each round goes on with the stream
     ]  # fmt: skip
     names = [f"t{t}" for t in range(tables)]
     specs = [TableSpec(n, DIM, optimizer=Adagrad(learning_rate=0.05)) for n in names]
@@ -352,7 +352,7 @@ def embedding_step(args: argparse.Namespace, xp, tables: int) -> dict:
 
         pending, outs = None, None
         start = inner = 0.0
-        current, current_outs = parts(0)
+        current, current_outs = parts(first)
         ps.pull_many(current, step=first)
         for s in range(steps):
             if s == args.step_warmup:
@@ -360,10 +360,10 @@ def embedding_step(args: argparse.Namespace, xp, tables: int) -> dict:
                 start = time.perf_counter()
                 inner = getattr(ps, "inner_seconds", 0.0)
             if s + 1 < steps:
-                nxt, outs = parts(s + 1)
+                nxt, outs = parts(first + s + 1)
                 pending = ps.pull_many_async(nxt, step=first + s + 1)
             pushes = []
-            for n, kc, rows in zip(names, keys[s], current_outs, strict=True):
+            for n, kc, rows in zip(names, keys[first + s], current_outs, strict=True):
                 grads = consumer(rows if device_rows else k.to_device(rows))
                 pushes.append(PushPart(n, kc[0], grads if device_rows else k.to_host(grads)))
             ps.push_many(pushes, unique=True, step=first + s)
