@@ -773,7 +773,11 @@ class RemoteServer(ParameterServer):
                 raise ValueError("out must be a writeable C-contiguous array")
             back = None
             if part.back is not None and len(part.back):
-                back = self._rows_given_back(part.back, spec)
+                b = part.back
+                back = _load_chunk(
+                    spec, b.keys, b.weights, b.state, b.counts, b.steps, b.times, b.versions,
+                    b.shows, b.clicks,
+                )  # fmt: skip
             incoming = as_keys(part.incoming).view(np.uint64)
             plans.append((part, spec, keys, self._route(keys, part.shard_offsets), back,
                           self._route(incoming, None)))  # fmt: skip
@@ -842,32 +846,6 @@ class RemoteServer(ParameterServer):
             rows, found = merge_rows(read[i], len(created[i]), spec.dim, spec.state_dim)
             answers_by_part.append(Exchanged(rows, found, created[i]))
         return answers_by_part
-
-    def _rows_given_back(self, rows: RowChunk, spec: TableSpec) -> RowChunk:
-        """Rows for a load, every column checked; a column that is None
-        travels empty (the server's default, as a load's)."""
-        keys = as_keys(rows.keys).view(np.uint64)
-        n = len(keys)
-
-        def column(values: Any, dtype: type, name: str) -> np.ndarray:
-            checked = as_column(values, dtype, (n,), name)
-            return np.zeros(0, dtype) if checked is None else checked
-
-        return RowChunk(
-            keys=keys,
-            weights=as_float32(rows.weights, (n, spec.dim), "weights"),
-            state=(
-                np.zeros((n, 0), np.float32)
-                if rows.state is None
-                else as_float32(rows.state, (n, spec.state_dim), "state")
-            ),
-            counts=column(rows.counts, np.uint32, "counts"),
-            steps=column(rows.steps, np.uint64, "steps"),
-            times=column(rows.times, np.uint32, "times"),
-            versions=column(rows.versions, np.uint64, "versions"),
-            shows=column(rows.shows, np.float32, "shows"),
-            clicks=column(rows.clicks, np.float32, "clicks"),
-        )
 
     @property
     def prefetches(self) -> bool:
@@ -1129,30 +1107,12 @@ class RemoteServer(ParameterServer):
         *,
         step: int | None = None,
     ) -> None:
-        keys = as_keys(keys).view(np.uint64)
         spec = self.spec(table)
-        n = len(keys)
         step = check_step(step)
-
-        def column(values: Any, dtype: type, name: str) -> np.ndarray:
-            checked = as_column(values, dtype, (n,), name)
-            return np.zeros(0, dtype) if checked is None else checked
-
-        chunk = RowChunk(
-            keys=keys,
-            weights=as_float32(weights, (n, spec.dim), "weights"),
-            state=(
-                np.zeros((n, 0), np.float32)
-                if state is None
-                else as_float32(state, (n, spec.state_dim), "state")
-            ),
-            counts=column(counts, np.uint32, "counts"),
-            steps=column(steps, np.uint64, "steps"),
-            times=column(times, np.uint32, "times"),
-            versions=column(versions, np.uint64, "versions"),
-            shows=column(shows, np.float32, "shows"),
-            clicks=column(clicks, np.float32, "clicks"),
+        chunk = _load_chunk(
+            spec, keys, weights, state, counts, steps, times, versions, shows, clicks
         )
+        keys = chunk.keys
         route = self._route(keys, None)
         width = 4 * (spec.dim + chunk.state.shape[1]) + 40
         for j, server in enumerate(self._servers):
@@ -1607,6 +1567,44 @@ def _then(answer: Future, handle: Callable[[Future], Any]) -> Future:
 
     answer.add_done_callback(done)
     return out
+
+
+def _load_chunk(
+    spec: TableSpec,
+    keys: KeyArray,
+    weights: Any,
+    state: Any,
+    counts: Any,
+    steps: Any,
+    times: Any,
+    versions: Any,
+    shows: Any,
+    clicks: Any,
+) -> RowChunk:
+    """Rows for a load (or given back in an exchange), every column checked;
+    a column that is None travels empty: the server's default."""
+    keys = as_keys(keys).view(np.uint64)
+    n = len(keys)
+
+    def column(values: Any, dtype: type, name: str) -> np.ndarray:
+        checked = as_column(values, dtype, (n,), name)
+        return np.zeros(0, dtype) if checked is None else checked
+
+    return RowChunk(
+        keys=keys,
+        weights=as_float32(weights, (n, spec.dim), "weights"),
+        state=(
+            np.zeros((n, 0), np.float32)
+            if state is None
+            else as_float32(state, (n, spec.state_dim), "state")
+        ),
+        counts=column(counts, np.uint32, "counts"),
+        steps=column(steps, np.uint64, "steps"),
+        times=column(times, np.uint32, "times"),
+        versions=column(versions, np.uint64, "versions"),
+        shows=column(shows, np.float32, "shows"),
+        clicks=column(clicks, np.float32, "clicks"),
+    )
 
 
 def _rows_at(chunk: RowChunk, where: slice | np.ndarray) -> RowChunk:
