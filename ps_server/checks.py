@@ -103,3 +103,32 @@ def as_keys(keys: Any, what: str = "keys") -> np.ndarray:
     if keys.ndim != 1:
         raise ValueError(f"{what} must be 1-D, got shape {keys.shape}")
     return np.ascontiguousarray(keys)
+
+
+def load_columns(
+    spec: Any,
+    keys: np.ndarray,
+    weights: Any,
+    state: Any = None,
+    counts: Any = None,
+    steps: Any = None,
+    times: Any = None,
+    versions: Any = None,
+    shows: Any = None,
+    clicks: Any = None,
+) -> dict[str, np.ndarray | None]:
+    """The columns of rows to load into a table of ``spec`` (``load``, rows
+    given back in an exchange), checked: exact dtypes and shapes, None where
+    absent (the server's default)."""
+    n = len(keys)
+    return {
+        "keys": keys,
+        "weights": as_float32(weights, (n, spec.dim), "weights"),
+        "state": None if state is None else as_float32(state, (n, spec.state_dim), "state"),
+        "counts": as_column(counts, np.uint32, (n,), "counts"),
+        "steps": as_column(steps, np.uint64, (n,), "steps"),
+        "times": as_column(times, np.uint32, (n,), "times"),
+        "versions": as_column(versions, np.uint64, (n,), "versions"),
+        "shows": as_column(shows, np.float32, (n,), "shows"),
+        "clicks": as_column(clicks, np.float32, (n,), "clicks"),
+    }

@@ -46,6 +46,7 @@ from wuliang.ps_server.checks import (
     check_restored_version,
     check_step,
     check_version,
+    load_columns,
 )
 from wuliang.ps_server.interface import (
     MISSING,
@@ -601,42 +602,14 @@ class Engine(ParameterServer):
         """
         tid, spec = self._table(table)
         keys = as_keys(keys)
-        columns = _load_columns(spec, keys, weights, state, counts, steps, times, versions,
-                                shows, clicks)  # fmt: skip
+        columns = load_columns(spec, keys, weights, state, counts, steps, times, versions,
+                               shows, clicks)  # fmt: skip
         self.native.load(tid, *columns.values(), check_step(step))
 
     def _load_columns(self, table: str, rows: RowChunk) -> dict[str, Any]:
         """A RowChunk's columns as the native calls take them, checked."""
         _, spec = self._table(table)
-        return _load_columns(
+        return load_columns(
             spec, as_keys(rows.keys), rows.weights, rows.state, rows.counts, rows.steps,
             rows.times, rows.versions, rows.shows, rows.clicks,
         )  # fmt: skip
-
-
-def _load_columns(
-    spec: TableSpec,
-    keys: np.ndarray,
-    weights: Any,
-    state: Any,
-    counts: Any,
-    steps: Any,
-    times: Any,
-    versions: Any,
-    shows: Any,
-    clicks: Any,
-) -> dict[str, Any]:
-    """Rows' columns for ``load`` (and rows given back), as the native
-    calls take them: exact dtypes and shapes, None where absent."""
-    n = len(keys)
-    return {
-        "keys": keys,
-        "weights": as_float32(weights, (n, spec.dim), "weights"),
-        "state": None if state is None else as_float32(state, (n, spec.state_dim), "state"),
-        "counts": as_column(counts, np.uint32, (n,), "counts"),
-        "steps": as_column(steps, np.uint64, (n,), "steps"),
-        "times": as_column(times, np.uint32, (n,), "times"),
-        "versions": as_column(versions, np.uint64, (n,), "versions"),
-        "shows": as_column(shows, np.float32, (n,), "shows"),
-        "clicks": as_column(clicks, np.float32, (n,), "clicks"),
-    }

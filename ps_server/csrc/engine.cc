@@ -952,9 +952,6 @@ std::vector<size_t> Engine::ExchangeMany(const std::vector<ExchangePart>& parts,
     if (p.n > 0 && p.out == nullptr) {
       throw std::invalid_argument("exchange with '" + defs.back()->spec.name + "': no out");
     }
-    planned.push_back(Part(p.table, p.back.keys, p.n_back, nullptr));
-    planned.push_back(Part(p.table, p.keys, p.n, p.shard_offsets));
-    planned.push_back(Part(p.table, p.in_keys, p.n_in, nullptr));
   }
   // Where every incoming key is among the misses (a cache's pull), one
   // pass over the misses pulls them and reads the incoming rows at their
@@ -1008,6 +1005,12 @@ std::vector<size_t> Engine::ExchangeMany(const std::vector<ExchangePart>& parts,
     for (const int64_t pos : last) in_last[i][static_cast<size_t>(pos)] = 1;
     std::fill(p.in_created, p.in_created + p.n_in, 0);
     std::fill(p.in_found, p.in_found + p.n_in, 0);
+  }
+  for (size_t i = 0; i < parts.size(); ++i) {  // a fused part's incoming keys need no plan
+    const ExchangePart& p = parts[i];
+    planned.push_back(Part(p.table, p.back.keys, p.n_back, nullptr));
+    planned.push_back(Part(p.table, p.keys, p.n, p.shard_offsets));
+    planned.push_back(Part(p.table, p.in_keys, in_of[i].empty() ? p.n_in : 0, nullptr));
   }
   std::vector<Plan> plans;
   const std::vector<int> active = PlanParts(planned, &plans);

@@ -73,6 +73,7 @@ from wuliang.ps_server.checks import (
     check_restored_version,
     check_step,
     check_version,
+    load_columns,
 )
 from wuliang.ps_server.chunk import concat_rows, stats_decay
 from wuliang.ps_server.interface import (
@@ -1584,27 +1585,20 @@ def _load_chunk(
     """Rows for a load (or given back in an exchange), every column checked;
     a column that is None travels empty: the server's default."""
     keys = as_keys(keys).view(np.uint64)
-    n = len(keys)
-
-    def column(values: Any, dtype: type, name: str) -> np.ndarray:
-        checked = as_column(values, dtype, (n,), name)
-        return np.zeros(0, dtype) if checked is None else checked
-
-    return RowChunk(
-        keys=keys,
-        weights=as_float32(weights, (n, spec.dim), "weights"),
-        state=(
-            np.zeros((n, 0), np.float32)
-            if state is None
-            else as_float32(state, (n, spec.state_dim), "state")
-        ),
-        counts=column(counts, np.uint32, "counts"),
-        steps=column(steps, np.uint64, "steps"),
-        times=column(times, np.uint32, "times"),
-        versions=column(versions, np.uint64, "versions"),
-        shows=column(shows, np.float32, "shows"),
-        clicks=column(clicks, np.float32, "clicks"),
+    columns = load_columns(
+        spec, keys, weights, state, counts, steps, times, versions, shows, clicks
     )
+    empty = {"state": np.zeros((len(keys), 0), np.float32)}
+    for name, dtype in (
+        ("counts", np.uint32),
+        ("steps", np.uint64),
+        ("times", np.uint32),
+        ("versions", np.uint64),
+        ("shows", np.float32),
+        ("clicks", np.float32),
+    ):
+        empty[name] = np.zeros(0, dtype)  # fmt: skip
+    return RowChunk(**{name: empty[name] if v is None else v for name, v in columns.items()})
 
 
 def _rows_at(chunk: RowChunk, where: slice | np.ndarray) -> RowChunk:

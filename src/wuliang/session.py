@@ -778,9 +778,9 @@ class Session:
                 parts = 1 if self._shared is None else 2
                 self.context.advance(getattr(batch, "position", None), parts)
             pusher.push(item, (inputs, grads))
-            if not skip:
+            if not skip and self.context.job is not None:  # the cut waits for the push
                 item.applied.add_done_callback(lambda _: self.context.push_done())
-            if not skip and self._shared is not None:
+            if not skip and self._shared is not None:  # a shared tower: always in a cluster
                 grads = out.get("tower_grads")
                 try:
                     self._shared.after_step(None if grads is None else list(grads), item.number)
