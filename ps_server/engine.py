@@ -268,8 +268,13 @@ class Engine(ParameterServer):
                 raise ValueError(f"exchange_many: the part for table {part.table!r} has no out")
             back = None
             if part.back is not None:
+                if part.merge and part.back.versions is not None:
+                    raise ValueError(
+                        f"exchange_many: changes merged into table {part.table!r} take the "
+                        "server's version: versions must be None"
+                    )
                 back = self._load_columns(part.table, part.back)
-            args.append((tid, keys, out, offsets, back, as_keys(part.incoming)))
+            args.append((tid, keys, out, offsets, back, as_keys(part.incoming), part.merge))
         answers = self.native.exchange_many(args, check_step(step))
         return [Exchanged(RowChunk(**rows), found, created) for rows, found, created in answers]
 

@@ -161,6 +161,15 @@ class ExchangePart:
     come into the cache (some of ``keys``), whose whole rows are read after
     the pull, as ``read_rows`` gives them. A column of ``back`` that is None
     takes ``load``'s default (``versions`` None: the server's version now).
+
+    ``merge=True``: ``back`` holds changes to add instead (Geo-SGD: what a
+    trainer's cache changed in its rows since it fetched them, other
+    trainers changing the same rows meanwhile): weights and optimizer state
+    added, ``counts`` added (saturating), ``shows`` and ``clicks`` added
+    after the row's decay to the change's ``steps``, step and time the later
+    of the row's and the change's, the version the server's now (``versions``
+    must be None); a key without a row gets a new one first (initial weights
+    and state, no admission). fp32 tables only. Atomic per row.
     """
 
     table: str
@@ -169,6 +178,7 @@ class ExchangePart:
     incoming: KeyArray
     back: RowChunk | None = None
     shard_offsets: np.ndarray | None = None
+    merge: bool = False
 
 
 class Exchanged(NamedTuple):
@@ -301,7 +311,15 @@ class ParameterServer(abc.ABC):
         ``read_rows`` gives them, and which rows the pull created). The same
         rows and answers as those calls one after the other (and
         ``contains`` of the incoming keys before the pull). The engine does
-        all of it in one round of its shards; this default makes the calls."""
+        all of it in one round of its shards; this default makes the calls.
+        A part that merges changes needs the server's own (a merge is atomic
+        per row there): this default raises NotImplementedError for it."""
+        merging = [part.table for part in parts if part.merge and part.back is not None]
+        if merging:
+            raise NotImplementedError(
+                f"{type(self).__name__} cannot merge changes into rows (tables {merging}): "
+                "use the engine or remote servers"
+            )
         for part in parts:
             back = part.back
             if back is not None and len(back):

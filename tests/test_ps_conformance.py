@@ -1702,6 +1702,63 @@ def test_exchange_many_equals_its_calls_one_by_one(
         ps.exchange_many([ExchangePart("nope", [1], np.empty((1, 3), F32), [])])
 
 
+def test_exchange_many_merges_changes_of_several_trainers(ps: ParameterServer) -> None:
+    """``merge=True``: the changes given back add up on the server, whoever
+    sends them (two trainers' caches, Geo-SGD): weights and state added,
+    counts added, shows and clicks added after the row's decay to the
+    change's step, step and time the later; a key without a row gets its
+    initial row first; the incoming rows read in the same exchange are the
+    merged ones; the rows enter the server's version now."""
+    trained = exchange_setup(ps)
+    keys = trained[40:50]  # rows trained over steps (not loaded)
+    base, found = ps.read_rows("a", keys)
+    assert found.all()
+    fresh = np.array([77_000_001], np.int64)  # no row on the server
+    initial = ps.lookup("a", fresh, missing="initial").rows
+    version = ps.version
+    rng = np.random.default_rng(SEED)
+    everything = np.concatenate([keys, fresh])
+    n, half_life = len(everything), ps.spec("a").stats_half_life
+
+    def change(step: int) -> RowChunk:
+        return RowChunk(
+            keys=everything, weights=rng.standard_normal((n, 3)).astype(F32),
+            state=rng.random((n, 3)).astype(F32), counts=np.full(n, 2, np.uint32),
+            steps=np.full(n, step, np.uint64), times=np.full(n, 1_750_000_100 + step, np.uint32),
+            versions=None, shows=np.full(n, 1.5, F32), clicks=np.full(n, 0.5, F32),
+        )  # fmt: skip
+
+    first, second = change(200), change(210)
+    none = np.empty((0, 3), F32)
+    ps.exchange_many([ExchangePart("a", [], none, [], back=first, merge=True)])
+    got = ps.exchange_many([ExchangePart("a", [], none, everything, back=second, merge=True)])[0]
+    assert got.found.all() and not got.created.any()
+    rows = got.rows
+    np.testing.assert_array_equal(rows.keys.view(np.int64), everything)
+    start_w = np.concatenate([base.weights, initial])
+    np.testing.assert_allclose(
+        rows.weights, start_w + first.weights + second.weights, rtol=1e-6, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        rows.state[:-1], base.state.reshape(-1, 3) + first.state[:-1] + second.state[:-1],
+        rtol=1e-6, atol=1e-6,
+    )  # fmt: skip
+    np.testing.assert_array_equal(rows.counts[:-1], base.counts + 4)
+    np.testing.assert_array_equal(rows.steps, np.full(n, 210, np.uint64))
+    np.testing.assert_array_equal(rows.times, second.times)
+    decay = 2.0 ** (-(200.0 - base.steps.astype(np.float64)) / half_life)
+    shows = (base.shows * decay + 1.5) * 2.0 ** (-10 / half_life) + 1.5
+    np.testing.assert_allclose(rows.shows[:-1], shows, rtol=1e-5)
+    assert rows.shows[-1] == pytest.approx(1.5 * 2.0 ** (-10 / half_life) + 1.5, rel=1e-5)
+    assert set(rows.versions.tolist()) == {version}
+    if version > 0:  # the rows are in the version's delta
+        changed = np.concatenate([c.keys for c in ps.export("a", since=version - 1)])
+        assert set(everything.tolist()) <= set(changed.view(np.int64).tolist())
+    with pytest.raises(ValueError, match="version"):
+        stamped = dataclasses.replace(first, versions=np.zeros(n, np.uint64))
+        ps.exchange_many([ExchangePart("a", [], none, [], back=stamped, merge=True)])
+
+
 def test_read_rows_of_no_keys_absent_keys_and_an_empty_table(ps: ParameterServer) -> None:
     """No keys, only absent keys, or an empty table: no rows (of the
     table's shapes) and every key not found; bad keys raise as elsewhere."""

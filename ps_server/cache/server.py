@@ -1030,6 +1030,26 @@ class CachedServer(ParameterServer):
             self._generation += 1  # seeding is not a training step
             return cache.counters["swapped_in"] - before
 
+    def exchange_many(
+        self, parts: Sequence[ExchangePart], *, step: int | None = None
+    ) -> list[Exchanged]:
+        """The inner server's, after the updated cached rows among the
+        parts' keys were written back; those keys leave the cache (their
+        rows there are the exchange's now)."""
+        with self._lock:
+            for part in parts:
+                cache = self._tables.get(part.table)
+                if cache is None:
+                    continue
+                given = [] if part.back is None else [as_keys(part.back.keys)]
+                keys = np.unique(
+                    np.concatenate([as_keys(part.keys), as_keys(part.incoming), *given])
+                ).view(np.uint64)
+                cached, slots = self._slots_of(cache, keys)
+                self._write_back(part.table, cache, np.unique(self.kernels.to_host(slots)[cached]))
+                self._forget_keys(part.table, keys[cached])
+            return self.inner.exchange_many(parts, step=step)
+
     # -- admin half ----------------------------------------------------------------
 
     def read_rows(self, table: str, keys: KeyArray) -> tuple[RowChunk, np.ndarray]:

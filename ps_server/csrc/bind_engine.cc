@@ -397,9 +397,10 @@ void BindEngine(py::module_& m) {
       .def(
           "exchange_many",
           [](Engine& e, const py::list& parts, std::optional<uint64_t> step) {
-            // parts: [(table, keys, out, shard_offsets, back, in_keys)]; back:
-            // None or a dict of the given rows' columns (keys, weights, state,
-            // counts, steps, times, versions, shows, clicks; None: absent).
+            // parts: [(table, keys, out, shard_offsets, back, in_keys, merge)];
+            // back: None or a dict of the given rows' columns (keys, weights,
+            // state, counts, steps, times, versions, shows, clicks; None:
+            // absent); merge: back holds changes to add.
             std::vector<Engine::ExchangePart> many;
             std::vector<RowArrays> incoming;
             std::vector<py::array_t<bool>> found, created;
@@ -410,7 +411,7 @@ void BindEngine(py::module_& m) {
             for (const py::handle& item : parts) {
               const auto t = item.cast<py::tuple>();
               int dim = 0;
-              const Engine::TablePart p = PartOf(e, t, 6, "exchange_many", &dim);
+              const Engine::TablePart p = PartOf(e, t, 7, "exchange_many", &dim);
               Engine::ExchangePart x;
               x.table = p.table;
               x.keys = p.keys;
@@ -433,6 +434,7 @@ void BindEngine(py::module_& m) {
                                  get("steps"), get("times"), get("versions"), get("shows"),
                                  get("clicks"));
               }
+              x.merge = t[6].cast<bool>();
               const KeyArray in = Keys(ArrayIn(t, 5, "in_keys"));
               x.in_keys = in.data;
               x.n_in = in.size;

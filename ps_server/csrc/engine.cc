@@ -949,6 +949,10 @@ std::vector<size_t> Engine::ExchangeMany(const std::vector<ExchangePart>& parts,
       throw std::invalid_argument("exchange with '" + defs.back()->spec.name +
                                   "': rows given back need keys and weights");
     }
+    if (p.merge && p.n_back > 0 && defs.back()->layout.precision != Precision::kFp32) {
+      throw std::invalid_argument("exchange with '" + defs.back()->spec.name +
+                                  "': changes merge into fp32 tables only");
+    }
     if (p.n > 0 && p.out == nullptr) {
       throw std::invalid_argument("exchange with '" + defs.back()->spec.name + "': no out");
     }
@@ -1019,7 +1023,11 @@ std::vector<size_t> Engine::ExchangeMany(const std::vector<ExchangePart>& parts,
     for (size_t i = 0; i < parts.size(); ++i) {
       const ExchangePart& p = parts[i];
       details::TableShard& shard = *defs[i]->shards[s];
-      if (p.n_back > 0) shard.Load(plans[3 * i].For(s), p.back, clock);
+      if (p.n_back > 0 && p.merge) {
+        shard.MergeRows(plans[3 * i].For(s), p.back, clock);
+      } else if (p.n_back > 0) {
+        shard.Load(plans[3 * i].For(s), p.back, clock);
+      }
       if (!in_of[i].empty()) {
         shard.PullWhole(plans[3 * i + 1].For(s), p.out, in_of[i].data(), in_last[i].data(),
                         p.in_rows, p.in_found, p.in_created, clock);

@@ -787,7 +787,9 @@ class RemoteServer(ParameterServer):
             request = M["ExchangeRequest"](has_step=step is not None, step=step or 0)
             size = 0
             for part, spec, _, route, back, incoming in plans:
-                message = request.parts.add(table=part.table, keys=route.keys[j].tobytes())
+                message = request.parts.add(
+                    table=part.table, keys=route.keys[j].tobytes(), merge=part.merge
+                )
                 if route.offsets[j] is not None:
                     message.shard_offsets = route.offsets[j].tobytes()
                 if back is not None:

@@ -272,7 +272,8 @@ class PsService:
         (serialized ``DataResponse``), the misses' rows and the incoming
         keys' whole rows per part. A retried exchange is run again: the rows
         given back are the cache's values (a load writes them again) and the
-        misses' sightings count again, as a retried training pull's do."""
+        misses' sightings count again, as a retried training pull's do;
+        changes given back to merge (``merge``) are added again."""
         parts, outs = [], []
         for part in request.parts:
             spec = self.engine.spec(part.table)
@@ -292,7 +293,7 @@ class PsService:
                 }
                 back = dataclasses.replace(back, **empty)
             incoming = array(part.incoming, KEY, f"{what}: incoming keys")
-            parts.append(ExchangePart(part.table, keys, out, incoming, back, offsets))
+            parts.append(ExchangePart(part.table, keys, out, incoming, back, offsets, part.merge))
             outs.append(out)
         answers = self.engine.exchange_many(parts, step=_step(request.has_step, request.step))
         response = M["ExchangeResponse"]()

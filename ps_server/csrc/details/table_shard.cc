@@ -768,6 +768,46 @@ void TableShard::Load(const ShardBatch& batch, const RowColumns& cols, const Clo
   AfterCall(clock.step);
 }
 
+void TableShard::MergeRows(const ShardBatch& batch, const RowColumns& changes, const Clock& clock) {
+  const Slice s = Select(batch);
+  Promote(s);
+  const int dim = layout_.dim;
+  const int state_dim = layout_.state_dim;
+  const double half_life = spec_.stats_half_life;
+  // A key without a row (evicted here since the trainer fetched it) gets
+  // one as a new key does (its initial weights and state), then the change.
+  Pipeline</*kCold=*/true>(s, Create::kAlways, clock, [&](size_t k, char* row) {
+    const size_t p = s.pos(k);
+    char* cold = pool_.Cold(row);
+    float* weights = RowLayout::Weights(row);
+    const float* dw = changes.weights + p * dim;
+    for (int j = 0; j < dim; ++j) weights[j] += dw[j];
+    if (changes.state != nullptr) {
+      float* state = RowLayout::State(cold);
+      const float* ds = changes.state + p * state_dim;
+      for (int j = 0; j < state_dim; ++j) state[j] += ds[j];
+    }
+    RowMeta* meta = RowLayout::Meta(cold);
+    if (changes.counts != nullptr) {
+      const uint64_t count = uint64_t{meta->count} + changes.counts[p];
+      meta->count = static_cast<uint32_t>(std::min<uint64_t>(count, UINT32_MAX));
+    }
+    const uint64_t step = changes.steps != nullptr ? changes.steps[p] : clock.step;
+    DecayStats(meta, step, half_life);
+    if (changes.shows != nullptr) meta->shows += changes.shows[p];
+    if (changes.clicks != nullptr) meta->clicks += changes.clicks[p];
+    const uint64_t newest = std::max(meta->step(), step & ~RowMeta::kAdmittedBit);
+    meta->update_step = newest;
+    const uint32_t time = changes.times != nullptr ? changes.times[p] : clock.now;
+    meta->update_time = std::max(meta->update_time, time);
+    if (meta->version != clock.version) {
+      if (meta->real_version() != clock.version) LogChange(s.key(k), clock.version);
+      meta->version = clock.version;
+    }
+  });
+  AfterCall(clock.step);
+}
+
 void TableShard::EvictByAge(const Clock& clock, EvictResult* result) {
   const EvictionSpec& e = spec_.eviction;
   std::vector<uint64_t> expired, rare;

@@ -207,6 +207,12 @@ class alignas(128) TableShard {
   // column), then its removed keys go (logged with clock's version).
   void Merge(const Overlay& overlay, const Clock& clock);
   void Load(const ShardBatch& batch, const RowColumns& rows, const Clock& clock);
+  // Adds each key's change to its row (Geo-SGD: a trainer's change since
+  // it fetched the row): weights and optimizer state added, counts added
+  // (saturating), shows and clicks added after the row's decay to the
+  // change's step, step and time the later of the two; the row is stamped
+  // with clock's version. A key without a row gets a new one first.
+  void MergeRows(const ShardBatch& batch, const RowColumns& changes, const Clock& clock);
 
   // Eviction: TTL and min-count first, then the engine-wide LFU cut: rows
   // with count below `threshold`, rows with count == threshold updated before

@@ -275,7 +275,8 @@ class Engine {
   // a row and `in_created` which had none before this call's pull (the rows
   // it admitted). Returns, per part, the rows read (moved up over the keys
   // without one, in order). The same rows and results as those calls one
-  // by one.
+  // by one. With `merge`, `back` holds changes added to the rows instead
+  // (a trainer's since it fetched them: TableShard::MergeRows), fp32 only.
   struct ExchangePart {
     int table = -1;
     const uint64_t* keys = nullptr;  // the misses, as the batch has them
@@ -283,7 +284,8 @@ class Engine {
     const int64_t* shard_offsets = nullptr;
     float* out = nullptr;  // (n, dim)
     size_t n_back = 0;
-    RowColumns back;  // keys and weights required when n_back > 0
+    RowColumns back;     // keys and weights required when n_back > 0
+    bool merge = false;  // back holds changes to add (TableShard::MergeRows), not rows
     const uint64_t* in_keys = nullptr;
     size_t n_in = 0;
     RowColumns in_rows;             // (n_in) rows, every column
