@@ -14,7 +14,8 @@ parameter server:
   (``CachedServer``, ``wuliang.ps_server.cache``) in front of the server at
   ``<address>`` (either form above, as one string); more options after
   ``&``: ``policy=stats|lru``, ``half_life=<batches>``,
-  ``xp=auto|numpy|cupy`` (e.g. ``"embedded?gpu_cache_rows=1000000"``,
+  ``xp=auto|numpy|cupy``, ``sync_steps=k`` (shared rows, merged every k
+  training pulls: a job of several trainers) (e.g. ``"embedded?gpu_cache_rows=1000000"``,
   ``"h1:7001,h2:7002?gpu_cache_rows=1000000&policy=lru"``);
 * ``"embedded?disk_dir=D&memory_gb=G"``: the engine with its disk tier
   (``Engine(disk_dir=, memory_bytes=)``, docs/disk_tier.md): rows beyond
@@ -46,7 +47,7 @@ FORMS = {
     "remote": '["host:port", ...] or "host:port,host:port" (remote parameter servers)',
     "cached": '"<address>?gpu_cache_rows=N" (a GPU hot cache in front of either)',
 }
-CACHE_OPTIONS = ("gpu_cache_rows", "policy", "half_life", "xp")
+CACHE_OPTIONS = ("gpu_cache_rows", "policy", "half_life", "xp", "sync_steps")
 ENGINE_OPTIONS = ("disk_dir", "memory_gb")  # an embedded engine's, after "?"
 
 
@@ -168,6 +169,8 @@ def cache_address(address: str) -> tuple[str, dict[str, Any]]:
         try:
             if name == "gpu_cache_rows":
                 options["rows"] = int(value)
+            elif name == "sync_steps":
+                options["sync_steps"] = int(value)
             elif name == "half_life":
                 options["half_life"] = float(value)
             else:

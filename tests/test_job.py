@@ -142,6 +142,34 @@ def test_the_chief_holds_every_trainer_for_a_checkpoints_cut(remote: RemoteServe
         job.close()
 
 
+def test_a_held_trainer_flushes_its_changes_before_it_answers(remote: RemoteServer) -> None:
+    """A trainer whose changes wait locally (a shared cache) sends them
+    (``Job.flush``) after its begun pushes and before its answer, so the
+    cut has them; and before it finishes."""
+    chief = Job(remote, cluster("chief", 0, workers=1))
+    worker = Job(remote, cluster("worker", 0, workers=1))
+    order: list[str] = []
+    worker.flush = lambda: order.append("flush")
+    chief.mark_ready(restored=None)
+    worker.wait_ready()
+    worker.note_step(Position(1))
+    holds: list[bytes | None] = []
+    holder = threading.Thread(target=lambda: holds.append(chief.hold_trainers()))
+    holder.start()
+    holder.join(timeout=0.5)
+    assert holder.is_alive() and order == []  # its push is not applied yet
+    order.append("pushed")
+    worker.push_done()
+    holder.join(timeout=10)
+    assert not holder.is_alive() and holds[0] is not None
+    assert order == ["pushed", "flush"]
+    chief.release(holds[0])
+    worker.finish()
+    assert order == ["pushed", "flush", "flush"]
+    for job in (chief, worker):
+        job.close()
+
+
 def test_a_trainer_that_does_not_stop_is_named_and_the_cut_goes_on(
     remote: RemoteServer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -345,20 +373,34 @@ def test_a_trainer_of_a_job_with_servers_has_a_job(
         assert context.ps.num_servers == 2
 
 
-def test_a_gpu_cache_is_refused_for_several_trainers(
+def test_each_trainer_of_several_gets_a_cache_of_shared_rows(
     monkeypatch: pytest.MonkeyPatch, remote: RemoteServer
 ) -> None:
-    """A trainer's cache would write its rows back over the others' updates."""
+    """Several trainers: each trainer's cache merges its changes (Geo-SGD)
+    every ``cache_sync_steps``, and a cut of the job waits for them (the
+    job's ``flush``); one trainer writes its rows back whole. A given
+    cache that writes rows back whole is refused for several trainers."""
     import wuliang as wl
+    from wuliang.ps_server.cache import CachedServer
 
     config = {
         "cluster": {"chief": ["c:1"], "worker": ["w:1"], "ps": remote.addresses},
         "task": {"type": "chief", "index": 0},
     }
     monkeypatch.setenv("TF_CONFIG", json.dumps(config))
-    with pytest.raises(ValueError, match="gpu_cache_rows: this job has 2 trainers"):
-        wl.Context(gpu_cache_rows=64)
+    with wl.Context(gpu_cache_rows=64, cache_sync_steps=3) as context:
+        assert context.ps.sync_steps == 3
+        assert context.job is not None and context.job.flush == context.ps.flush
+    whole = CachedServer(RemoteServer(remote.addresses), rows=64, xp="numpy")
+    try:
+        with pytest.raises(ValueError, match="writes its rows back whole"):
+            wl.Context(whole)
+    finally:
+        whole.close()
+    with pytest.raises(ValueError, match="cache_sync_steps must be an int >= 1"):
+        wl.Context(gpu_cache_rows=64, cache_sync_steps=0)
     config["cluster"] = {"chief": ["c:1"], "ps": remote.addresses}
     monkeypatch.setenv("TF_CONFIG", json.dumps(config))
     with wl.Context(gpu_cache_rows=64) as context:  # one trainer: its cache is the only one
         assert context.job is not None and context.ps.cache_stats() == {}
+        assert context.ps.sync_steps is None and context.job.flush is None

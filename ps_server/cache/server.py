@@ -91,6 +91,8 @@ if TYPE_CHECKING:
     from wuliang.ps_server.storage.manifest import FileEntry
 
 COUNTERS = (
+    "synced",  # shared rows: changes sent (victims, flushes, every sync_steps pulls)
+    "refreshed",  # shared rows: rows read back merged after their changes were sent
     "hits",  # training-pull keys found in the cache
     "misses",  # training-pull keys not found
     "hit_occurrences",  # key occurrences of the hits (the pull's counts)
@@ -111,6 +113,7 @@ class _Table:
     math: OptimizerMath
     region: Any  # index.Region
     rows: SlotRows
+    base: SlotRows | None = None  # shared rows: each slot's row as fetched (or last sent)
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     # what the inner server's counters miss: (the keys the cache answered)
     pulled_keys: int = 0
@@ -127,6 +130,7 @@ class _Load:
     keys: np.ndarray
     columns: tuple[np.ndarray, np.ndarray | None]  # weights, state
     named: dict[str, np.ndarray]  # counts, steps, times, shows, clicks
+    merge: bool = False  # the changes since the rows were fetched (shared rows), to add
 
 
 @dataclass
@@ -156,6 +160,13 @@ class CachedServer(ParameterServer):
         policy: ``"stats"`` (decayed show counts, the default) or ``"lru"``
             (``index.SlotIndex``).
         half_life: batches after which a sighting counts half (``"stats"``).
+        sync_steps: None (the default): the cache's rows are this trainer's
+            alone, written back whole. k >= 1: shared rows (a job of several
+            trainers on one set of servers, Geo-SGD): every k training pulls,
+            and whenever a row leaves the cache, the change it made to each
+            row since the row was fetched is merged into the server's row
+            (``ExchangePart(merge=True)``), and the rows changed are read
+            back merged. docs/gpu_cache.md, "Several trainers".
     """
 
     def __init__(
@@ -166,8 +177,13 @@ class CachedServer(ParameterServer):
         xp: Any = "auto",
         policy: str = "stats",
         half_life: float = 1000.0,
+        sync_steps: int | None = None,
     ) -> None:
         super().__init__()
+        if sync_steps is not None and (
+            isinstance(sync_steps, bool) or not isinstance(sync_steps, int) or sync_steps < 1
+        ):
+            raise ValueError(f"sync_steps must be an int >= 1 or None, got {sync_steps!r}")
         if not isinstance(inner, ParameterServer):
             raise TypeError(f"inner must be a ParameterServer, got {type(inner).__name__}")
         if isinstance(rows, Mapping):
@@ -191,6 +207,8 @@ class CachedServer(ParameterServer):
         self._in_flight: list[tuple[Future, list[_Load]]] = []  # failed write-backs, oldest first
         self._settle_lock = threading.Lock()
         self._clock: int | None = None  # set_clock's: the time pushes stamp (None: wall clock)
+        self.sync_steps = sync_steps
+        self._pulls = 0  # training pulls (shared rows: synced every sync_steps)
 
     @property
     def inner(self) -> ParameterServer:
@@ -224,10 +242,19 @@ class CachedServer(ParameterServer):
 
     def _load_all(self, loads: list[_Load]) -> None:
         for load in loads:
-            self._timed(self._inner.load, load.table, load.keys, *load.columns, **load.named)
+            if load.merge:
+                dim = load.columns[0].shape[1]
+                part = ExchangePart(load.table, [], np.empty((0, dim), F32), [], _rows_of(load),
+                                    merge=True)  # fmt: skip
+                self._timed(self._inner.exchange_many, [part])
+            else:
+                self._timed(self._inner.load, load.table, load.keys, *load.columns, **load.named)
 
     def __repr__(self) -> str:
-        return f"CachedServer({self.inner!r}, rows={self._rows!r}, xp={self.kernels.name!r})"
+        shared = "" if self.sync_steps is None else f", sync_steps={self.sync_steps}"
+        return (
+            f"CachedServer({self.inner!r}, rows={self._rows!r}, xp={self.kernels.name!r}{shared})"
+        )
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -274,7 +301,7 @@ class CachedServer(ParameterServer):
         def restarted(address: str, step: int | None) -> None:
             with self._lock:
                 for name, cache in self._tables.items():
-                    if cache is not None:
+                    if cache is not None and cache.base is None:  # shared: changes merge anyway
                         _, slots = self.index.cached(name)
                         cache.rows.dirty[self.kernels.to_device(slots)] = True
             listener(address, step)
@@ -306,6 +333,8 @@ class CachedServer(ParameterServer):
                 region=region,
                 rows=SlotRows.zeros(self.xp, region.slots, spec.dim, math.state_dim),
             )
+            if self.sync_steps is not None:
+                made.base = SlotRows.zeros(self.xp, region.slots, spec.dim, math.state_dim)
         self._tables[name] = made
         return made
 
@@ -350,12 +379,17 @@ class CachedServer(ParameterServer):
         else:
             keys = np.asarray(keys)[dirty]
         rows = cache.rows
-        columns = {c: k.to_host(k.gather(getattr(rows, c), d_slots)) for c in SlotRows.COLUMNS}
+        if cache.base is None:
+            columns = {c: k.to_host(k.gather(getattr(rows, c), d_slots)) for c in SlotRows.COLUMNS}
+        else:
+            columns = self._changes(cache, d_slots)
+            cache.counters["synced"] += len(slots)
         load = _Load(
             name,
             keys,
             (columns["weights"], columns["state"] if cache.math.state_dim else None),
             {c: columns[c] for c in ("counts", "steps", "times", "shows", "clicks")},
+            merge=cache.base is not None,
         )
         if loads is None:
             self._settle()  # older rows of these keys land first
@@ -365,6 +399,39 @@ class CachedServer(ParameterServer):
         rows.dirty[d_slots] = False
         cache.counters["written_back"] += len(slots)
         return len(slots)
+
+    def _changes(self, cache: _Table, d_slots: Any) -> dict[str, np.ndarray]:
+        """Shared rows: what this cache changed in the rows of ``d_slots``
+        since they were fetched (or last sent), as host columns to merge
+        (``ExchangePart(merge=True)``); the rows become their own base (the
+        change is on its way). Weights and state: the difference; counts:
+        the updates since; shows and clicks: the row's less its base's
+        decayed to the row's step; step and time: the row's."""
+        k, xp = self.kernels, self.xp
+        rows, base = cache.rows, cache.base
+        assert base is not None
+        now = {c: k.gather(getattr(rows, c), d_slots) for c in SlotRows.COLUMNS}
+        was = {c: k.gather(getattr(base, c), d_slots) for c in SlotRows.COLUMNS}
+        half_life = cache.spec.stats_half_life
+        later = now["steps"] > was["steps"]
+        if half_life > 0:
+            gap = xp.where(later, now["steps"] - was["steps"], 0).astype(np.float64)
+            decay = xp.exp2(-gap / half_life)
+        else:
+            decay = xp.ones(len(later), np.float64)
+        changes = {
+            "weights": now["weights"] - was["weights"],
+            "state": now["state"] - was["state"],
+            "counts": xp.where(now["counts"] >= was["counts"], now["counts"] - was["counts"], 0),
+            "steps": now["steps"],
+            "times": now["times"],
+            "shows": (now["shows"] - was["shows"] * decay).astype(F32),
+            "clicks": (now["clicks"] - was["clicks"] * decay).astype(F32),
+        }
+        for c in SlotRows.COLUMNS:
+            getattr(base, c)[d_slots] = now[c]
+        return {c: np.ascontiguousarray(k.to_host(v)).astype(getattr(rows, c).dtype, copy=False)
+                for c, v in changes.items()}  # fmt: skip
 
     def _timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A call on the inner server from the data half, its time counted
@@ -580,7 +647,9 @@ class CachedServer(ParameterServer):
         try:
             for i, (cache, part, part_keys) in enumerate(local):
                 pulls.append(self._part_of_plan(cache, part, part_keys, plan, bounds[i], counts))
-            self._exchange(pulls, forward, self._copy_victims(plan), step, pull=True)
+            victims = self._copy_victims(plan)
+            refresh = self._due_refresh(victims)
+            self._exchange(pulls, forward, victims, step, pull=True, refresh=refresh)
         except BaseException:
             for p in pulls:  # the incoming keys did not come in
                 self._forget_keys(p.part.table, p.keys[p.miss[p.incoming]])
@@ -673,26 +742,42 @@ class CachedServer(ParameterServer):
         victims: list[_Load],
         step: int | None,
         pull: bool,
+        refresh: list[_Refresh] | None = None,
     ) -> None:
         """One ``exchange_many`` with the inner server: the victims' rows go
-        back, the misses (``pull``) and the uncached tables' keys are pulled,
-        the incoming rows come in (``_swap_in``). If it fails, the victims'
-        rows stay as a write-back in flight (``_settle`` tries again)."""
-        back = {load.table: _rows_of(load) for load in victims}
-        parts = []
+        back (shared rows: their changes, merged), the misses (``pull``) and
+        the uncached tables' keys are pulled, the incoming rows come in
+        (``_swap_in``); shared rows due for a sync (``refresh``: their
+        changes among ``victims``) are read back merged. If it fails, the
+        rows given back stay as a write-back in flight (``_settle`` tries
+        again)."""
+        refresh = refresh or []
+        back = _rows_by_table(victims)
+        again = {r.table: r for r in refresh}
+        merge = self.sync_steps is not None
+        parts, tails = [], []
         for p in pulls:
             misses = p.miss if pull else p.miss[:0]
+            incoming = p.keys[p.miss[p.incoming]]
+            r = again.pop(p.part.table, None)
+            tails.append(r)
+            if r is not None:
+                incoming = np.concatenate([incoming, r.keys])
             parts.append(ExchangePart(
-                p.part.table, p.keys[misses], p.miss_rows[: len(misses)],
-                p.keys[p.miss[p.incoming]], back.pop(p.part.table, None),
-                p.miss_offsets if pull else None,
+                p.part.table, p.keys[misses], p.miss_rows[: len(misses)], incoming,
+                back.pop(p.part.table, None), p.miss_offsets if pull else None, merge,
             ))  # fmt: skip
         for part in forward:
             parts.append(ExchangePart(part.table, part.keys, part.out, [], None,
                                       part.shard_offsets))  # fmt: skip
+        rest = list(again.values())
+        for r in rest:  # shared rows of tables this pull does not read
+            dim = r.cache.spec.dim
+            parts.append(ExchangePart(r.table, [], np.empty((0, dim), F32), r.keys,
+                                      back.pop(r.table, None), merge=merge))  # fmt: skip
         for table, rows in back.items():  # victims of tables this pull does not read
             dim = rows.weights.shape[1]
-            parts.append(ExchangePart(table, [], np.empty((0, dim), F32), [], rows))
+            parts.append(ExchangePart(table, [], np.empty((0, dim), F32), [], rows, merge=merge))
         if not any(len(x.keys) or len(x.incoming) or x.back is not None for x in parts):
             return
         try:
@@ -703,9 +788,57 @@ class CachedServer(ParameterServer):
                 failed.set_exception(error)
                 self._in_flight.append((failed, victims))
             raise
-        for p, answer in zip(pulls, answers, strict=False):
+        for p, r, answer in zip(pulls, tails, answers, strict=False):
+            if r is not None:
+                answer, refreshed = _split_answer(answer, int(p.incoming.sum()))
+                self._refreshed(r, refreshed)
             if p.incoming.any():
                 self._swap_in(p, step, answer)
+        at = len(pulls) + len(forward)
+        for r, answer in zip(rest, answers[at : at + len(rest)], strict=True):
+            self._refreshed(r, answer)
+
+    def _due_refresh(self, victims: list[_Load]) -> list[_Refresh]:
+        """Shared rows, every ``sync_steps`` training pulls: the changes of
+        every updated cached row (appended to ``victims``, to merge), and
+        the rows to read back merged."""
+        if self.sync_steps is None:
+            return []
+        self._pulls += 1
+        if self._pulls % self.sync_steps:
+            return []
+        due = []
+        for name, cache in self._tables.items():
+            if cache is None:
+                continue
+            slots = np.nonzero(self.kernels.to_host(cache.rows.dirty))[0]
+            if not len(slots):
+                continue
+            keys = self.kernels.to_host(self.index.keys[self.kernels.to_device(slots)
+                                                        + cache.region.entry_base])  # fmt: skip
+            self._write_back(name, cache, slots, keys, victims)
+            due.append(_Refresh(name, cache, slots, keys))
+        return due
+
+    def _refreshed(self, r: _Refresh, answer: Exchanged) -> None:
+        """Shared rows read back merged: they replace the cache's (the
+        changes they had since were sent), and become their base."""
+        rows, found, _ = answer
+        if not found.all():  # a merge makes a row: none is missing but by a bug
+            raise RuntimeError(
+                f"cache: table {r.table!r}: {int((~found).sum())} rows merged on the server "
+                "were not found there when read back"
+            )
+        k = self.kernels
+        d_slots = k.to_device(r.slots)
+        columns = {c: getattr(rows, c) for c in SlotRows.COLUMNS}
+        columns["state"] = rows.state.reshape(len(rows.keys), r.cache.math.state_dim)
+        admitted_at = k.to_host(r.cache.rows.admitted_at[d_slots])
+        dirty = k.to_host(r.cache.rows.dirty[d_slots])
+        if dirty.any():  # updated after the sync was planned: not possible under the lock
+            raise RuntimeError(f"cache: table {r.table!r}: rows changed during their sync")
+        self._put_slots(r.cache, r.slots, columns, admitted_at, swapped=False)
+        r.cache.counters["refreshed"] += len(r.slots)
 
     def _swap_in(self, p: _PartPull, step: int | None, answer: Exchanged) -> None:
         """Copies the incoming rows to their slots, whole as the exchange's
@@ -734,12 +867,18 @@ class CachedServer(ParameterServer):
         slots: np.ndarray,
         columns: dict[str, np.ndarray],
         admitted_at: np.ndarray,
+        swapped: bool = True,
     ) -> None:
-        """Whole rows (host columns) into slots, marked clean."""
+        """Whole rows (host columns) into slots, marked clean (``swapped``:
+        rows that came in; else shared rows read back)."""
         if not len(slots):
             return
-        self.kernels.put_slots(cache.rows, np.asarray(slots, np.int64), columns, admitted_at)
-        cache.counters["swapped_in"] += len(slots)
+        slots = np.asarray(slots, np.int64)
+        self.kernels.put_slots(cache.rows, slots, columns, admitted_at)
+        if cache.base is not None:
+            self.kernels.put_slots(cache.base, slots, columns, admitted_at)
+        if swapped:
+            cache.counters["swapped_in"] += len(slots)
 
     # -- data half: pushes ------------------------------------------------------
 
@@ -1270,6 +1409,50 @@ class _PartPull:
             lost = self.keys[self.miss[self.failed]]
             cached &= ~np.isin(self.keys[self.miss], lost)
         return cached
+
+
+@dataclass
+class _Refresh:
+    """Shared rows of one table whose changes a sync sends, to read back."""
+
+    table: str
+    cache: _Table
+    slots: np.ndarray  # int64: table-local slots
+    keys: np.ndarray  # uint64: their keys
+
+
+def _rows_by_table(loads: list[_Load]) -> dict[str, RowChunk]:
+    """The rows given back, one chunk per table (in the loads' order)."""
+    by_table: dict[str, list[RowChunk]] = {}
+    for load in loads:
+        by_table.setdefault(load.table, []).append(_rows_of(load))
+    return {table: chunks[0] if len(chunks) == 1 else _concat_rows(chunks)
+            for table, chunks in by_table.items()}  # fmt: skip
+
+
+def _concat_rows(chunks: list[RowChunk]) -> RowChunk:
+    columns = {}
+    for name in ("keys", "weights", "state", "counts", "steps", "times", "shows", "clicks"):
+        columns[name] = np.concatenate([getattr(c, name) for c in chunks])
+    return RowChunk(**columns, versions=None)
+
+
+def _split_answer(answer: Exchanged, m: int) -> tuple[Exchanged, Exchanged]:
+    """An exchange's answer for incoming keys split after the first ``m``."""
+    rows, found, created = answer
+    cut = int(found[:m].sum())
+
+    def rows_in(lo: int, hi: int | None) -> RowChunk:
+        return RowChunk(**{
+            name: (None if getattr(rows, name) is None else getattr(rows, name)[lo:hi])
+            for name in ("keys", "weights", "state", "counts", "steps", "times", "versions",
+                         "shows", "clicks")
+        })  # fmt: skip
+
+    return (
+        Exchanged(rows_in(0, cut), found[:m], created[:m]),
+        Exchanged(rows_in(cut, None), found[m:], created[m:]),
+    )
 
 
 def _rows_of(load: _Load) -> RowChunk:

@@ -87,7 +87,15 @@ class Context:
         gpu_cache_rows: rows of each table to keep in a GPU hot cache in
             front of the parameter server (``wuliang.ps_server.cache.
             CachedServer``: cupy where a GPU is present, else numpy); None
-            (the default): no cache. docs/gpu_cache.md.
+            (the default): no cache. docs/gpu_cache.md. In a job of several
+            trainers each keeps its own cache of shared rows (Geo-SGD, see
+            ``cache_sync_steps``).
+        cache_sync_steps: with ``gpu_cache_rows`` in a job of several
+            trainers: every k training steps (and whenever a row leaves
+            the cache) each trainer's cache merges the change it made to
+            its rows into the servers' rows, and reads them back with the
+            other trainers' changes in (k: how stale a trainer's copy of a
+            hot row may get; docs/gpu_cache.md, "Several trainers").
         staleness: 0: a step pulls rows only after the previous step's push
             is applied (exact); 1: the pull of step i may run while step i-1
             trains, so rows can be one update old (faster).
@@ -131,6 +139,7 @@ class Context:
         background: str = "normal",
         non_finite: str = "raise",
         tower_sync_steps: int = 1,
+        cache_sync_steps: int = 8,
     ) -> None:
         self.cluster = Cluster.from_env()  # None: not part of a cluster
         if ps is None:
@@ -162,6 +171,12 @@ class Context:
             or gpu_cache_rows < 1
         ):
             raise ValueError(f"gpu_cache_rows must be an int >= 1 or None, got {gpu_cache_rows!r}")
+        if (
+            isinstance(cache_sync_steps, bool)
+            or not isinstance(cache_sync_steps, int)
+            or cache_sync_steps < 1
+        ):
+            raise ValueError(f"cache_sync_steps must be an int >= 1, got {cache_sync_steps!r}")
         if disk_dir is not None or memory_gb is not None:
             self.ps: ParameterServer = _tiered_engine(ps, num_shards, disk_dir, memory_gb)
         else:
@@ -169,7 +184,9 @@ class Context:
         if gpu_cache_rows is not None:
             from wuliang.ps_server.cache import CachedServer
 
-            self.ps = CachedServer(self.ps, rows=gpu_cache_rows)
+            several = self.cluster is not None and self.cluster.num_trainers > 1
+            sync_steps = cache_sync_steps if several else None
+            self.ps = CachedServer(self.ps, rows=gpu_cache_rows, sync_steps=sync_steps)
             _warn_without_gpus(self.ps.array_module_name)
         self.ps.set_background(self.background)
         listen = getattr(self.ps, "add_restart_listener", None)
@@ -197,21 +214,24 @@ class Context:
                     self.cluster.num_trainers, made=not isinstance(ps, ParameterServer)
                 )
                 self.job = Job(self.ps, self.cluster)
+                if getattr(self.ps, "sync_steps", None) is not None:
+                    self.job.flush = self.ps.flush  # a cut waits for the cache's changes
 
     def _refuse_shared_cache(self, trainers: int, made: bool) -> None:
-        """A GPU hot cache holds its rows until it writes them back, over
-        whatever other trainers pushed to them meanwhile: it fits one
-        trainer per set of servers only. ``made``: the context made the
-        server (from an address), so it closes it; a caller's stays open."""
+        """A cache that writes its rows back whole (``sync_steps=None``)
+        would write them over whatever other trainers pushed meanwhile: in a
+        job of several trainers, the cache must merge its changes.
+        ``made``: the context made the server (from an address), so it
+        closes it; a caller's stays open."""
         from wuliang.ps_server.cache import CachedServer
 
-        if isinstance(self.ps, CachedServer) and trainers > 1:
+        if isinstance(self.ps, CachedServer) and trainers > 1 and self.ps.sync_steps is None:
             if made:
                 self.ps.close()
             raise ValueError(
-                f"gpu_cache_rows: this job has {trainers} trainers on one set of parameter "
-                "servers; a GPU hot cache would write its rows back over the other trainers' "
-                "updates (it fits a job with one trainer: see docs/gpu_cache.md)"
+                f"this job has {trainers} trainers on one set of parameter servers, and the "
+                "given CachedServer writes its rows back whole, over the other trainers' "
+                "updates: give it sync_steps=k (it then merges its changes; docs/gpu_cache.md)"
             )
 
     @property

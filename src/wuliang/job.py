@@ -48,7 +48,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from wuliang.ps_server import ParameterServer
@@ -94,6 +94,9 @@ class Job:
         self._thread: threading.Thread | None = None
         self._in_flight = 0  # parts of begun pushes not yet done (see begin_push)
         self._held = False  # the chief holds the job: no push begins
+        # what sends this trainer's changes held locally (a shared cache's
+        # flush): before it answers a hold, and before it finishes
+        self.flush: Callable[[], Any] | None = None
         self._hold_answered = b""  # the last hold this trainer stopped for
         self.cut_seconds = float(os.environ.get("WULIANG_CUT_SECONDS", CUT_SECONDS))
 
@@ -168,6 +171,8 @@ class Job:
 
     def finish(self) -> None:
         """Marks this trainer's shard done (after sending what is unsent)."""
+        if self.flush is not None:
+            self.flush()
         self.sync()
         self.call(put={f"{FINISHED}{self.trainer}": b"1"})
 
@@ -247,6 +252,8 @@ class Job:
             steps, self._unsent = self._unsent, 0
             position, self._position = self._position, None
         try:
+            if self.flush is not None:  # the cut has every change of the steps it counts
+                self.flush()
             put = {f"{HELD}{self.trainer}": hold}
             if position is not None:
                 put[f"{POSITION}{self.trainer}"] = position
