@@ -29,6 +29,14 @@ and their difference.
 ``--sync-auc 1,4,16``: the same job with the tower synced every k steps
 (``Context(tower_sync_steps=k)``, GEO mode), ``--runs`` seeds each.
 
+``--gpu-cache-rows R``: every trainer of the job keeps a hot cache of R
+rows per table (``Context(gpu_cache_rows=R)``; with several trainers, caches
+of shared rows merged every ``--cache-sync-steps`` steps, Geo-SGD); the job
+then runs with and without the caches, alternated ``--rounds`` times
+(``cache_on_vs_off``: the medians' ratio). ``--cache-auc N``: the MovieLens
+job's AUC with caches on and off, N seeds each, and one job with caches on
+whose worker 0 is killed with SIGKILL mid-way (it must finish with status 0).
+
 On one machine of 2 cores the cluster is slower than one process: every
 process shares the same cores. ``docs/cluster.md`` models samples/s for W
 workers and S servers on separate machines from the per-step costs printed
@@ -40,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -81,7 +90,7 @@ def trainer(args: argparse.Namespace) -> None:
     dense.SharedTower.push = timed("tower_push", dense.SharedTower.push)  # type: ignore[method-assign]
 
     model = make_tower(0)
-    context = wl.Context()
+    context = wl.Context(gpu_cache_rows=args.gpu_cache_rows, cache_sync_steps=args.cache_sync_steps)
     tables = {n: wl.EmbeddingTable(n, DIM, optimizer=Adagrad(0.05)) for n in SINGLE}
     features: list[Any] = [wl.SparseFeature(n, tables[n]) for n in SINGLE]
     features += [wl.DenseFeature(n) for n in DENSE]
@@ -123,11 +132,20 @@ def trainer(args: argparse.Namespace) -> None:
     context.close()
 
 
-def run_job(args: argparse.Namespace, files: list[str], out: Path) -> dict[str, Any]:
+def cache_args(rows: int | None, sync_steps: int) -> list[str]:
+    if rows is None:
+        return []
+    return ["--gpu-cache-rows", str(rows), "--cache-sync-steps", str(sync_steps)]
+
+
+def run_job(
+    args: argparse.Namespace, files: list[str], out: Path, cache_rows: int | None = None
+) -> dict[str, Any]:
     servers, workers = args.servers, args.workers
     trainer_cmd = [sys.executable, str(Path(__file__).resolve()), "--trainer", "--out", str(out),
                    "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--batch", str(args.batch), "--files", *files]  # fmt: skip
+                   "--batch", str(args.batch), *cache_args(cache_rows, args.cache_sync_steps),
+                   "--files", *files]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     launch = [sys.executable, "-m", "wuliang", "launch", "--ps", str(servers),
@@ -161,18 +179,27 @@ def run_single(args: argparse.Namespace, files: list[str], out: Path, steps: int
 
 
 def movielens_job(
-    data: Path, work: Path, seed: int, kill: bool, sync_steps: int = 1
+    data: Path,
+    work: Path,
+    seed: int,
+    kill: bool | str,
+    sync_steps: int = 1,
+    cache: list[str] | None = None,
+    pause: float = 0.1,
 ) -> dict[str, Any]:
-    """One MovieLens job under wuliang launch; with kill, server 1 is killed
-    with SIGKILL once a checkpoint past a third of the run exists."""
+    """One MovieLens job under wuliang launch; with kill, server 1 (or the
+    role ``kill`` names) is killed with SIGKILL once a checkpoint past a
+    third of the run exists. ``cache``: the example's cache options."""
     import signal
 
+    role = "ps-1" if kill is True else kill
     model, out = work / "model", work / "out.json"
     job = [sys.executable, str(HERE.parent / "examples" / "movielens_cluster.py"),
            "--prepare", str(data), "--model-dir", str(model), "--out", str(out),
            "--batch-size", "1024", "--epochs", "4", "--seed", str(seed),
-           "--checkpoint-steps", "60", "--step-pause", "0.1",
-           "--tower-sync-steps", str(sync_steps)]  # fmt: skip
+           "--checkpoint-steps", "60", "--step-pause", str(pause),
+           "--tower-sync-steps", str(sync_steps), *(cache or [])]  # fmt: skip
+    start = time.monotonic()
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     launch = [sys.executable, "-m", "wuliang", "launch", "--ps", "2", "--workers", "2",
               "--model-dir", str(model), "--", *job]  # fmt: skip
@@ -188,13 +215,14 @@ def movielens_job(
             # halfway between checkpoints past a third of the run: 30 steps of updates lost
             if done and max(done) >= 100 and int(step) >= max(done) + 30:
                 pid = next(int(x.split("(pid ")[1].rstrip(")\n"))
-                           for x in reversed(lines) if "started ps-1 (pid" in x)  # fmt: skip
+                           for x in reversed(lines) if f"started {role} (pid" in x)  # fmt: skip
                 os.kill(pid, signal.SIGKILL)
                 killed_at = int(step)
     if proc.wait(timeout=1800) != 0:
         raise RuntimeError("the job failed:\n" + "".join(lines[-60:]))
     lost = [line for line in lines if "the updates of" in line]
-    return {**json.loads(out.read_text()), "killed_at": killed_at, "lost_lines": len(lost)}
+    return {**json.loads(out.read_text()), "killed_at": killed_at, "lost_lines": len(lost),
+            "seconds": time.monotonic() - start}  # fmt: skip
 
 
 def kill_auc(runs: int) -> dict[str, Any]:
@@ -239,6 +267,45 @@ def sync_auc(every: list[int], runs: int) -> dict[str, Any]:
     }
 
 
+def cache_auc(runs: int, rows: int, sync_steps: int) -> dict[str, Any]:
+    """The MovieLens job (2 servers, a chief, 2 workers) with every
+    trainer's cache on and off, ``runs`` seeds each, alternated; then one
+    with caches on whose worker 0 is killed with SIGKILL mid-way."""
+    options = cache_args(rows, sync_steps)
+    aucs: dict[str, list[float]] = {"off": [], "on": []}
+    seconds: dict[str, list[float]] = {"off": [], "on": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp, "data")
+        for i in range(runs):
+            for name, cache in (("off", []), ("on", options)):
+                work = Path(tmp, f"{name}-{i}")
+                work.mkdir()
+                r = movielens_job(data, work, 42 + i, False, cache=cache, pause=0.0)
+                print(f"seed {42 + i}, caches {name}: AUC {r['auc']:.4f} in {r['seconds']:.0f} s",
+                      flush=True)  # fmt: skip
+                aucs[name].append(round(r["auc"], 4))
+                seconds[name].append(round(r["seconds"], 1))
+        work = Path(tmp, "killed")
+        work.mkdir()
+        killed = movielens_job(data, work, 42, "worker-0", cache=options)
+        print(f"caches on, worker-0 killed at step {killed['killed_at']}: AUC "
+              f"{killed['auc']:.4f}", flush=True)  # fmt: skip
+    mean = {k: sum(v) / len(v) for k, v in aucs.items()}
+    return {
+        "runs": runs,
+        "cache_rows": rows,
+        "cache_sync_steps": sync_steps,
+        "auc_caches_off": aucs["off"],
+        "auc_caches_on": aucs["on"],
+        "auc_on_minus_off": round(mean["on"] - mean["off"], 4),
+        "job_seconds_off": seconds["off"],
+        "job_seconds_on": seconds["on"],
+        "trainer_killed_at_step": killed["killed_at"],
+        "trainer_killed_auc": round(killed["auc"], 4),
+        "trainer_killed_status": 0,  # movielens_job raises on any other
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cluster", default="2x2", help="SERVERSxWORKERS (and a chief)")
@@ -254,6 +321,15 @@ def main(argv: list[str] | None = None) -> None:
         "(GEO mode), --runs seeds each",
     )
     p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--gpu-cache-rows", type=int, help="a hot cache of R rows per table per trainer")
+    p.add_argument("--cache-sync-steps", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=2, help="alternated job runs with caches on/off")
+    p.add_argument(
+        "--cache-auc",
+        type=int,
+        metavar="N",
+        help="instead: the MovieLens job's AUC with caches on and off, and a kill",
+    )
     p.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--files", nargs="*", help=argparse.SUPPRESS)
@@ -267,6 +343,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.kill_auc:
         print(json.dumps(kill_auc(args.kill_auc)))
+        return
+    if args.cache_auc:
+        rows = args.gpu_cache_rows or 4096
+        print(json.dumps(cache_auc(args.cache_auc, rows, args.cache_sync_steps)))
         return
     servers, _, workers = args.cluster.partition("x")
     args.servers, args.workers = int(servers), int(workers)
@@ -285,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"job: {args.servers} servers, a chief and {args.workers} workers", flush=True)
         job = run_job(args, files, job_dir)
         print(f"  {job['samples_per_s']:,.0f} samples/s", flush=True)
+        cached = cache_rounds(args, files, Path(tmp), job) if args.gpu_cache_rows else {}
     result = {
         "cluster": args.cluster,
         "cores": cores(),
@@ -299,8 +380,35 @@ def main(argv: list[str] | None = None) -> None:
         "cluster_compute_ms": round(job["compute_ms"], 1),
         "cluster_tower_pull_ms": round(job["tower_pull_ms"], 1),
         "cluster_tower_push_ms": round(job["tower_push_ms"], 1),
+        **cached,
     }
     print(json.dumps(result))
+
+
+def cache_rounds(
+    args: argparse.Namespace, files: list[str], tmp: Path, first_off: dict[str, Any]
+) -> dict[str, Any]:
+    """The job with every trainer's cache on and off, alternated
+    ``--rounds`` times (the first run without caches is the one above)."""
+    runs: dict[str, list[dict[str, Any]]] = {"off": [first_off], "on": []}
+    for i in range(args.rounds):
+        for name, rows in (("on", args.gpu_cache_rows), ("off", None)):
+            if name == "off" and i == args.rounds - 1:
+                break  # as many runs of each
+            out = tmp / f"job-{name}-{i}"
+            out.mkdir()
+            r = run_job(args, files, out, rows)
+            print(f"  caches {name}: {r['samples_per_s']:,.0f} samples/s", flush=True)
+            runs[name].append(r)
+    rate = {k: statistics.median(r["samples_per_s"] for r in v) for k, v in runs.items()}
+    return {
+        "cache_rows": args.gpu_cache_rows,
+        "cache_sync_steps": args.cache_sync_steps,
+        "cache_off_samples_per_s": [round(r["samples_per_s"]) for r in runs["off"]],
+        "cache_on_samples_per_s": [round(r["samples_per_s"]) for r in runs["on"]],
+        "cache_on_vs_off": round(rate["on"] / rate["off"], 3),
+        "cache_on_step_ms": round(statistics.median(r["step_ms"] for r in runs["on"]), 1),
+    }
 
 
 if __name__ == "__main__":

@@ -72,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
         "--tower-sync-steps", type=int, default=1, help="Context(tower_sync_steps=): GEO mode"
     )
     p.add_argument("--step-pause", type=float, default=0.0, help="seconds after each step")
+    p.add_argument(
+        "--gpu-cache-rows", type=int, help="Context(gpu_cache_rows=): a hot cache per trainer"
+    )
+    p.add_argument(
+        "--cache-sync-steps", type=int, default=8,
+        help="Context(cache_sync_steps=): how often several trainers' caches merge",
+    )  # fmt: skip
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
 
@@ -82,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         wl.SparseFeature(name, tables[table], combiner=combiner)
         for name, (table, combiner) in ml.FEATURES.items()
     ]
-    context = wl.Context(tower_sync_steps=args.tower_sync_steps)
+    context = wl.Context(
+        tower_sync_steps=args.tower_sync_steps,
+        gpu_cache_rows=args.gpu_cache_rows,
+        cache_sync_steps=args.cache_sync_steps,
+    )
     job = context.job
     trainer = 0 if job is None else job.trainer
     if args.prepare:

@@ -125,3 +125,23 @@ def test_a_cache_of_shared_rows_refuses_bad_sync_steps() -> None:
         with pytest.raises(ValueError, match="sync_steps must be an int >= 1 or None"):
             CachedServer(engine, rows=32, xp="numpy", sync_steps=bad)  # type: ignore[arg-type]
     engine.close()
+
+
+def test_reads_of_shared_rows_are_the_servers_merged_rows() -> None:
+    """A cache's copy of a shared row may lack the other trainers' newest
+    changes: lookups, pulls without training and ``read_rows`` merge this
+    cache's changes and answer the server's rows (an evaluation after the
+    job sees every trainer's updates)."""
+    engine, a, b = two_trainers(SGD(learning_rate=1.0), rows=64, sync_steps=100)
+    key = np.array([5], np.int64)
+    w0 = engine.lookup("t", key, missing="initial").rows
+    for cache, grad in ((a, 0.5), (b, 0.25)):
+        pull(cache, key, 0)
+        push(cache, key, grad, 0)
+    a.flush()  # a's change on the server; b's still in b's cache, b's copy lacks a's
+    want = w0 - 0.75
+    out = np.empty((1, 4), F32)
+    b.pull_many([PullPart("t", key, out)], train=False)
+    np.testing.assert_allclose(out, want, atol=1e-6)
+    np.testing.assert_allclose(a.lookup("t", key).rows, want, atol=1e-6)
+    np.testing.assert_allclose(b.read_rows("t", key)[0].weights, want, atol=1e-6)

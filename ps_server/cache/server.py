@@ -433,6 +433,12 @@ class CachedServer(ParameterServer):
         return {c: np.ascontiguousarray(k.to_host(v)).astype(getattr(rows, c).dtype, copy=False)
                 for c, v in changes.items()}  # fmt: skip
 
+    def _send_cached(self, name: str, cache: _Table, keys: np.ndarray) -> None:
+        """Writes back (shared rows: merges the changes of) the updated
+        cached rows among ``keys``."""
+        cached, slots = self._slots_of(cache, keys)
+        self._write_back(name, cache, np.unique(self.kernels.to_host(slots)[cached]))
+
     def _timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A call on the inner server from the data half, its time counted
         in ``inner_seconds`` (what the misses cost)."""
@@ -593,7 +599,15 @@ class CachedServer(ParameterServer):
         self, local: list[tuple[_Table, PullPart, np.ndarray]], forward: list[PullPart]
     ) -> None:
         """A pull without training: cached keys from the device, the rest
-        from the inner server; nothing comes in."""
+        from the inner server; nothing comes in. Shared rows: the cached
+        copies may lack the other trainers' newest changes, so this cache's
+        changes among the keys are merged and every key is read there."""
+        if self.sync_steps is not None:
+            for cache, part, keys in local:
+                self._send_cached(part.table, cache, keys)
+                forward.append(part)
+            self._timed(self.inner.pull_many, forward, train=False)
+            return
         answers = []
         for cache, part, keys in local:
             cached, slots = self._slots_of(cache, keys)
@@ -1127,6 +1141,9 @@ class CachedServer(ParameterServer):
             cache = self._cache(table, spec)
             if cache is None:
                 return self.inner.lookup(table, keys, missing=missing)
+            if self.sync_steps is not None:  # shared rows: the server's merged ones
+                self._send_cached(table, cache, keys.view(np.uint64))
+                return self.inner.lookup(table, keys, missing=missing)
             hit, slots = self._slots_of(cache, keys.view(np.uint64))
             rest = self.inner.lookup(table, keys[~hit], missing=missing)
             rows = np.empty((len(keys), spec.dim), F32)
@@ -1184,9 +1201,8 @@ class CachedServer(ParameterServer):
                 keys = np.unique(
                     np.concatenate([as_keys(part.keys), as_keys(part.incoming), *given])
                 ).view(np.uint64)
-                cached, slots = self._slots_of(cache, keys)
-                self._write_back(part.table, cache, np.unique(self.kernels.to_host(slots)[cached]))
-                self._forget_keys(part.table, keys[cached])
+                self._send_cached(part.table, cache, keys)
+                self._forget_keys(part.table, keys)
             return self.inner.exchange_many(parts, step=step)
 
     # -- admin half ----------------------------------------------------------------
@@ -1197,9 +1213,7 @@ class CachedServer(ParameterServer):
         with self._lock:
             cache = self._tables.get(table)
             if cache is not None:
-                cached, slots = self._slots_of(cache, as_keys(keys).view(np.uint64))
-                held = np.unique(self.kernels.to_host(slots)[cached])
-                self._write_back(table, cache, held)
+                self._send_cached(table, cache, as_keys(keys).view(np.uint64))
             return self.inner.read_rows(table, keys)
 
     def create_table(self, spec: TableSpec) -> None:
