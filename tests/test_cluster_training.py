@@ -122,6 +122,34 @@ def test_a_cluster_trains_movielens_as_one_process_does(
     assert {"__tower__", "__tower_state__", "user", "movie"} <= set(last.tables)
 
 
+def test_a_cache_per_trainer_trains_movielens_and_survives_a_killed_worker(
+    data: dict[str, Path],
+    tmp_path: Path,
+    launches: list[Launch],  # noqa: F811
+) -> None:
+    """Every trainer with a hot cache of shared rows (Geo-SGD, merged every
+    8 steps): the job trains to about the AUC of one process, checkpoints
+    hold every trainer's changes, and a worker killed with SIGKILL mid-way
+    (its unsent changes lost) leaves the job finishing with status 0."""
+    model, out = tmp_path / "model", tmp_path / "cached.json"
+    run = Launch("--ps", "2", "--workers", "2", "--model-dir", str(model), "--",
+                 *job_args(data, model, out, "--checkpoint-steps", "60", "--step-pause", "0.05",
+                           "--gpu-cache-rows", "4096", "--cache-sync-steps", "8"))  # fmt: skip
+    launches.append(run)
+    wait_until("worker-0 training", lambda: count(run, r"\[worker-0\] trainer 1 step") >= 3, run)
+    os.kill(pid_of(run, "worker-0"), signal.SIGKILL)
+    wait_until("worker-0 back", lambda: count(run, r"trainer 1 resumes its reader") >= 1, run)
+    single = one_process(data, tmp_path)  # meanwhile
+    finish(run)
+    cached = json.loads(out.read_text())
+    # the caches' staleness moved the AUC by -0.0018 on average over three
+    # seeds (cluster_bench.py --cache-auc 3); a bug in the merge moves it more
+    assert abs(cached["auc"] - single["auc"]) <= 0.01, (cached, single)
+    last = Version(checkpoints(model)[-1][1])
+    assert last.step == cached["step"]
+    assert count(run, r"restarting \((1) of") == 1
+
+
 def test_a_cluster_survives_killing_each_role(
     data: dict[str, Path],
     tmp_path: Path,

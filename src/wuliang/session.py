@@ -192,14 +192,22 @@ class Session:
         ``run_context.synced``; ``position``: the reader position to resume at.
         In a cluster (the chief): the job's step, every trainer's position,
         the other trainers held meanwhile so it is one cut (``wuliang.job``)."""
+        with self._cut(hold=True):
+            return checkpoint.save(self.context, self.tower, model_dir, position, keep, keep_daily)
+
+    @contextlib.contextmanager
+    def _cut(self, hold: bool) -> Iterator[None]:
+        """The chief of a cluster, around a checkpoint or an export: with
+        ``hold``, the other trainers held still (their caches' changes sent)
+        until it ends; then the job's step and the tower synced."""
         job = self.context.job
-        hold = job.hold_trainers() if job is not None and job.is_chief else None
+        held = job.hold_trainers() if hold and job is not None and job.is_chief else None
         try:
             self._sync_cluster()
-            return checkpoint.save(self.context, self.tower, model_dir, position, keep, keep_daily)
+            yield
         finally:
-            if hold is not None:
-                job.release(hold)
+            if held is not None:
+                job.release(held)
 
     def _sync_cluster(self) -> None:
         """Before a checkpoint or an export in a cluster: the job's step now,
@@ -243,8 +251,10 @@ class Session:
         or from a hook's ``after_run`` when ``run_context.synced``."""
         from wuliang.export import LiveSource, export
 
-        self._sync_cluster()
-        return export(LiveSource(self.context, self.tower), export_dir, kind)
+        # caches of shared rows hold changes of up to cache_sync_steps
+        # steps: the version waits for every trainer's
+        with self._cut(hold=getattr(self.context.ps, "sync_steps", None) is not None):
+            return export(LiveSource(self.context, self.tower), export_dir, kind)
 
     def prune_exports(
         self,
