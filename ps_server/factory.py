@@ -15,8 +15,12 @@ parameter server:
   ``<address>`` (either form above, as one string); more options after
   ``&``: ``policy=stats|lru``, ``half_life=<batches>``,
   ``xp=auto|numpy|cupy``, ``sync_steps=k`` (shared rows, merged every k
-  training pulls: a job of several trainers) (e.g. ``"embedded?gpu_cache_rows=1000000"``,
-  ``"h1:7001,h2:7002?gpu_cache_rows=1000000&policy=lru"``);
+  training pulls: a job of several trainers); e.g.
+  ``"embedded?gpu_cache_rows=1000000"``,
+  ``"h1:7001,h2:7002?gpu_cache_rows=1000000&policy=lru"``;
+* ``"<address>?host_cache_rows=N"``: the same cache with its rows in this
+  process's memory (numpy): a host cache in front of remote servers, which
+  serves a trainer's hot rows without a round trip;
 * ``"embedded?disk_dir=D&memory_gb=G"``: the engine with its disk tier
   (``Engine(disk_dir=, memory_bytes=)``, docs/disk_tier.md): rows beyond
   G GiB of RAM live in row files under D; the cache's options may follow
@@ -47,7 +51,7 @@ FORMS = {
     "remote": '["host:port", ...] or "host:port,host:port" (remote parameter servers)',
     "cached": '"<address>?gpu_cache_rows=N" (a GPU hot cache in front of either)',
 }
-CACHE_OPTIONS = ("gpu_cache_rows", "policy", "half_life", "xp", "sync_steps")
+CACHE_OPTIONS = ("gpu_cache_rows", "host_cache_rows", "policy", "half_life", "xp", "sync_steps")
 ENGINE_OPTIONS = ("disk_dir", "memory_gb")  # an embedded engine's, after "?"
 
 
@@ -164,10 +168,14 @@ def cache_address(address: str) -> tuple[str, dict[str, Any]]:
     arguments (``rows``, ``policy``, ...); ValueError naming a bad option."""
     base, engine, cache = _split_options(address)
     inner = base + ("?" + "&".join(f"{k}={v}" for k, v in engine.items()) if engine else "")
+    if "gpu_cache_rows" in cache and "host_cache_rows" in cache:
+        raise ValueError(f"ps={address!r}: give gpu_cache_rows or host_cache_rows, not both")
+    if "host_cache_rows" in cache and cache.setdefault("xp", "numpy") != "numpy":
+        raise ValueError(f"ps={address!r}: a host cache's rows are numpy arrays (xp=numpy)")
     options: dict[str, Any] = {}
     for name, value in cache.items():
         try:
-            if name == "gpu_cache_rows":
+            if name in ("gpu_cache_rows", "host_cache_rows"):
                 options["rows"] = int(value)
             elif name == "sync_steps":
                 options["sync_steps"] = int(value)
@@ -178,7 +186,9 @@ def cache_address(address: str) -> tuple[str, dict[str, Any]]:
         except ValueError:
             raise ValueError(f"ps={address!r}: {name} must be a number, got {value!r}") from None
     if "rows" not in options:
-        raise ValueError(f"ps={address!r}: a cached address needs gpu_cache_rows=N")
+        raise ValueError(
+            f"ps={address!r}: a cached address needs gpu_cache_rows=N or host_cache_rows=N"
+        )
     return inner, options
 
 

@@ -737,9 +737,16 @@ def test_cached_addresses_and_the_context() -> None:
         ("embedded?policy=lru", "needs gpu_cache_rows"),
         ("nowhere?gpu_cache_rows=3", "not a parameter-server address"),
         ("embedded?gpu_cache_rows=3&policy=mru", "policy"),
+        ("embedded?gpu_cache_rows=3&host_cache_rows=3", "not both"),
+        ("embedded?host_cache_rows=3&xp=cupy", "host cache's rows are numpy"),
+        ("embedded?host_cache_rows=y", "host_cache_rows must be a number"),
+        ("embedded?sync_steps=2", "needs gpu_cache_rows=N or host_cache_rows=N"),
     ]:
         with pytest.raises(ValueError, match=match):
             parameter_server(bad)
+    with parameter_server("embedded?host_cache_rows=8&sync_steps=4", 1) as ps:
+        assert isinstance(ps, CachedServer) and ps.array_module_name == "numpy"
+        assert ps.sync_steps == 4
 
     from wuliang.context import Context
 
@@ -748,8 +755,14 @@ def test_cached_addresses_and_the_context() -> None:
         assert isinstance(context.ps, CachedServer) and context.ps.inner.num_shards == 1
     finally:
         context.close()
+    with Context(host_cache_rows=16, num_shards=1) as context:  # a warning: nothing to save
+        assert isinstance(context.ps, CachedServer) and context.ps.array_module_name == "numpy"
     with pytest.raises(ValueError, match="gpu_cache_rows"):
         Context(gpu_cache_rows=0)
+    with pytest.raises(ValueError, match="host_cache_rows must be an int"):
+        Context(host_cache_rows=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not both"):
+        Context(gpu_cache_rows=8, host_cache_rows=8)
 
 
 def test_float_model_helpers_are_exact() -> None:

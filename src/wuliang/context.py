@@ -90,7 +90,12 @@ class Context:
             (the default): no cache. docs/gpu_cache.md. In a job of several
             trainers each keeps its own cache of shared rows (Geo-SGD, see
             ``cache_sync_steps``).
-        cache_sync_steps: with ``gpu_cache_rows`` in a job of several
+        host_cache_rows: the same cache with its rows in this process's
+            memory (numpy arrays): a host cache in front of remote servers,
+            serving a trainer's hot rows without a round trip to them (in
+            front of an embedded engine, whose rows are in this process
+            already, it only adds work). Not with ``gpu_cache_rows``.
+        cache_sync_steps: with a cache in a job of several
             trainers: every k training steps (and whenever a row leaves
             the cache) each trainer's cache merges the change it made to
             its rows into the servers' rows, and reads them back with the
@@ -133,6 +138,7 @@ class Context:
         disk_dir: str | os.PathLike[str] | None = None,
         memory_gb: float | None = None,
         gpu_cache_rows: int | None = None,
+        host_cache_rows: int | None = None,
         staleness: int = 0,
         prefetch: int = 2,
         evict_every_steps: int | None = 1000,
@@ -165,12 +171,13 @@ class Context:
         self.non_finite = check_policy(non_finite)
         if num_shards is not None and not (isinstance(num_shards, int) and num_shards >= 1):
             raise ValueError(f"num_shards must be an int >= 1 or None, got {num_shards!r}")
-        if gpu_cache_rows is not None and (
-            isinstance(gpu_cache_rows, bool)
-            or not isinstance(gpu_cache_rows, int)
-            or gpu_cache_rows < 1
-        ):
-            raise ValueError(f"gpu_cache_rows must be an int >= 1 or None, got {gpu_cache_rows!r}")
+        cache_options = {"gpu_cache_rows": gpu_cache_rows, "host_cache_rows": host_cache_rows}
+        for name, rows in cache_options.items():
+            bad = isinstance(rows, bool) or not isinstance(rows, int) or rows < 1
+            if rows is not None and bad:
+                raise ValueError(f"{name} must be an int >= 1 or None, got {rows!r}")
+        if gpu_cache_rows is not None and host_cache_rows is not None:
+            raise ValueError("give gpu_cache_rows or host_cache_rows, not both")
         if (
             isinstance(cache_sync_steps, bool)
             or not isinstance(cache_sync_steps, int)
@@ -181,13 +188,21 @@ class Context:
             self.ps: ParameterServer = _tiered_engine(ps, num_shards, disk_dir, memory_gb)
         else:
             self.ps = ps if isinstance(ps, ParameterServer) else parameter_server(ps, num_shards)
-        if gpu_cache_rows is not None:
+        cache_rows = gpu_cache_rows if host_cache_rows is None else host_cache_rows
+        if cache_rows is not None:
             from wuliang.ps_server.cache import CachedServer
 
             several = self.cluster is not None and self.cluster.num_trainers > 1
             sync_steps = cache_sync_steps if several else None
-            self.ps = CachedServer(self.ps, rows=gpu_cache_rows, sync_steps=sync_steps)
-            _warn_without_gpus(self.ps.array_module_name)
+            xp = "auto" if host_cache_rows is None else "numpy"
+            if host_cache_rows is not None and isinstance(self.ps, Engine):
+                log.warning(
+                    "host_cache_rows in front of an embedded engine: its rows are in this "
+                    "process already, so the cache only adds work (it serves remote servers)"
+                )
+            self.ps = CachedServer(self.ps, rows=cache_rows, xp=xp, sync_steps=sync_steps)
+            if host_cache_rows is None:
+                _warn_without_gpus(self.ps.array_module_name)
         self.ps.set_background(self.background)
         listen = getattr(self.ps, "add_restart_listener", None)
         if listen is not None:
