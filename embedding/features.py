@@ -39,6 +39,11 @@ class EmbeddingTable:
     column a trainer's push takes each key's clicks from (the label summed
     over the key's occurrences in the batch; its shows: those occurrences);
     None: shows only.
+
+    ``precision``: how the weights are stored, ``"fp32"`` (the default) or
+    ``"fp16"`` (half the weights' bytes; updated in float32 and stored with
+    stochastic rounding, the optimizer state float32: docs/ps_engine.md,
+    "Precision"). ``"int8"`` is for serving tables only.
     """
 
     name: str
@@ -52,6 +57,7 @@ class EmbeddingTable:
     reserve_rows: int = 0
     stats_label: str | None = None
     stats_half_life: float = 0.0
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         self.spec()  # checks every field, naming it
@@ -74,6 +80,7 @@ class EmbeddingTable:
             eviction=self.eviction,
             reserve_rows=self.reserve_rows,
             stats_half_life=self.stats_half_life,
+            precision=self.precision,  # type: ignore[arg-type]
         )
 
 

@@ -1759,6 +1759,41 @@ def test_exchange_many_merges_changes_of_several_trainers(ps: ParameterServer) -
         ps.exchange_many([ExchangePart("a", [], none, [], back=stamped, merge=True)])
 
 
+def test_an_fp16_table_trains_with_float32_state(ps: ParameterServer, make_ps: MakeServer) -> None:
+    """``precision="fp16"``: pulls and pushes train it (``int8`` only
+    serves); its weights are halves (updated in float32, stored rounded
+    stochastically, the same bits on every server given the same calls),
+    ``updated`` reports what is stored, the state is float32, and its rows
+    read, export and reload as any table's."""
+    other = make_ps(ps.num_shards)
+    spec = TableSpec("h", dim=4, optimizer=OPTIMIZERS["adagrad"],
+                     initializer=TruncatedNormal(stddev=0.1), seed=2, precision="fp16")  # fmt: skip
+    rng = np.random.default_rng(SEED)
+    keys = rng.integers(0, 50, 80).astype(np.int64)
+    for server in (ps, other):
+        server.set_clock(1_750_000_000)  # the same times on both
+        server.create_table(spec)
+    reported = []
+    for step in range(1, 6):
+        grads = rng.standard_normal((80, 4)).astype(F32)
+        for server in (ps, other):
+            out = np.empty((80, 4), F32)
+            server.pull_many([PullPart("h", keys, out)], step=step)
+            updated = np.empty((80, 4), F32)
+            server.push_many([PushPart("h", keys, grads, updated=updated)], step=step)
+            reported.append(updated)
+    every = np.unique(keys)
+    rows, found = ps.read_rows("h", every)
+    assert found.all()
+    np.testing.assert_array_equal(rows.weights, rows.weights.astype(np.float16).astype(F32))
+    assert rows.state.dtype == F32 and rows.state.reshape(len(every), -1).shape[1] == 4
+    assert (rows.state > 0.1).any()  # the accumulator took the squared gradients
+    np.testing.assert_array_equal(rows.weights, other.read_rows("h", every)[0].weights)
+    np.testing.assert_array_equal(reported[-1], reported[-2])  # both servers, the last push
+    np.testing.assert_array_equal(ps.lookup("h", keys).rows, reported[-1])
+    assert_same_rows(export_all(ps, "h"), export_all(other, "h"), COLUMNS)
+
+
 def test_read_rows_of_no_keys_absent_keys_and_an_empty_table(ps: ParameterServer) -> None:
     """No keys, only absent keys, or an empty table: no rows (of the
     table's shapes) and every key not found; bad keys raise as elsewhere."""

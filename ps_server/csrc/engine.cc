@@ -160,13 +160,12 @@ void Require(bool ok, const TableSpec& spec, const std::string& what) {
 
 bool Finite(float x) { return std::isfinite(x); }
 
-// Training calls need float32 weights: a compressed table only serves.
+// Training calls need float32 or float16 weights: an int8 table only serves.
 void RequireTrainable(const TableDef& def) {
-  if (def.spec.precision == Precision::kFp32) return;
-  const std::string p = PrecisionName(def.spec.precision);
-  throw std::invalid_argument("table '" + def.spec.name + "' has precision '" + p +
-                              "' (compressed, for serving): training calls (pull with "
-                              "train=true, push) need precision 'fp32'");
+  if (def.spec.precision != Precision::kInt8) return;
+  throw std::invalid_argument("table '" + def.spec.name +
+                              "' has precision 'int8' (for serving): training calls (pull with "
+                              "train=true, push) need precision 'fp32' or 'fp16'");
 }
 
 // A reserve is faulted in at once: refuse one larger than the machine's

@@ -14,6 +14,28 @@ void EncodeHalf(const float* src, int n, uint16_t* dst) {
 #endif
 }
 
+void EncodeHalfStochastic(const float* src, int n, uint16_t* dst, uint64_t random) {
+  EncodeHalf(src, n, dst);
+  for (int j = 0; j < n; ++j) {
+    const float x = src[j];
+    const uint16_t h = dst[j];
+    const float near = FloatFromHalfPortable(h);
+    if (near == x || !std::isfinite(near) || !std::isfinite(x)) continue;
+    const float above = std::fabs(near) > std::fabs(x) ? 1.0f : -1.0f;  // near's side, in size
+    if (above < 0 && (h & 0x7FFFu) == kHalfMaxBits) continue;           // saturated: no half beyond
+    const auto other = static_cast<uint16_t>(above > 0 ? h - 1 : h + 1);  // the other side
+    const float far = FloatFromHalfPortable(other);
+    random += 0x9E3779B97F4A7C15ull;  // splitmix64
+    uint64_t z = random;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const double u = static_cast<double>(z >> 40) * 0x1.0p-24;  // [0, 1)
+    const double gap = std::fabs(static_cast<double>(far) - near);
+    if (u * gap < std::fabs(static_cast<double>(x) - near)) dst[j] = other;
+  }
+}
+
 void EncodeInt8(const float* src, int n, char* hot) {
   float m = 0.0f;
   for (int j = 0; j < n; ++j) {

@@ -179,6 +179,15 @@ inline void DecodeHalf(const uint16_t* src, int n, float* dst) {
 // src (n,) -> dst (n,)
 void EncodeHalf(const float* src, int n, uint16_t* dst);
 
+// src (n,) -> dst (n,), rounded stochastically: each value to one of the
+// two halves around it, the farther one with probability (its distance's
+// complement) / (the gap), so the expected half is the value itself and an
+// update smaller than half a gap is not lost on average (round to nearest
+// would drop every one). `random` seeds the draws (splitmix64, 24 bits per
+// value). Values that are halves, NaN, and values beyond +-65504
+// (saturated) are as EncodeHalf leaves them.
+void EncodeHalfStochastic(const float* src, int n, uint16_t* dst, uint64_t random);
+
 // One int8 value; NaN for the NaN code.
 inline float Int8Value(int8_t q, float scale) {
   const float v = static_cast<float>(q) * scale;

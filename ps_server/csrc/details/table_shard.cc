@@ -177,7 +177,7 @@ Slice TableShard::Select(const ShardBatch& b) {
 
 char* TableShard::CreateRow(uint64_t key, uint64_t hash, const Clock& clock, uint32_t count,
                             bool blank) {
-  if (!blank) RequireFp32("a new row's initial weights");
+  if (!blank) RequireTrainable("a new row's initial weights");
   char* row = pool_.Allocate();
   char* cold = pool_.Cold(row);
   RowMeta* meta = RowLayout::Meta(cold);
@@ -197,7 +197,11 @@ char* TableShard::CreateRow(uint64_t key, uint64_t hash, const Clock& clock, uin
   if (HasCold(key, hash)) ++tier_->both;  // its record on disk is now stale
   ++counters_.inserted;
   if (blank) return row;
-  if (defer_init_) {  // weights in the next FlushInit
+  if (layout_.precision != Precision::kFp32) {  // encoded now, rounded to nearest
+    scratch_.resize(layout_.dim);
+    InitializeWeights(spec_.initializer, spec_.seed, key, layout_.dim, scratch_.data());
+    EncodeRow(layout_.precision, scratch_.data(), layout_.dim, row);
+  } else if (defer_init_) {  // weights in the next FlushInit
     pending_keys_[num_pending_init_] = key;
     pending_weights_[num_pending_init_++] = RowLayout::Weights(row);
     if (num_pending_init_ == kInitBatch) FlushInit();
@@ -348,6 +352,12 @@ void TableShard::RequireFp32(const char* what) const {
                               " needs float32 weights");
 }
 
+void TableShard::RequireTrainable(const char* what) const {
+  if (layout_.precision != Precision::kInt8) return;
+  throw std::invalid_argument("table '" + spec_.name + "' has precision 'int8' (for serving): " +
+                              what + " needs 'fp32' or 'fp16' weights");
+}
+
 void TableShard::Pull(const ShardBatch& batch, float* out, bool train, const Clock& clock) {
   const Slice s = Select(batch);
   Promote(s);
@@ -355,7 +365,7 @@ void TableShard::Pull(const ShardBatch& batch, float* out, bool train, const Clo
   uint64_t misses = 0;
   // Read-only for existing rows (counts advance on push), so pulled rows
   // stay clean in cache and cost no write-back.
-  if (train) RequireFp32("a training pull");
+  if (train) RequireTrainable("a training pull");
   if (train && tier_) {
     std::vector<uint64_t>& pinned = tier_->pinned[tier_->pin_turn ^= 1];
     pinned.resize(s.size());
@@ -480,7 +490,7 @@ const std::vector<int32_t>& TableShard::GroupDuplicates(const Slice& s, const fl
 void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, const Clock& clock,
                       PushResult* result, float* updated, const int32_t* updated_rows, int only,
                       const float* shows, const float* clicks) {
-  RequireFp32("a push");
+  RequireTrainable("a push");
   Slice s = Select(batch);
   Promote(s);
   if (only != 0) {  // keep the keys asked for (hashes_ compacted alike)
@@ -506,6 +516,8 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
   const int dim = layout_.dim;
   const double half_life = spec_.stats_half_life;
   const Create create = spec_.admission.min_count <= 1 ? Create::kAdmit : Create::kNever;
+  const bool half = layout_.precision == Precision::kFp16;
+  scratch_.resize(dim);
   // A row that a pull of a later step admitted did not exist at this push's
   // step (rows merely updated at later steps, e.g. by another worker, did).
   const bool skip_later_rows = clock.step_given && spec_.admission.min_count > 1;
@@ -540,10 +552,12 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
       }
       const auto report = [&] {
         if (out == nullptr) return;
-        if (row != nullptr) {
-          CopyFloats(out, RowLayout::Weights(row), dim);
-        } else {
+        if (row == nullptr) {
           InitializeWeights(spec_.initializer, spec_.seed, s.key(k), dim, out);
+        } else if (half) {
+          DecodeRow(Precision::kFp16, row, dim, out);
+        } else {
+          CopyFloats(out, RowLayout::Weights(row), dim);
         }
       };
       if (row == nullptr ||
@@ -577,9 +591,18 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
         return;
       }
       char* cold = pool_.Cold(row);
-      UpdateRow<decltype(kind)::value>(opt, dim, RowLayout::Weights(row), RowLayout::State(cold), g,
-                                       ClipScale(opt, g, dim));
       RowMeta* meta = RowLayout::Meta(cold);
+      if (half) {  // fp16 weights: updated in float32, stored rounded stochastically
+        DecodeRow(Precision::kFp16, row, dim, scratch_.data());
+        UpdateRow<decltype(kind)::value>(opt, dim, scratch_.data(), RowLayout::State(cold), g,
+                                         ClipScale(opt, g, dim));
+        const uint64_t random = s.key(k) ^ (clock.step * 0xD1B54A32D192ED03ull) ^
+                                (uint64_t{meta->count} << 40) ^ spec_.seed;
+        EncodeHalfStochastic(scratch_.data(), dim, reinterpret_cast<uint16_t*>(row), random);
+      } else {
+        UpdateRow<decltype(kind)::value>(opt, dim, RowLayout::Weights(row), RowLayout::State(cold),
+                                         g, ClipScale(opt, g, dim));
+      }
       DecayStats(meta, clock.step, half_life);
       meta->shows += add_shows;
       meta->clicks += add_clicks;

@@ -330,6 +330,8 @@ class alignas(128) TableShard {
   };
   // Throws std::invalid_argument unless the table stores float32 weights.
   void RequireFp32(const char* what) const;
+  // int8 tables serve only; fp32 and fp16 ones train (fp16: stochastic rounding).
+  void RequireTrainable(const char* what) const;
   char* CreateRow(uint64_t key, uint64_t hash, const Clock& clock, uint32_t count,
                   bool blank = false);
   // Records a change in the change log, keeping the log bounded.
@@ -380,6 +382,7 @@ class alignas(128) TableShard {
   std::vector<uint32_t> dedup_;
   std::vector<int32_t> groups_;
   std::vector<float> sums_;
+  std::vector<float> scratch_;    // a row's float32 weights (fp16 tables' updates, creation)
   std::vector<float> stat_sums_;  // (groups, 2) shows, clicks
   // New rows waiting for their initial weights (only inside Pipeline).
   static constexpr size_t kInitBatch = 8;
