@@ -449,8 +449,10 @@ class TableSpec:
             default), ``"fp16"`` (IEEE half, round to nearest even,
             saturating at +-65504) or ``"int8"`` (int8 with a float32 scale
             per row, ``max|w| / 127``). Rows go in and out as float32
-            either way. A compressed table is for serving: it loads
-            (``load``, ``apply_update``) and answers ``lookup``,
+            either way. An fp16 table trains too: pushes update its
+            weights in float32 and store them rounded stochastically, its
+            optimizer state float32. An int8 table is for serving: it
+            loads (``load``, ``apply_update``) and answers ``lookup``,
             ``pull(train=False)``, ``contains`` and ``export``; training
             calls on it (``pull`` with ``train=True``, ``push``) raise
             ValueError. See docs/ps_engine.md, "Precision".

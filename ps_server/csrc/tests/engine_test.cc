@@ -12,6 +12,7 @@
 #include <ctime>
 #include <limits>
 #include <random>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -850,8 +851,42 @@ void TestRowStrides() {
   }
 }
 
-// A compressed table loads and answers lookups within its precision, and
-// refuses training calls, naming the table and its precision.
+// Stochastic rounding to halves: halves stay, NaN stays NaN, values beyond
+// the largest half saturate, and a value between two halves goes to each
+// with the probability that makes its mean the value.
+void TestStochasticHalves() {
+  using details::EncodeHalf;
+  using details::EncodeHalfStochastic;
+  using details::FloatFromHalfPortable;
+  const float exact[] = {0.0f, 1.0f, -0.5f, 65504.0f, 1e5f, -1e5f, std::nanf("")};
+  uint16_t want[7], got[7];
+  EncodeHalf(exact, 7, want);
+  EncodeHalfStochastic(exact, 7, got, 123);
+  for (int j = 0; j < 7; ++j) CHECK(want[j] == got[j]);
+  // 1 + a quarter of a half's step above 1.0 (2^-10), and a tiny negative
+  // value below the smallest subnormal: each mean within 2% of the value.
+  for (const float x : {1.0f + 0.25f * 0x1.0p-10f, -0x1.0p-26f}) {
+    constexpr int kDraws = 20000;
+    const std::vector<float> same(kDraws, x);
+    std::vector<uint16_t> halves(kDraws);
+    EncodeHalfStochastic(same.data(), kDraws, halves.data(), 99);
+    double sum = 0;
+    std::set<uint16_t> seen;
+    for (const uint16_t h : halves) {
+      sum += FloatFromHalfPortable(h);
+      seen.insert(h);
+    }
+    CHECK(seen.size() == 2);
+    const double mean = sum / kDraws;
+    const double gap =
+        std::fabs(FloatFromHalfPortable(*seen.begin()) - FloatFromHalfPortable(*seen.rbegin()));
+    CHECK(std::fabs(mean - x) <= 0.02 * gap);
+  }
+}
+
+// A compressed table loads and answers lookups within its precision; an
+// int8 table refuses training calls, naming the table and its precision,
+// and an fp16 table trains.
 void TestCompressedTables() {
   Engine engine(EngineOptions{2});
   constexpr int kDim = 16;
@@ -889,9 +924,15 @@ void TestCompressedTables() {
       }
       return false;
     };
-    CHECK(refused([&] { engine.Pull(id, keys.data(), kRows, pulled.data(), true); }));
-    CHECK(refused([&] { engine.Push(id, keys.data(), kRows, weights.data()); }));
-    CHECK(engine.Stats(id).pushed_keys == 0 && engine.Stats(id).rows == kRows);
+    if (precision == Precision::kInt8) {  // serves only; fp16 trains
+      CHECK(refused([&] { engine.Pull(id, keys.data(), kRows, pulled.data(), true); }));
+      CHECK(refused([&] { engine.Push(id, keys.data(), kRows, weights.data()); }));
+      CHECK(engine.Stats(id).pushed_keys == 0 && engine.Stats(id).rows == kRows);
+    } else {
+      engine.Push(id, keys.data(), kRows, weights.data());  // SGD: w - w
+      engine.Lookup(id, keys.data(), kRows, out.data(), found.data(), false);
+      for (size_t i = 0; i < kRows * kDim; ++i) CHECK(std::fabs(out[i]) <= 1e-3f);
+    }
   }
 }
 
@@ -1102,6 +1143,7 @@ int main() {
   TestHalfConversions();
   TestInt8Conversions();
   TestRowStrides();
+  TestStochasticHalves();
   TestCompressedTables();
   TestReadRowsMatchesExport();
   TestDataClockStampsAndTtl();
