@@ -96,8 +96,10 @@ def run_engine(
     fill_s = time.perf_counter() - t0
     result = {"fill_rows_per_s": rows / fill_s, "rss_bytes": rss_bytes() - rss0}
     for stream, batches in streams.items():
-        result[f"{stream}_pull"] = time_calls(lambda k: pull(k, out), batches, repeats)
-        result[f"{stream}_push"] = time_calls(lambda k: push(k, grads), batches, repeats)
+        cpu: list[float] = []
+        result[f"{stream}_pull"] = time_calls(lambda k: pull(k, out), batches, repeats, cpu)
+        result[f"{stream}_push"] = time_calls(lambda k: push(k, grads), batches, repeats, cpu)
+        result[f"{stream}_pull_cpu"], result[f"{stream}_push_cpu"] = cpu
     print(
         f"{name:8s} fill {result['fill_rows_per_s'] / 1e6:5.2f}M rows/s | "
         + " | ".join(
@@ -227,6 +229,11 @@ def main() -> None:
         "push_keys_per_s": round(ours["uniform_push"]),
         "zipf_pull_keys_per_s": round(ours["zipf_pull"]),
         "zipf_push_keys_per_s": round(ours["zipf_push"]),
+        # CPU time of the process (caller and shard threads) per key, best pass
+        "pull_cpu_ns_per_key": round(ours["uniform_pull_cpu"], 1),
+        "push_cpu_ns_per_key": round(ours["uniform_push_cpu"], 1),
+        "zipf_pull_cpu_ns_per_key": round(ours["zipf_pull_cpu"], 1),
+        "zipf_push_cpu_ns_per_key": round(ours["zipf_push_cpu"], 1),
         "fill_rows_per_s": round(ours["fill_rows_per_s"]),
         "bytes_per_row": round(stats["bytes"] / stats["rows"], 1),
         "raw_bytes_per_row": raw,

@@ -35,14 +35,24 @@ def make_streams(rows: int, batch: int, batches: int, seed: int) -> dict[str, li
 
 
 def time_calls(
-    fn: Callable[[np.ndarray], object], batches: list[np.ndarray], repeats: int
+    fn: Callable[[np.ndarray], object],
+    batches: list[np.ndarray],
+    repeats: int,
+    cpu: list[float] | None = None,
 ) -> float:
-    """Best keys/s over `repeats` passes through the batches."""
+    """Best keys/s over `repeats` passes through the batches; with ``cpu``,
+    appends the least CPU time of the process (every thread's) per key of a
+    pass, in ns: steadier than a rate on a machine others share."""
     best = 0.0
+    least = float("inf")
+    keys_per_pass = sum(len(k) for k in batches)
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         for keys in batches:
             fn(keys)
         elapsed = time.perf_counter() - t0
-        best = max(best, sum(len(k) for k in batches) / elapsed)
+        best = max(best, keys_per_pass / elapsed)
+        least = min(least, (time.process_time() - c0) / keys_per_pass * 1e9)
+    if cpu is not None:
+        cpu.append(least)
     return best
