@@ -531,98 +531,108 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
   // Counted locally: `result` shares a cache line with other shards' results.
   uint64_t applied = 0, dropped_nan = 0, dropped_pending = 0;
   const size_t n = s.size();
+  // One instance per optimizer and weight precision: the fp32 loop stays as
+  // it was without fp16 tables.
   WithOptimizer(opt.kind, [&](auto kind) {
-    Pipeline</*kCold=*/true>(s, create, clock, [&](size_t k, char* row) {
-      // The gradients and rows of `updated` that keys a few visits ahead
-      // use: a shard's keys are scattered over the batch (every S-th
-      // position or so), and no hardware prefetcher sees them coming.
-      if ((scattered || updated_rows != nullptr) && k + kAheadOfVisit < n) {
-        const size_t ahead = s.pos(k + kAheadOfVisit);
-        PrefetchBytes<false>(reinterpret_cast<const char*>(grads + ahead * dim),
-                             dim * sizeof(float));
-        if (updated != nullptr && updated_rows != nullptr && updated_rows[ahead] >= 0) {
-          PrefetchBytes<true>(reinterpret_cast<const char*>(
-                                  updated + static_cast<size_t>(updated_rows[ahead]) * dim),
-                              dim * sizeof(float));
+    const auto rows = [&](auto fp16) {
+      constexpr bool kHalf = decltype(fp16)::value;
+      Pipeline</*kCold=*/true>(s, create, clock, [&](size_t k, char* row) {
+        // The gradients and rows of `updated` that keys a few visits ahead
+        // use: a shard's keys are scattered over the batch (every S-th
+        // position or so), and no hardware prefetcher sees them coming.
+        if ((scattered || updated_rows != nullptr) && k + kAheadOfVisit < n) {
+          const size_t ahead = s.pos(k + kAheadOfVisit);
+          PrefetchBytes<false>(reinterpret_cast<const char*>(grads + ahead * dim),
+                               dim * sizeof(float));
+          if (updated != nullptr && updated_rows != nullptr && updated_rows[ahead] >= 0) {
+            PrefetchBytes<true>(reinterpret_cast<const char*>(
+                                    updated + static_cast<size_t>(updated_rows[ahead]) * dim),
+                                dim * sizeof(float));
+          }
         }
-      }
-      // What a pull (train=false) after this push returns: the row as left,
-      // or the initial vector of a key without one.
-      float* out = nullptr;
-      if (updated != nullptr) {
-        const size_t pos = s.pos(k);
-        if (updated_rows == nullptr) {
-          out = updated + pos * dim;
-        } else if (updated_rows[pos] >= 0) {
-          out = updated + static_cast<size_t>(updated_rows[pos]) * dim;
+        // What a pull (train=false) after this push returns: the row as left,
+        // or the initial vector of a key without one.
+        float* out = nullptr;
+        if (updated != nullptr) {
+          const size_t pos = s.pos(k);
+          if (updated_rows == nullptr) {
+            out = updated + pos * dim;
+          } else if (updated_rows[pos] >= 0) {
+            out = updated + static_cast<size_t>(updated_rows[pos]) * dim;
+          }
         }
-      }
-      const auto report = [&] {
-        if (out == nullptr) return;
-        if (row == nullptr) {
-          InitializeWeights(spec_.initializer, spec_.seed, s.key(k), dim, out);
-        } else if (half) {
-          DecodeRow(Precision::kFp16, row, dim, out);
-        } else {
-          CopyFloats(out, RowLayout::Weights(row), dim);
-        }
-      };
-      if (row == nullptr ||
-          (skip_later_rows && RowLayout::Meta(pool_.Cold(row))->admitted_unpushed() &&
-           RowLayout::Meta(pool_.Cold(row))->step() > clock.step)) {
-        ++dropped_pending;
-        report();
-        return;
-      }
-      const size_t pos = s.pos(k);
-      const float* g = grads + pos * dim;
-      float add_shows = shows != nullptr ? shows[pos] : 0.0f;
-      float add_clicks = clicks != nullptr ? clicks[pos] : 0.0f;
-      if (groups != nullptr) {
-        const int32_t group = (*groups)[k];
-        if (group == -2) {  // a repeat: its first occurrence was updated before
+        const auto report = [&] {
+          if (out == nullptr) return;
+          if (row == nullptr) {
+            InitializeWeights(spec_.initializer, spec_.seed, s.key(k), dim, out);
+          } else if constexpr (kHalf) {
+            DecodeRow(Precision::kFp16, row, dim, out);
+          } else {
+            CopyFloats(out, RowLayout::Weights(row), dim);
+          }
+        };
+        if (row == nullptr ||
+            (skip_later_rows && RowLayout::Meta(pool_.Cold(row))->admitted_unpushed() &&
+             RowLayout::Meta(pool_.Cold(row))->step() > clock.step)) {
+          ++dropped_pending;
           report();
           return;
         }
-        if (group >= 0) {
-          g = sums_.data() + static_cast<size_t>(group) * dim;
-          if (!stat_sums_.empty()) {
-            add_shows = stat_sums_[2 * group];
-            add_clicks = stat_sums_[2 * group + 1];
+        const size_t pos = s.pos(k);
+        const float* g = grads + pos * dim;
+        float add_shows = shows != nullptr ? shows[pos] : 0.0f;
+        float add_clicks = clicks != nullptr ? clicks[pos] : 0.0f;
+        if (groups != nullptr) {
+          const int32_t group = (*groups)[k];
+          if (group == -2) {  // a repeat: its first occurrence was updated before
+            report();
+            return;
+          }
+          if (group >= 0) {
+            g = sums_.data() + static_cast<size_t>(group) * dim;
+            if (!stat_sums_.empty()) {
+              add_shows = stat_sums_[2 * group];
+              add_clicks = stat_sums_[2 * group + 1];
+            }
           }
         }
-      }
-      if (!AllFinite(g, dim)) {
-        ++dropped_nan;
+        if (!AllFinite(g, dim)) {
+          ++dropped_nan;
+          report();
+          return;
+        }
+        char* cold = pool_.Cold(row);
+        RowMeta* meta = RowLayout::Meta(cold);
+        if constexpr (kHalf) {  // fp16 weights: updated in float32, stored rounded stochastically
+          DecodeRow(Precision::kFp16, row, dim, scratch_.data());
+          UpdateRow<decltype(kind)::value>(opt, dim, scratch_.data(), RowLayout::State(cold), g,
+                                           ClipScale(opt, g, dim));
+          const uint64_t random = s.key(k) ^ (clock.step * 0xD1B54A32D192ED03ull) ^
+                                  (uint64_t{meta->count} << 40) ^ spec_.seed;
+          EncodeHalfStochastic(scratch_.data(), dim, reinterpret_cast<uint16_t*>(row), random);
+        } else {
+          UpdateRow<decltype(kind)::value>(opt, dim, RowLayout::Weights(row),
+                                           RowLayout::State(cold), g, ClipScale(opt, g, dim));
+        }
+        DecayStats(meta, clock.step, half_life);
+        meta->shows += add_shows;
+        meta->clicks += add_clicks;
+        meta->update_step = clock.step;
+        meta->update_time = clock.now;
+        if (meta->version != clock.version) {  // a backed row's differs too: it changes now
+          if (meta->real_version() != clock.version) LogChange(s.key(k), clock.version);
+          meta->version = clock.version;
+        }
+        BumpCount(meta);
+        ++applied;
         report();
-        return;
-      }
-      char* cold = pool_.Cold(row);
-      RowMeta* meta = RowLayout::Meta(cold);
-      if (half) {  // fp16 weights: updated in float32, stored rounded stochastically
-        DecodeRow(Precision::kFp16, row, dim, scratch_.data());
-        UpdateRow<decltype(kind)::value>(opt, dim, scratch_.data(), RowLayout::State(cold), g,
-                                         ClipScale(opt, g, dim));
-        const uint64_t random = s.key(k) ^ (clock.step * 0xD1B54A32D192ED03ull) ^
-                                (uint64_t{meta->count} << 40) ^ spec_.seed;
-        EncodeHalfStochastic(scratch_.data(), dim, reinterpret_cast<uint16_t*>(row), random);
-      } else {
-        UpdateRow<decltype(kind)::value>(opt, dim, RowLayout::Weights(row), RowLayout::State(cold),
-                                         g, ClipScale(opt, g, dim));
-      }
-      DecayStats(meta, clock.step, half_life);
-      meta->shows += add_shows;
-      meta->clicks += add_clicks;
-      meta->update_step = clock.step;
-      meta->update_time = clock.now;
-      if (meta->version != clock.version) {  // a backed row's differs too: it changes now
-        if (meta->real_version() != clock.version) LogChange(s.key(k), clock.version);
-        meta->version = clock.version;
-      }
-      BumpCount(meta);
-      ++applied;
-      report();
-    });
+      });
+    };
+    if (half) {
+      rows(std::true_type{});
+    } else {
+      rows(std::false_type{});
+    }
   });
   result->applied += applied;
   result->dropped_nan += dropped_nan;
