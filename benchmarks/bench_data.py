@@ -3,9 +3,11 @@ Zipf-distributed keys."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -47,3 +49,13 @@ def zipf_keys(rng: np.random.Generator, rows: int, n: int) -> np.ndarray:
         more = rng.zipf(1.1, size=n)
         draws = np.concatenate([draws, more[more <= rows]])[:n]
     return (draws - 1).astype(np.uint64)
+
+
+def movielens_example() -> Any:
+    """The repository's MovieLens example (``examples/movielens.py``) as a
+    module: its data preparation, features and tower."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "movielens.py"
+    spec = importlib.util.spec_from_file_location("movielens", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module

@@ -19,26 +19,17 @@ tables against fp32 ones (``EmbeddingTable(precision="fp16")``).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_data import movielens_example  # benchmarks/, the script's folder
 
-REPO = Path(__file__).resolve().parents[1]
 DIM = 16
-
-
-def movielens() -> Any:
-    spec = importlib.util.spec_from_file_location("movielens", REPO / "examples" / "movielens.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
 
 
 def train_once(ml: Any, split: tuple[Path, Path, int], precision: str, seed: int,
@@ -100,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.epochs, args.rows = 1, 1, 1_000_000
-    ml = movielens()
+    ml = movielens_example()
     auc: dict[str, list[float]] = {"fp32": [], "fp16": []}
     rate: dict[str, list[float]] = {"fp32": [], "fp16": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,5 +128,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

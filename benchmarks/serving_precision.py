@@ -19,7 +19,6 @@ one JSON object.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -28,17 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_data import movielens_example  # benchmarks/, the script's folder
 
-REPO = Path(__file__).resolve().parents[1]
 PRECISIONS = ("fp32", "fp16", "int8")
 BATCH = 1000
-
-
-def movielens() -> Any:
-    spec = importlib.util.spec_from_file_location("movielens", REPO / "examples" / "movielens.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
 
 
 def features_of(batch: Any, names: list[str]) -> dict[str, Any]:
@@ -83,7 +75,7 @@ def run(epochs: int, max_ratings: int | None, work: Path) -> dict[str, Any]:
     from wuliang.reader import ParquetReader
     from wuliang.serving.store import ModelStore
 
-    ml = movielens()
+    ml = movielens_example()
     argv = ["--work-dir", str(work), "--epochs", str(epochs), "--no-export"]
     if max_ratings is not None:
         argv += ["--max-ratings", str(max_ratings)]
