@@ -113,7 +113,10 @@ def test_a_cluster_trains_movielens_as_one_process_does(
     assert cluster["step"] == sum(steps)  # the job's step: every trainer's steps
     assert count(run, r"\[worker-\d\] .*trainer \d joins the job") == 2
     assert count(run, TOWER + "filled") == 1
-    assert abs(cluster["auc"] - single["auc"]) <= 0.005, (cluster, single)
+    # a cluster's asynchrony moves the AUC run to run by about +-0.004
+    # (cluster_bench.py --cache-auc: 0.6748-0.6789 over seeds, 0.0016 apart
+    # on one seed), so two runs can differ by 0.005; a bug moves it more
+    assert abs(cluster["auc"] - single["auc"]) <= 0.01, (cluster, single)
     saved = checkpoints(model)
     assert len(saved) >= 2
     last = Version(saved[-1][1])
