@@ -69,6 +69,7 @@ from wuliang.ps_server.cache.kernels import (
 )
 from wuliang.ps_server.cache.key_index import KeyIndex
 from wuliang.ps_server.checks import as_column, check_clock, check_step
+from wuliang.ps_server.chunk import take_rows
 from wuliang.ps_server.interface import (
     MISSING,
     ONLY,
@@ -1455,17 +1456,9 @@ def _split_answer(answer: Exchanged, m: int) -> tuple[Exchanged, Exchanged]:
     """An exchange's answer for incoming keys split after the first ``m``."""
     rows, found, created = answer
     cut = int(found[:m].sum())
-
-    def rows_in(lo: int, hi: int | None) -> RowChunk:
-        return RowChunk(**{
-            name: (None if getattr(rows, name) is None else getattr(rows, name)[lo:hi])
-            for name in ("keys", "weights", "state", "counts", "steps", "times", "versions",
-                         "shows", "clicks")
-        })  # fmt: skip
-
     return (
-        Exchanged(rows_in(0, cut), found[:m], created[:m]),
-        Exchanged(rows_in(cut, None), found[m:], created[m:]),
+        Exchanged(take_rows(rows, slice(0, cut)), found[:m], created[:m]),
+        Exchanged(take_rows(rows, slice(cut, None)), found[m:], created[m:]),
     )
 
 
