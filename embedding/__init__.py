@@ -9,9 +9,9 @@ numpy, for serving without TensorFlow.
 
 from typing import Any
 
-from wuliang.embedding.features import DenseFeature, EmbeddingTable, SparseFeature
+from wuliang.embedding.features import DenseFeature, EmbeddingTable, Sizes, SparseFeature
 
-__all__ = ["DenseFeature", "EmbeddingTable", "SparseFeature", "concat"]
+__all__ = ["DenseFeature", "EmbeddingTable", "Sizes", "SparseFeature", "concat"]
 
 
 def __getattr__(name: str) -> Any:

@@ -11,17 +11,68 @@ fixed-size list of them) passed to the tower as it is.
 
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, dataclass, field
+import itertools
+from dataclasses import KW_ONLY, dataclass, field, replace
 
 from wuliang.ps_server.spec import (
     Admission,
     Eviction,
+    Grow,
     Initializer,
     Optimizer,
     TableSpec,
+    Zeros,
     default_initializer,
     default_optimizer,
 )
+
+SIZE_MARK = "@"  # a sized table's extension blocks: "<table>@<size>"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """A table whose keys' vectors grow with their evidence (docs/training.md,
+    "Embedding sizes").
+
+    A key's vector is ``dims[0]`` floats at first; it grows to ``dims[i]``
+    while its row's score (decayed shows plus ``click_weight`` times decayed
+    clicks: the table's ``stats_half_life`` and ``stats_label``) is at
+    least ``promote[i - 1]``, and shrinks back when the score falls below
+    ``demote[i - 1]`` (by the table's periodic evict; default: half of
+    ``promote``). A grown key keeps what it learned, its short vector being
+    the prefix of the long one; the new part starts at zero with fresh
+    optimizer state. The tower sees ``dims[-1]`` floats per key, zeros past
+    a key's size.
+    """
+
+    dims: tuple[int, ...]
+    promote: tuple[float, ...]
+    demote: tuple[float, ...] | None = None
+    _: KW_ONLY
+    click_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        dims, promote = tuple(self.dims), tuple(self.promote)
+        demote = tuple(p / 2 for p in promote) if self.demote is None else tuple(self.demote)
+        object.__setattr__(self, "dims", dims)
+        object.__setattr__(self, "promote", promote)
+        object.__setattr__(self, "demote", demote)
+        if len(dims) < 2 or not all(isinstance(d, int) and d >= 1 for d in dims):
+            raise ValueError(f"Sizes: dims must be two or more ints >= 1, got {dims!r}")
+        if any(b <= a for a, b in itertools.pairwise(dims)):
+            raise ValueError(f"Sizes: dims must increase, got {dims!r}")
+        for name, values in (("promote", promote), ("demote", demote)):
+            if len(values) != len(dims) - 1:
+                raise ValueError(
+                    f"Sizes: {name} needs one threshold per size after the first "
+                    f"({len(dims) - 1}), got {values!r}"
+                )
+            if any(b < a for a, b in itertools.pairwise(values)):
+                raise ValueError(f"Sizes: {name} thresholds must not decrease, got {values!r}")
+        # each Grow checks its own pair (>= 0, demote <= promote)
+        for p, d in zip(promote, demote, strict=True):
+            Grow("base", p, d, click_weight=self.click_weight)
+
 
 COMBINERS = ("sum", "mean", "sqrtn", None)
 
@@ -58,9 +109,27 @@ class EmbeddingTable:
     stats_label: str | None = None
     stats_half_life: float = 0.0
     precision: str = "fp32"
+    sizes: Sizes | None = None
+    grow: Grow | None = None
 
     def __post_init__(self) -> None:
         self.spec()  # checks every field, naming it
+        if self.sizes is not None:
+            if not isinstance(self.sizes, Sizes):
+                raise TypeError(f"table {self.name!r}: sizes must be a Sizes, got {self.sizes!r}")
+            if self.sizes.dims[-1] != self.dim:
+                raise ValueError(
+                    f"table {self.name!r}: the last of sizes {self.sizes.dims} must be the "
+                    f"table's dim {self.dim}"
+                )
+            if self.grow is not None:
+                raise ValueError(f"table {self.name!r}: a sized table cannot grow from another")
+            if self.precision == "int8":
+                raise ValueError(f"table {self.name!r}: an int8 table serves only, not sized")
+        if SIZE_MARK in self.name and self.grow is None:
+            raise ValueError(
+                f"table name {self.name!r}: {SIZE_MARK!r} marks a sized table's blocks"
+            )
         if self.stats_label is not None and (
             not isinstance(self.stats_label, str) or not self.stats_label
         ):
@@ -81,7 +150,49 @@ class EmbeddingTable:
             reserve_rows=self.reserve_rows,
             stats_half_life=self.stats_half_life,
             precision=self.precision,  # type: ignore[arg-type]
+            grow=self.grow,
         )
+
+    def blocks(self) -> list[EmbeddingTable]:
+        """The parameter server's tables of this one: itself, or for a sized
+        table its base block (named as the table, ``dims[0]`` wide, with all
+        of the table's settings) and one extension block per larger size
+        (``"<name>@<size>"``, the size's new columns: zeros at first, grown
+        and shrunk by the base row's score, ``Grow``)."""
+        sizes = self.sizes
+        if sizes is None:
+            return [self]
+        base = replace(self, dim=sizes.dims[0], sizes=None)
+        out = [base]
+        for i in range(1, len(sizes.dims)):
+            assert sizes.demote is not None
+            out.append(
+                EmbeddingTable(
+                    f"{self.name}{SIZE_MARK}{sizes.dims[i]}",
+                    sizes.dims[i] - sizes.dims[i - 1],
+                    optimizer=self.optimizer,
+                    initializer=Zeros(),
+                    seed=self.seed,
+                    precision=self.precision,
+                    grow=Grow(
+                        self.name,
+                        sizes.promote[i - 1],
+                        sizes.demote[i - 1],
+                        click_weight=sizes.click_weight,
+                    ),
+                )
+            )
+        return out
+
+    @property
+    def block_columns(self) -> list[tuple[str, int, int]]:
+        """Each block's table and its columns ``[start, stop)`` of the
+        table's vectors."""
+        out, start = [], 0
+        for block in self.blocks():
+            out.append((block.name, start, start + block.dim))
+            start += block.dim
+        return out
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,11 @@ class RowMemory:
             return RowMemory()
         return RowMemory(kernels)
 
+    @property
+    def xp(self) -> Any:
+        """The array module of this memory (cupy on the device, else numpy)."""
+        return self.kernels.xp if self.on_device else np
+
     def empty(self, shape: tuple[int, ...]) -> Any:
         """float32 rows, uninitialised."""
         if self.on_device:

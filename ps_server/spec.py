@@ -411,6 +411,48 @@ class Eviction:
 
 # --- the table --------------------------------------------------------------
 
+
+@dataclass(frozen=True)
+class Grow:
+    """Makes a table an extension block of a sized table (docs/ps_engine.md,
+    "Sizes"): a key gets a row here only while its row in table ``base``
+    (the same engine's, created first) scores at least ``promote``, where a
+    row's score is its decayed shows plus ``click_weight`` times its decayed
+    clicks (``base``'s ``stats_half_life``). A training pull or push of a key
+    below it reads zeros and changes nothing (the table's initializer
+    should be ``Zeros``); ``evict`` removes the rows whose base row scores
+    below ``demote`` (``demote <= promote``: the gap keeps a key near a
+    threshold from flapping) or has gone.
+    """
+
+    base: str
+    promote: float
+    demote: float
+    _: KW_ONLY
+    click_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.base, str) and self.base != "",
+            f"Grow: base must be a table name, got {self.base!r}",
+        )
+        _non_negative("Grow", "promote", self.promote)
+        _non_negative("Grow", "demote", self.demote)
+        _non_negative("Grow", "click_weight", self.click_weight)
+        _check(
+            self.demote <= self.promote,
+            f"Grow: demote must be <= promote, got demote={self.demote!r} > "
+            f"promote={self.promote!r}",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return _fields_of(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Grow:
+        return _build(cls, data, "grow")
+
+
 NanPolicy = Literal["drop", "raise"]
 Precision = Literal["fp32", "fp16", "int8"]
 _PRECISIONS = {
@@ -466,6 +508,9 @@ class TableSpec:
             row's are multiplied by ``0.5 ** ((s - s0) / stats_half_life)``
             when it is updated at step s after its last update at s0, and
             read so by ``top_keys``. 0 (the default): no decay.
+        grow: this table is an extension block of a sized table (``Grow``):
+            its keys are those whose row in ``grow.base`` scores enough.
+            None (the default): a plain table.
     """
 
     name: str
@@ -481,11 +526,18 @@ class TableSpec:
     precision: Precision = "fp32"
     serving: bool = False
     stats_half_life: float = 0.0
+    grow: Grow | None = None
 
     def __post_init__(self) -> None:
         _check(
             isinstance(self.name, str) and self.name != "",
             f"table name must be a non-empty string, got {self.name!r}",
+        )
+        if self.grow is not None and not isinstance(self.grow, Grow):
+            raise TypeError(f"table {self.name!r}: grow must be a Grow or None, got {self.grow!r}")
+        _check(
+            self.grow is None or self.grow.base != self.name,
+            f"table {self.name!r}: grow.base must be another table",
         )
         who = f"table {self.name!r}"
         _check(
@@ -541,6 +593,10 @@ class TableSpec:
         out = _fields_of(self)
         for name in _NESTED:
             out[name] = out[name].to_dict()
+        if self.grow is None:
+            del out["grow"]  # a plain table's dictionary is as before
+        else:
+            out["grow"] = self.grow.to_dict()
         return out
 
     @classmethod
@@ -551,8 +607,8 @@ class TableSpec:
             raise ValueError(f"table spec: expected an object, got {data!r}")
         who = f"table {data.get('name')!r}"
         values = dict(data)
-        for name, kind in _NESTED.items():
-            if name in values:
+        for name, kind in {**_NESTED, "grow": Grow}.items():
+            if values.get(name) is not None:
                 try:
                     values[name] = kind.from_dict(values[name])
                 except ValueError as error:
@@ -583,6 +639,11 @@ class TableSpec:
         spec.serving = self.serving
         spec.precision = _PRECISIONS[self.precision]
         spec.stats_half_life = float(self.stats_half_life)
+        if self.grow is not None:
+            spec.grow_base = self.grow.base
+            spec.grow_promote = float(self.grow.promote)
+            spec.grow_demote = float(self.grow.demote)
+            spec.grow_click_weight = float(self.grow.click_weight)
         return spec
 
 

@@ -124,7 +124,8 @@ py::dict StatsDict(const TableStats& t) {
                   "dropped_pending"_a = t.dropped_pending, "dropped_nan"_a = t.dropped_nan,
                   "pending_forgotten"_a = t.pending_forgotten, "erased"_a = t.erased,
                   "evicted_ttl"_a = t.evicted_ttl, "evicted_min_count"_a = t.evicted_min_count,
-                  "evicted_lfu"_a = t.evicted_lfu, "rows_moved"_a = t.rows_moved,
+                  "evicted_lfu"_a = t.evicted_lfu, "grown"_a = t.grown, "shrunk"_a = t.shrunk,
+                  "rows_moved"_a = t.rows_moved,
                   "chunks_released"_a = t.chunks_released, "cold_rows"_a = t.cold_rows,
                   "cold_index_bytes"_a = t.cold_index_bytes, "disk_bytes"_a = t.disk_bytes,
                   "cold_reads"_a = t.cold_reads, "cold_prefetched"_a = t.cold_prefetched,
@@ -272,7 +273,11 @@ void BindSpecs(py::module_& m) {
       .def_readwrite("reserve_rows", &TableSpec::reserve_rows)
       .def_readwrite("serving", &TableSpec::serving)
       .def_readwrite("precision", &TableSpec::precision)
-      .def_readwrite("stats_half_life", &TableSpec::stats_half_life);
+      .def_readwrite("stats_half_life", &TableSpec::stats_half_life)
+      .def_readwrite("grow_base", &TableSpec::grow_base)
+      .def_readwrite("grow_promote", &TableSpec::grow_promote)
+      .def_readwrite("grow_demote", &TableSpec::grow_demote)
+      .def_readwrite("grow_click_weight", &TableSpec::grow_click_weight);
   m.def("state_dim", &StateDim, "kind"_a, "dim"_a);
 }
 
@@ -536,7 +541,7 @@ void BindEngine(py::module_& m) {
               r = e.Evict(table, StepOr(step));
             }
             return py::dict("ttl"_a = r.ttl, "min_count"_a = r.min_count, "lfu"_a = r.lfu,
-                            "total"_a = r.total());
+                            "shrunk"_a = r.shrunk, "total"_a = r.total());
           },
           "table"_a, "step"_a = py::none())
       .def(
@@ -548,7 +553,7 @@ void BindEngine(py::module_& m) {
               r = e.EvictByAge(table, StepOr(step));
             }
             return py::dict("ttl"_a = r.ttl, "min_count"_a = r.min_count, "lfu"_a = r.lfu,
-                            "total"_a = r.total());
+                            "shrunk"_a = r.shrunk, "total"_a = r.total());
           },
           "table"_a, "step"_a = py::none())
       .def(
@@ -587,7 +592,7 @@ void BindEngine(py::module_& m) {
               r = e.EvictLeastFrequent(table, threshold, cutoff, quota, StepOr(step));
             }
             return py::dict("ttl"_a = r.ttl, "min_count"_a = r.min_count, "lfu"_a = r.lfu,
-                            "total"_a = r.total());
+                            "shrunk"_a = r.shrunk, "total"_a = r.total());
           },
           "table"_a, "threshold"_a, "cutoff"_a, "quota"_a, "step"_a = py::none())
       .def(

@@ -112,6 +112,8 @@ TableStats& TableStats::operator+=(const TableStats& o) {
   evicted_ttl += o.evicted_ttl;
   evicted_min_count += o.evicted_min_count;
   evicted_lfu += o.evicted_lfu;
+  grown += o.grown;
+  shrunk += o.shrunk;
   rows_moved += o.rows_moved;
   chunks_released += o.chunks_released;
   cold_rows += o.cold_rows;
@@ -223,6 +225,14 @@ void ValidateSpec(const TableSpec& spec) {
               std::to_string(static_cast<int>(spec.precision)));
   Require(std::isfinite(spec.stats_half_life) && spec.stats_half_life >= 0, spec,
           "stats_half_life must be >= 0");
+  if (!spec.grow_base.empty()) {
+    Require(spec.grow_base != spec.name, spec, "grow_base must be another table");
+    Require(std::isfinite(spec.grow_promote) && std::isfinite(spec.grow_demote) &&
+                spec.grow_demote >= 0 && spec.grow_demote <= spec.grow_promote,
+            spec, "grow thresholds need 0 <= demote <= promote");
+    Require(std::isfinite(spec.grow_click_weight) && spec.grow_click_weight >= 0, spec,
+            "grow_click_weight must be >= 0");
+  }
 }
 
 void ShardOfBatch(const uint64_t* keys, size_t n, uint32_t num_shards, uint32_t* shards) {
@@ -540,6 +550,15 @@ int Engine::CreateTable(const TableSpec& spec) {
   if (FindDef(spec.name) != nullptr) {
     throw std::invalid_argument("table '" + spec.name + "' already exists");
   }
+  const TableDef* base = nullptr;
+  if (!spec.grow_base.empty() && !spec.serving) {
+    base = FindDef(spec.grow_base);
+    if (base == nullptr || !base->spec.grow_base.empty() || base->layered()) {
+      throw std::invalid_argument("table '" + spec.name + "': grow_base '" + spec.grow_base +
+                                  "' must be a table of this engine without a grow_base, "
+                                  "created first");
+    }
+  }
   std::unique_ptr<TableDef> def;
   if (spec.reserve_rows == 0) {
     // Nothing to fault in: the shards are built here, without a hand-off
@@ -561,6 +580,9 @@ int Engine::CreateTable(const TableSpec& spec) {
       for (TableShard*& shard : def->shards) delete std::exchange(shard, nullptr);
       throw;
     }
+  }
+  if (base != nullptr) {
+    for (int s = 0; s < num_shards_; ++s) def->shards[s]->SetGrowBase(base->shards[s]);
   }
   return Publish(std::move(def));
 }
@@ -596,6 +618,13 @@ void Engine::DropTable(const std::string& name) {
   std::lock_guard<std::mutex> lock(create_mutex_);  // no def is freed meanwhile
   TableDef* def = FindDef(name);
   if (def == nullptr) throw UnknownTableError(UnknownName(name, TableNamesInScope()));
+  for (int other = 0; other < num_slots_.load(std::memory_order_acquire); ++other) {
+    const TableDef* d = tables_[other].load(std::memory_order_acquire);
+    if (d != nullptr && d != def && d->spec.grow_base == name && !d->spec.serving) {
+      throw std::invalid_argument("cannot drop table '" + name + "': table '" + d->spec.name +
+                                  "' grows from it (drop that one first)");
+    }
+  }
   const int slot = def->id & (kMaxTables - 1);
   tables_[slot].store(nullptr, std::memory_order_seq_cst);
   // The calls that found the table run to their end; later ones throw.
@@ -1066,6 +1095,7 @@ EvictResult Engine::Evict(int table, uint64_t step) {
     total.ttl += r.ttl;
     total.min_count += r.min_count;
     total.lfu += r.lfu;
+    total.shrunk += r.shrunk;
   }
   return total;
 }
@@ -1078,6 +1108,7 @@ EvictResult Sum(const std::vector<EvictResult>& parts) {
     total.ttl += r.ttl;
     total.min_count += r.min_count;
     total.lfu += r.lfu;
+    total.shrunk += r.shrunk;
   }
   return total;
 }
@@ -1437,8 +1468,26 @@ int Engine::CommitApply(int staging) {
   if (st->full) {
     std::unique_ptr<TableDef> next = std::move(st->def);
     next->id = live->id;
+    TableDef* const now = next.get();
+    if (!live->spec.grow_base.empty() && live->shards[0]->grow_base() != nullptr) {
+      for (int s = 0; s < num_shards_; ++s) now->shards[s]->SetGrowBase(live->shards[s]->grow_base());
+    }
     tables_[slot].store(next.release(), std::memory_order_seq_cst);
     grace_->Wait();  // every call that found the old table has returned
+    // Extension blocks of this table read the new shards from now on (set
+    // on their workers: no call of theirs is reading the old ones then).
+    std::vector<TableDef*> grown;
+    for (int other = 0; other < num_slots_.load(std::memory_order_acquire); ++other) {
+      TableDef* d = tables_[other].load(std::memory_order_acquire);
+      if (d != nullptr && d != now && d->spec.grow_base == now->spec.name && !d->spec.serving) {
+        grown.push_back(d);
+      }
+    }
+    if (!grown.empty()) {
+      RunOnShards([&](int s) {
+        for (TableDef* d : grown) d->shards[s]->SetGrowBase(now->shards[s]);
+      });
+    }
     FreeTable(live);
     return st->table;
   }

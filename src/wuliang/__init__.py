@@ -38,6 +38,7 @@ _NAMES = {
     "EmbeddingTable": "wuliang.embedding.features",
     "SparseFeature": "wuliang.embedding.features",
     "DenseFeature": "wuliang.embedding.features",
+    "Sizes": "wuliang.embedding.features",
 }
 
 __all__ = ["__version__", *_SUBMODULES, *_NAMES]

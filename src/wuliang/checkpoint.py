@@ -307,8 +307,9 @@ def restore(
             )
     version.verify()  # every file, before changing anything
     step = version.step
-    for name, spec in tables.items():
+    for name in reversed(tables):  # a sized table's extension blocks before their base
         ps.drop_table(name)
+    for name, spec in tables.items():
         ps.create_table(spec)
         if name in version.tables:  # the files verified: the server reads them as they are
             ps.load_rows(version.path, name, version.part_files(name), step=step)

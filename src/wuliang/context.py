@@ -211,7 +211,8 @@ class Context:
         self.prefetch = prefetch
         self.evict_every_steps = evict_every_steps
         self.global_step = 0
-        self.tables: dict[str, EmbeddingTable] = {}
+        self.tables: dict[str, EmbeddingTable] = {}  # the server's tables (a sized one's blocks)
+        self.sized: dict[str, EmbeddingTable] = {}  # sized tables, by name
         self.tower_tables: dict[str, TableSpec] = {}  # a shared tower's (wuliang.dense)
         # a trainer of a cluster: the job's step, ready mark and positions (wuliang.job)
         self.job: Job | None = None
@@ -271,7 +272,19 @@ class Context:
         return self.ps.num_shards
 
     def create_table(self, table: EmbeddingTable) -> None:
-        """Creates the table in the parameter server, or checks it matches."""
+        """Creates the table in the parameter server, or checks it matches.
+        A sized table is its blocks (``EmbeddingTable.blocks``), each a table
+        of the server and of ``tables``; ``sized`` keeps the table itself."""
+        if table.sizes is not None:
+            known_sized = self.sized.get(table.name)
+            if known_sized is not None and known_sized != table:
+                raise ValueError(
+                    f"table {table.name!r} already exists in this context with another spec"
+                )
+            for block in table.blocks():
+                self.create_table(block)
+            self.sized[table.name] = table
+            return
         known = self.tables.get(table.name)
         if known is None:
             self.ps.create_table(table.spec())

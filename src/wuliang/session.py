@@ -23,6 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,25 @@ from wuliang.tower import TowerState
 
 STANDARD_FETCHES = ("loss", "predictions", "logits")
 log = logging.getLogger("wuliang")
+
+
+def _assembled(handle: Handle[None], blocks: list[tuple[Any, int, int, Any]]) -> Handle[None]:
+    """The pull of sized tables: done once each block's rows are copied into
+    their columns of the table's rows (zeros past a key's size)."""
+    future: Future[None] = Future()
+
+    def copy(done: Handle[None]) -> None:
+        try:
+            done.wait()
+            for out, start, stop, block in blocks:
+                out[:, start:stop] = block
+        except BaseException as error:  # the pull's error is the step's
+            future.set_exception(error)
+        else:
+            future.set_result(None)
+
+    handle.add_done_callback(copy)
+    return Handle(future)
 
 
 class Session:
@@ -107,6 +127,8 @@ class Session:
         for table in tables.values():
             self.context.create_table(table)
         self.tables = list(tables)
+        # sized tables: each block's server table and its columns of the rows
+        self._blocks = {n: t.block_columns for n, t in tables.items() if t.sizes is not None}
         self.preparer = (
             KeyPreparer(
                 {f.name: f.table.name for f in self.sparse},
@@ -146,7 +168,12 @@ class Session:
             for spec in tower_specs(self.optimizer, every).values():  # refuses what cannot map
                 self.context.create_tower_table(spec)
         self.hooks = list(hooks)
-        evicting = [name for name, t in tables.items() if t.eviction.enabled]
+        evicting = [
+            b.name
+            for t in tables.values()
+            for b in t.blocks()
+            if b.eviction.enabled or b.grow is not None  # a sized table shrinks keys by evict
+        ]
         every = self.context.evict_every_steps
         self._own_evict: Evict | None = None
         if evicting and every and not any(isinstance(h, Evict) for h in self.hooks):
@@ -616,15 +643,24 @@ class Session:
         _, bases = self.layout.bases(prepared)
         counts = self._occurrences(prepared) if train and self._cached else {}
         parts = []
+        assemble: list[tuple[Any, int, int, Any]] = []  # a sized table's blocks into its rows
         for (_, tables), packed in zip(self.layout.groups, rows, strict=True):
             for table in tables:
                 keys = prepared.tables[table]
                 base = bases[table]
                 out = packed[base : base + len(keys.uniques)]
-                parts.append(
-                    PullPart(table, keys.uniques, out, keys.shard_offsets, counts.get(table))
-                )
-        return self.context.ps.pull_many_async(parts, train=train, step=step)
+                for name, start, stop in self._blocks.get(table, ((table, 0, 0),)):
+                    block_out = out
+                    if stop:
+                        block_out = self.memory.empty((len(keys.uniques), stop - start))
+                        assemble.append((out, start, stop, block_out))
+                    parts.append(
+                        PullPart(
+                            name, keys.uniques, block_out, keys.shard_offsets, counts.get(table)
+                        )
+                    )
+        handle = self.context.ps.pull_many_async(parts, train=train, step=step)
+        return _assembled(handle, assemble) if assemble else handle
 
     def _prefetch(self, prepared: PreparedKeys) -> None:
         """With a disk tier, starts reading the batch's cold rows into the
@@ -635,8 +671,9 @@ class Session:
         if not ps.prefetches:
             return
         parts = [
-            PullPart(table, keys.uniques, None, keys.shard_offsets)
+            PullPart(name, keys.uniques, None, keys.shard_offsets)
             for table, keys in prepared.tables.items()
+            for name, _, _ in self._blocks.get(table, ((table, 0, 0),))
         ]
         if len(self._prefetching) > 8:  # batches prefetched and never pulled (a stopped loop)
             self._prefetching.clear()
@@ -683,6 +720,7 @@ class Session:
         row_grads = self.functions.row_gradients(inputs, gather_grads)
         stats = self._row_stats(prepared, inputs)
         parts = []
+        linked_blocks: list[tuple[Any, Any, int, int, Any]] = []
         for g, ((_, tables), packed) in enumerate(zip(self.layout.groups, row_grads, strict=True)):
             for table in tables:
                 keys = prepared.tables[table]
@@ -694,25 +732,76 @@ class Session:
                 updated = None if link is None else link[0][g]
                 rows = None if link is None else link[1][table]
                 shows, clicks = stats.get(table, (None, None))
-                parts.append(
-                    PushPart(
-                        table,
-                        keys.uniques,
-                        grads,
-                        keys.shard_offsets,
-                        updated,
-                        rows,
-                        shows=shows,
-                        clicks=clicks,
+                blocks = self._blocks.get(table)
+                if blocks is None:
+                    parts.append(
+                        PushPart(
+                            table,
+                            keys.uniques,
+                            grads,
+                            keys.shard_offsets,
+                            updated,
+                            rows,
+                            shows=shows,
+                            clicks=clicks,
+                        )
+                    )
+                    continue
+                parts.extend(
+                    self._block_parts(
+                        table, blocks, keys, grads, updated, rows, shows, clicks, linked_blocks
                     )
                 )
         ps = self.context.ps
         if link is None:
             return ps.push_many(parts, unique=True, step=step)
         first = ps.push_many(parts, unique=True, only="updated", step=step)
+        for updated, rows, start, stop, block_updated in linked_blocks:
+            into = rows >= 0
+            updated[rows[into], start:stop] = block_updated[into]
         if linked_done is not None:
             linked_done()
         return first + ps.push_many(parts, unique=True, only="rest", step=step)
+
+    def _block_parts(
+        self,
+        table: str,
+        blocks: list[tuple[str, int, int]],
+        keys: Any,
+        grads: Any,
+        updated: Any,
+        rows: np.ndarray | None,
+        shows: np.ndarray | None,
+        clicks: np.ndarray | None,
+        linked_blocks: list[tuple[Any, Any, int, int, Any]],
+    ) -> list[PushPart]:
+        """A sized table's push, one part per block: its columns of the
+        gradients; shows and clicks to the base block (they drive the sizes);
+        with a link, each block's updated rows into a buffer of its own, put
+        into the next step's rows by ``_push``."""
+        xp = self.memory.xp
+        parts = []
+        n = len(keys.uniques)
+        for name, start, stop in blocks:
+            block_updated, block_rows = None, None
+            if updated is not None and rows is not None:
+                block_updated = self.memory.empty((n, stop - start))
+                block_rows = np.where(rows >= 0, np.arange(n, dtype=np.int32), -1).astype(np.int32)
+                linked_blocks.append((updated, rows, start, stop, block_updated))
+            base = name == table
+            parts.append(
+                PushPart(
+                    name,
+                    keys.uniques,
+                    xp.ascontiguousarray(grads[:, start:stop]),
+                    keys.shard_offsets,
+                    block_updated,
+                    block_rows,
+                    shows=shows if base else None,
+                    clicks=clicks if base else None,
+                )
+            )
+        return parts
 
     def _row_stats(
         self, prepared: PreparedKeys, inputs: StepInputs

@@ -232,7 +232,25 @@ void TableShard::BoundLog(ChangeLog* log) const {
 
 // A new row's count is the sightings before this one; the push of this
 // batch adds the current one.
+double TableShard::ScoreAt(uint64_t key, uint64_t hash, uint64_t step,
+                           double click_weight) const {
+  char* const* row = index_.Find(key, hash);
+  if (row == nullptr) return HasCold(key, hash) ? kOnDisk : kNoRow;
+  const RowMeta* m = RowLayout::Meta(pool_.Cold(*row));
+  const double f = StatsDecay(m->step(), step, spec_.stats_half_life);
+  return f * (static_cast<double>(m->shows) + click_weight * static_cast<double>(m->clicks));
+}
+
+char* TableShard::Grow(uint64_t key, uint64_t hash, const Clock& clock) {
+  if (grow_base_ == nullptr) return nullptr;  // a serving copy: no rule applies
+  const double score = grow_base_->ScoreAt(key, hash, clock.step, spec_.grow_click_weight);
+  if (score < spec_.grow_promote) return nullptr;
+  ++counters_.grown;
+  return CreateRow(key, hash, clock, 0);
+}
+
 char* TableShard::Admit(uint64_t key, uint64_t hash, const Clock& clock) {
+  if (!spec_.grow_base.empty()) return Grow(key, hash, clock);
   const uint32_t min_count = spec_.admission.min_count;
   if (min_count <= 1) return CreateRow(key, hash, clock, 0);
   const uint32_t seen = pending_.Observe(key, hash);
@@ -863,6 +881,19 @@ void TableShard::EvictByAge(const Clock& clock, EvictResult* result) {
     }
   });
   prev_evict_step_ = clock.step;
+  // An extension block: rows whose base row scores below grow_demote, or
+  // has none (evicted); a base row on disk keeps its extension.
+  std::vector<uint64_t> shrunk;
+  if (grow_base_ != nullptr) {
+    ForEachMeta([&](uint64_t key, const RowMeta*) {
+      const double score =
+          grow_base_->ScoreAt(key, Mix64(key), clock.step, spec_.grow_click_weight);
+      if (score != kOnDisk && score < spec_.grow_demote) shrunk.push_back(key);
+    });
+  }
+  for (uint64_t key : shrunk) RemoveRow(key, Mix64(key), clock);
+  counters_.shrunk += shrunk.size();
+  result->shrunk += shrunk.size();
   for (uint64_t key : expired) RemoveRow(key, Mix64(key), clock);
   for (uint64_t key : rare) RemoveRow(key, Mix64(key), clock);
   result->ttl += expired.size();

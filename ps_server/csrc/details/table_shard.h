@@ -246,6 +246,11 @@ class alignas(128) TableShard {
   }
   void LoadPending(const uint64_t* keys, const uint32_t* counts, size_t n);
 
+  // An extension block (TableSpec::grow_base): the base table's shard of
+  // the same index (same worker), set by the engine after creation.
+  void SetGrowBase(const TableShard* base) { grow_base_ = base; }
+  const TableShard* grow_base() const { return grow_base_; }
+
   TableStats Snapshot() const;
   size_t rows() const { return index_.size() + ColdOnlyRows(); }
 
@@ -338,6 +343,14 @@ class alignas(128) TableShard {
   void LogChange(uint64_t key, uint64_t version);
   void BoundLog(ChangeLog* log) const;
   char* Admit(uint64_t key, uint64_t hash, const Clock& clock);
+  // An extension block's admission: a row while the key's base row scores
+  // at least grow_promote (null otherwise).
+  char* Grow(uint64_t key, uint64_t hash, const Clock& clock);
+  // The key's row's score at `step` (decayed shows + click_weight * decayed
+  // clicks); kNoRow without a row in RAM, kOnDisk when it is on disk only.
+  static constexpr double kNoRow = -1.0;
+  static constexpr double kOnDisk = -2.0;
+  double ScoreAt(uint64_t key, uint64_t hash, uint64_t step, double click_weight) const;
   // Removes the key's row from RAM and disk; false if it had none.
   bool RemoveRow(uint64_t key, uint64_t hash, const Clock& clock);
   // This shard's keys of the batch; fills hashes_ (and order_ if filtering).
@@ -367,6 +380,7 @@ class alignas(128) TableShard {
 
   const TableSpec& spec_;
   const RowLayout& layout_;
+  const TableShard* grow_base_ = nullptr;
   OpenHashMap<char*> index_;
   MemoryPool pool_;
   PendingCounter pending_;

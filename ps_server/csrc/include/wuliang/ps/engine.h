@@ -124,7 +124,8 @@ struct EvictResult {
   uint64_t ttl = 0;        // rows older than the TTL
   uint64_t min_count = 0;  // rows seen fewer than min_count times
   uint64_t lfu = 0;        // rows over max_rows, least frequent first
-  uint64_t total() const { return ttl + min_count + lfu; }
+  uint64_t shrunk = 0;     // an extension block's rows whose base row scores too little
+  uint64_t total() const { return ttl + min_count + lfu + shrunk; }
 };
 
 // A snapshot of one table, summed over shards.
@@ -154,6 +155,10 @@ struct TableStats {
   uint64_t evicted_ttl = 0;
   uint64_t evicted_min_count = 0;
   uint64_t evicted_lfu = 0;
+  // An extension block (TableSpec::grow_base): keys promoted to it (rows
+  // created) and demoted from it (rows removed by Evict).
+  uint64_t grown = 0;
+  uint64_t shrunk = 0;
   uint64_t rows_moved = 0;  // by memory compaction
   uint64_t chunks_released = 0;
   // The disk tier (zero without one): rows on disk only, RAM of their

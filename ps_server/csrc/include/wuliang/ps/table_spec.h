@@ -96,6 +96,15 @@ struct TableSpec {
   // Half-life in steps of the rows' show and click statistics (pushes feed
   // them); 0: no decay.
   double stats_half_life = 0.0;
+  // An extension block of a sized table (docs/ps_engine.md, "Sizes"): a key
+  // gets a row here only while its row in table `grow_base` (same engine,
+  // created first) scores at least `grow_promote`, its decayed shows plus
+  // grow_click_weight times its decayed clicks; Evict removes rows whose
+  // base row scores below `grow_demote` or is gone. Empty: a plain table.
+  std::string grow_base;
+  double grow_promote = 0.0;
+  double grow_demote = 0.0;
+  double grow_click_weight = 0.0;
 };
 
 // Throws std::invalid_argument naming the bad field.
