@@ -32,14 +32,16 @@ model description and retries on ``VersionMoved``.
 
 from __future__ import annotations
 
+import importlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from wuliang.embedding.pooling import pool_rows
+from wuliang.ps_server import LookupResult
 from wuliang.ps_server.storage import ModelDescription, SparseInput
 from wuliang.serving.errors import FailedPrecondition, InvalidArgument
 from wuliang.serving.model import ServedModel, ServedVersion
@@ -252,10 +254,31 @@ def _lookup(
         joined = np.concatenate([keys[n][0] for n in names])
         unique, inverse = np.unique(joined, return_inverse=True)
         read = getattr(store, "predict_rows", store.lookup)
-        result = read(table, unique, at=served)  # VersionMoved: the caller retries
+        blocks = sparse[names[0]].blocks
+        result = read_blocks(read, table, blocks, unique, served)  # VersionMoved: caller retries
         start = 0
         for name in names:
             size = len(keys[name][0])
             out[name] = (result.rows, inverse[start : start + size])
             start += size
     return out
+
+
+def read_blocks(
+    read: Callable[..., LookupResult],
+    table: str,
+    blocks: Sequence[str],
+    keys: np.ndarray,
+    at: ServedVersion | None,
+) -> LookupResult:
+    """``read(table, keys, at=at)``; for a sized table (``blocks``: its
+    extension blocks) each block's rows after the table's, the vectors the
+    tower takes (zeros past a key's size), found as the table's."""
+    result = read(table, keys, at=at)
+    if not blocks:
+        return result
+    rows = [result.rows, *(read(block, keys, at=at).rows for block in blocks)]
+    xp = np  # or the device's module, for a device cache's rows
+    if not isinstance(result.rows, np.ndarray):
+        xp = importlib.import_module(type(result.rows).__module__.split(".")[0])
+    return LookupResult(xp.concatenate(rows, axis=1), result.found, result.version)

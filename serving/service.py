@@ -51,7 +51,14 @@ from wuliang.serving.errors import (
 )
 from wuliang.serving.metrics import Metrics
 from wuliang.serving.model import ServedModel, ServedVersion
-from wuliang.serving.predict import Decoder, FeatureInput, PredictAnswer, check_model, predict
+from wuliang.serving.predict import (
+    Decoder,
+    FeatureInput,
+    PredictAnswer,
+    check_model,
+    predict,
+    read_blocks,
+)
 from wuliang.serving.versioned import close_later
 
 __all__ = ["MAX_KEYS", "MAX_REQUEST_BYTES", "MAX_ROWS", "SWITCH_SECONDS", "Service"]
@@ -257,12 +264,20 @@ class Service:
             raise InvalidArgument("keys must be a 1-D array of uint64")
         if len(keys) > self.max_keys:
             self.check_keys(len(keys))
-        if version is None and label is None:
+        if version is None and label is None and not self._sized(store, table):
             result = store.lookup(table, keys)
-        else:
+        else:  # a sized table's blocks are read at one version
             result = self._pinned_lookup(model, table, keys, version, label)
         self.metrics.count_keys(store.name, table, len(keys))
         return result
+
+    @staticmethod
+    def _sized(store: ServedModel, table: str) -> bool:
+        """Whether the table is a sized one in the version served now."""
+        try:
+            return bool(_blocks_of(store.served(), table))
+        except Unavailable:
+            return False
 
     def _pinned_lookup(
         self, model: str, table: str, keys: np.ndarray, version: int | None, label: str | None
@@ -271,7 +286,8 @@ class Service:
         while True:
             slot, served = self.select(model, version, label)
             try:
-                return slot.lookup(table, keys, at=served)
+                blocks = _blocks_of(served, table)
+                return read_blocks(slot.lookup, table, blocks, keys, served)
             except VersionMoved:
                 if time.monotonic() > deadline:
                     raise
@@ -385,3 +401,11 @@ def versions_status(store: ServedModel, served: ServedVersion | None) -> list[di
         return [{"version": 0, "state": "LOADING", "error": "", "bytes": 0}]
     size = sum(int(s["bytes"]) for s in store.table_stats().values())
     return [{"version": served.number, "state": "AVAILABLE", "error": "", "bytes": size}]
+
+
+def _blocks_of(served: ServedVersion, table: str) -> tuple[str, ...]:
+    """A sized table's extension blocks in the version's model (else ())."""
+    for f in served.model.sparse:
+        if f.table == table and f.blocks:
+            return f.blocks
+    return ()

@@ -53,19 +53,22 @@ def make_session(
     evict_every_steps: int | None = 1000,
     keras_model: bool = False,
     ps: Any = None,
+    sizes: wl.Sizes | None = None,
 ) -> wl.Session:
     """``admission``: the items table's (default: every key at once);
     ``eviction``: the users table's (default: none); ``keras_model``: the
     tower is a ``keras.Model`` whose ``call`` takes (embeddings, dense), as in
     docs/training.md (default: a function over a Keras MLP); ``ps``: the
     context's parameter servers (default: an embedded engine of
-    ``num_shards``)."""
+    ``num_shards``); ``sizes``: the users table's (a sized table with a
+    stats half-life of 20 steps; default: fixed)."""
     keras.utils.set_random_seed(5)
     users = wl.EmbeddingTable(
         "users",
         8,
         optimizer=wl.optimizers.Adagrad(0.1),
         **({} if eviction is None else {"eviction": eviction}),
+        **({} if sizes is None else {"sizes": sizes, "stats_half_life": 20}),
     )
     items = wl.EmbeddingTable(
         "items",
@@ -112,11 +115,11 @@ def reader(files: list[str], shuffle: int) -> ParquetReader:
     )
 
 
-def trained_export(root: Path) -> dict[str, Any]:
+def trained_export(root: Path, sizes: wl.Sizes | None = None) -> dict[str, Any]:
     """A session trained 5 steps and exported (version 1) under root: the
     session, its data files, the export directory and a batch of the data."""
     files = write_data(root)
-    session = make_session()
+    session = make_session(sizes=sizes)
     session.train(reader(files, 0), steps=5)
     exports = root / "exports"
     session.export(exports)

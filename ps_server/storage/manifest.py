@@ -71,6 +71,9 @@ class SparseInput:
     combiner: str | None = "sum"  # None: a padded sequence and its mask
     max_len: int | None = None  # of a sequence
     hash_field: str | None = None
+    # a sized table's extension blocks: their columns follow the table's
+    # (zeros where a key has no row there); () for a plain table
+    blocks: tuple[str, ...] = ()
 
     @property
     def is_sequence(self) -> bool:
@@ -114,7 +117,7 @@ class ModelDescription:
     def to_dict(self) -> dict[str, Any]:
         return {
             "signature": self.signature,
-            "sparse": [_fields_of(f) for f in self.sparse],
+            "sparse": [_sparse_dict(f) for f in self.sparse],
             "dense": [_fields_of(f) for f in self.dense],
         }
 
@@ -140,6 +143,14 @@ class ModelDescription:
         return ModelDescription(sparse, dense, signature)
 
 
+def _sparse_dict(f: SparseInput) -> dict[str, Any]:
+    out = _fields_of(f)
+    out["blocks"] = list(f.blocks)
+    if not f.blocks:
+        del out["blocks"]  # a plain table's description is as before
+    return out
+
+
 def _sparse_input(data: Any, where: str) -> SparseInput:
     data = _object(data, where)
     _known(data, [f.name for f in fields(SparseInput)], where)
@@ -152,8 +163,16 @@ def _sparse_input(data: Any, where: str) -> SparseInput:
     hash_field = data.get("hash_field")
     if hash_field is not None and not isinstance(hash_field, str):
         raise ValueError(f"{where}.hash_field must be a string or null, got {hash_field!r}")
+    blocks = data.get("blocks", [])
+    if not isinstance(blocks, list | tuple) or not all(isinstance(b, str) and b for b in blocks):
+        raise ValueError(f"{where}.blocks must be a list of table names, got {blocks!r}")
     return SparseInput(
-        _str(data, "name", where), _str(data, "table", where), combiner, max_len, hash_field
+        _str(data, "name", where),
+        _str(data, "table", where),
+        combiner,
+        max_len,
+        hash_field,
+        tuple(blocks),
     )
 
 

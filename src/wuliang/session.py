@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -59,12 +61,17 @@ from wuliang.stopping import StopOnSignal
 from wuliang.tower import TowerState
 
 STANDARD_FETCHES = ("loss", "predictions", "logits")
+Link = tuple[list[np.ndarray], dict[str, np.ndarray], threading.Event | None]
+LINK_WAIT_SECONDS = 600.0  # a push waits for the next step's pull of sized tables
 log = logging.getLogger("wuliang")
 
 
-def _assembled(handle: Handle[None], blocks: list[tuple[Any, int, int, Any]]) -> Handle[None]:
+def _assembled(
+    handle: Handle[None], blocks: list[tuple[Any, int, int, Any]], pulled: threading.Event
+) -> Handle[None]:
     """The pull of sized tables: done once each block's rows are copied into
-    their columns of the table's rows (zeros past a key's size)."""
+    their columns of the table's rows (zeros past a key's size); ``pulled``
+    is set then too (or on failure)."""
     future: Future[None] = Future()
 
     def copy(done: Handle[None]) -> None:
@@ -76,6 +83,8 @@ def _assembled(handle: Handle[None], blocks: list[tuple[Any, int, int, Any]]) ->
             future.set_exception(error)
         else:
             future.set_result(None)
+        finally:
+            pulled.set()
 
     handle.add_done_callback(copy)
     return Handle(future)
@@ -160,6 +169,9 @@ class Session:
         self.memory = self.functions.memory = RowMemory.for_server(self.context.ps)
         self._cached = getattr(self.context.ps, "kernels", None) is not None  # a GPU cache
         self._prefetching: dict[int, Handle[int]] = {}  # id(prepared) -> its prefetch
+        # prepared keys of a step -> its sized tables are in its rows (_pulled_event)
+        self._pulled: dict[int, threading.Event] = {}
+        self._pulled_lock = threading.Lock()
         self.tower = TowerState(self.functions, self.sparse, self.dense, self.optimizer)
         self._shared: SharedTower | None = None  # the tower on the servers, from the first step
         if self.context.shares_tower:  # several trainers: the tower lives on the servers
@@ -660,7 +672,20 @@ class Session:
                         )
                     )
         handle = self.context.ps.pull_many_async(parts, train=train, step=step)
-        return _assembled(handle, assemble) if assemble else handle
+        if not assemble:
+            return handle
+        return _assembled(handle, assemble, self._pulled_event(prepared))
+
+    def _pulled_event(self, prepared: PreparedKeys) -> threading.Event:
+        """Set once the batch's sized tables are assembled in its rows: the
+        previous step's push puts its linked rows there only after."""
+        key = id(prepared)
+        with self._pulled_lock:
+            event = self._pulled.get(key)
+            if event is None:  # forgotten with the batch's keys
+                event = self._pulled[key] = threading.Event()
+                weakref.finalize(prepared, self._pulled.pop, key, None)
+            return event
 
     def _prefetch(self, prepared: PreparedKeys) -> None:
         """With a disk tier, starts reading the batch's cold rows into the
@@ -688,17 +713,16 @@ class Session:
             counts[index.table] = counts[index.table] + found if index.table in counts else found
         return counts
 
-    def _link(
-        self, previous: PreparedKeys, prepared: PreparedKeys, rows: list[np.ndarray]
-    ) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
+    def _link(self, previous: PreparedKeys, prepared: PreparedKeys, rows: list[np.ndarray]) -> Link:
         """Where the previous step's push writes each of its rows into this
-        step's packed rows (-1: not in this step), per table (staleness 0)."""
+        step's packed rows (-1: not in this step), per table (staleness 0);
+        with sized tables, the event of this step's pull having assembled them."""
         _, bases = self.layout.bases(prepared)
         dest = {
             table: index_in(previous.tables[table].uniques, keys.uniques, bases[table])
             for table, keys in prepared.tables.items()
         }
-        return rows, dest
+        return rows, dest, self._pulled_event(prepared) if self._blocks else None
 
     def _push(
         self,
@@ -706,7 +730,7 @@ class Session:
         inputs: StepInputs,
         gather_grads: Any,
         step: int,
-        link: tuple[list[np.ndarray], dict[str, np.ndarray]] | None = None,
+        link: Link | None = None,
         linked_done: Callable[[], None] | None = None,
     ) -> PushResult | None:
         """Sums the lookups' gradients per row, then pushes each table's slice;
@@ -756,6 +780,12 @@ class Session:
         if link is None:
             return ps.push_many(parts, unique=True, step=step)
         first = ps.push_many(parts, unique=True, only="updated", step=step)
+        if linked_blocks and not link[2].wait(LINK_WAIT_SECONDS):
+            # the next step's blocks go in its rows before these go over them
+            raise TimeoutError(
+                f"step {step}: the next step's pull of sized tables did not complete within "
+                f"{LINK_WAIT_SECONDS} s"
+            )
         for updated, rows, start, stop, block_updated in linked_blocks:
             into = rows >= 0
             updated[rows[into], start:stop] = block_updated[into]

@@ -83,7 +83,12 @@ class TowerState:
         return ModelDescription(
             sparse=tuple(
                 SparseInput(
-                    f.name, f.table.name, f.combiner, f.max_len, self.hash_fields.get(f.name)
+                    f.name,
+                    f.table.name,
+                    f.combiner,
+                    f.max_len,
+                    self.hash_fields.get(f.name),
+                    tuple(b.name for b in f.table.blocks()[1:]),
                 )
                 for f in self.sparse
             ),

@@ -397,7 +397,7 @@ void TableShard::Pull(const ShardBatch& batch, float* out, bool train, const Clo
   }
   WithPrecision(layout_.precision, [&](auto precision) {
     Pipeline</*kCold=*/false>(
-        s, train ? Create::kAdmit : Create::kNever, clock, [&](size_t k, char* row) {
+        s, train ? TrainingPullCreate() : Create::kNever, clock, [&](size_t k, char* row) {
           if (scattered && k + kAheadOfVisit < s.size()) {  // as a push's gradients
             PrefetchBytes<true>(reinterpret_cast<const char*>(out + s.pos(k + kAheadOfVisit) * dim),
                                 dim * sizeof(float));
@@ -430,7 +430,7 @@ void TableShard::PullWhole(const ShardBatch& batch, float* out, const int32_t* i
     for (size_t k = 0; k < s.size(); ++k) pinned[k] = s.key(k);
   }
   Pipeline</*kCold=*/true>(
-      s, Create::kAdmit, clock,
+      s, TrainingPullCreate(), clock,
       [&](size_t k, char* row) {
         const size_t pos = s.pos(k);
         float* dst = out + pos * dim;

@@ -357,6 +357,12 @@ class alignas(128) TableShard {
   Slice Select(const ShardBatch& batch);
   // kBlank: a row for Load to fill (no initializer, not logged).
   enum class Create { kNever, kAdmit, kAlways, kBlank };
+  // A training pull admits keys; an extension block's grow at pushes only
+  // (after the same call's base part fed the score: the same rows for the
+  // same steps whatever the pipeline's timing).
+  Create TrainingPullCreate() const {
+    return spec_.grow_base.empty() ? Create::kAdmit : Create::kNever;
+  }
   // Key k of the slice has no row: create it as `create` says, or null.
   [[gnu::noinline]] char* ResolveMissing(const Slice& s, size_t k, Create create,
                                          const Clock& clock);

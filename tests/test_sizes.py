@@ -1,0 +1,204 @@
+"""Sized tables: a key's vector grows with its base row's decayed score and
+shrinks back (hysteresis) by evict; the session trains them as one table of
+the widest dim; checkpoints resume exactly; serving answers the tower's
+width."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from small_model import Losses, make_session, reader, trained_export, write_data
+
+import wuliang as wl
+from wuliang.ps_server import SGD, Engine, Grow, PushPart, TableSpec, Zeros
+
+SIZES = wl.Sizes((2, 8), promote=(3.0,))
+
+
+def sized_engine(half_life: float = 0.0, click_weight: float = 0.0) -> Engine:
+    engine = Engine(num_shards=2)
+    engine.create_table(TableSpec("t", 2, optimizer=SGD(0.5), stats_half_life=half_life))
+    grow = Grow("t", 4.0, 2.0, click_weight=click_weight)
+    engine.create_table(TableSpec("t@6", 4, optimizer=SGD(0.5), initializer=Zeros(), grow=grow))
+    return engine
+
+
+def step(engine: Engine, keys: list[int], shows: list[float], at: int, clicks: Any = None) -> None:
+    """A training step: pull both blocks, push ones with the shows given."""
+    k = np.array(keys, np.uint64)
+    engine.pull("t", k, train=True, step=at)
+    engine.pull("t@6", k, train=True, step=at)
+    engine.push_many(
+        [
+            PushPart(
+                "t",
+                k,
+                np.ones((len(k), 2), np.float32),
+                shows=np.array(shows, np.float32),
+                clicks=None if clicks is None else np.array(clicks, np.float32),
+            ),
+            PushPart("t@6", k, np.ones((len(k), 4), np.float32)),
+        ],
+        step=at,
+    )
+
+
+def test_a_key_grows_once_its_base_row_scores_enough() -> None:
+    engine = sized_engine()
+    for at in (1, 2):
+        step(engine, [1, 2], [1.0, 3.0], at)
+    keys = np.array([1, 2, 3], np.uint64)
+    # key 2 scored 3 after step 1 (below 4), 6 after step 2's base push: its
+    # extension row was made by step 2's push, which applied its gradient
+    ext = engine.lookup("t@6", keys)
+    assert ext.found.tolist() == [False, True, False]
+    np.testing.assert_allclose(ext.rows[1], -0.5)  # zeros, then one SGD step of 0.5
+    assert (ext.rows[[0, 2]] == 0).all()  # below the threshold: zeros, pushes dropped
+    base = engine.lookup("t", keys)
+    np.testing.assert_allclose(base.rows[:2], -1.0 + base.rows[:2] + 1.0)
+    stats = engine.stats("t@6")
+    assert stats["grown"] == 1 and stats["rows"] == 1 and stats["dropped_pending"] == 3
+    step(engine, [1], [2.0], 3)  # key 1 reaches 4: grows
+    assert engine.lookup("t@6", keys).found.tolist() == [True, True, False]
+    assert engine.stats("t@6")["grown"] == 2
+
+
+def test_clicks_weigh_in_the_score() -> None:
+    engine = sized_engine(click_weight=3.0)
+    step(engine, [1, 2], [1.0, 1.0], 1, clicks=[1.0, 0.0])  # key 1: 1 + 3 * 1 = 4
+    step(engine, [1, 2], [0.0, 0.0], 2)
+    assert engine.contains("t@6", np.array([1, 2], np.uint64)).tolist() == [True, False]
+
+
+def test_evict_shrinks_keys_below_demote_not_between_the_thresholds() -> None:
+    engine = sized_engine(half_life=10.0)
+    step(engine, [1, 2, 3], [5.0, 5.0, 5.0], 1)
+    step(engine, [1, 2, 3], [0.0, 0.0, 0.0], 2)  # all three grew at score 5
+    keys = np.array([1, 2, 3], np.uint64)
+    assert engine.contains("t@6", keys).all()
+    # at step 11 a score of 5 has decayed to 2.5: between demote (2) and promote (4)
+    assert engine.evict("t@6", step=11)["shrunk"] == 0
+    step(engine, [3], [4.0], 12)  # key 3 keeps up its evidence
+    engine.erase("t", np.array([2], np.uint64))  # key 2's base row goes: its block too
+    result = engine.evict("t@6", step=25)  # key 1: 5 * 0.5 ** 2.4 = 0.95 < 2
+    assert result["shrunk"] == 2 and result["total"] == 2
+    assert engine.contains("t@6", keys).tolist() == [False, False, True]
+    assert sorted(engine.removed_keys("t@6").tolist()) == [1, 2]
+    assert engine.stats("t@6")["shrunk"] == 2
+    step(engine, [1], [1.0], 26)  # below promote again: stays small (hysteresis)
+    assert not engine.contains("t@6", np.array([1], np.uint64))[0]
+
+
+def test_bad_sizes_and_grow_rules_are_refused_by_name() -> None:
+    engine = Engine(num_shards=1)
+    with pytest.raises(ValueError, match=r"grow_base 'base'.*created first"):
+        engine.create_table(TableSpec("x@4", 2, grow=Grow("base", 2.0, 1.0)))
+    engine.create_table(TableSpec("base", 2))
+    engine.create_table(TableSpec("x@4", 2, grow=Grow("base", 2.0, 1.0)))
+    with pytest.raises(ValueError, match=r"cannot drop table 'base'.*'x@4' grows from it"):
+        engine.drop_table("base")
+    engine.drop_table("x@4")
+    engine.drop_table("base")
+    with pytest.raises(ValueError, match="demote must be <= promote"):
+        Grow("base", 1.0, 2.0)
+    with pytest.raises(ValueError, match="dims must increase"):
+        wl.Sizes((8, 4), promote=(1.0,))
+    with pytest.raises(ValueError, match="promote needs one threshold per size"):
+        wl.Sizes((2, 4, 8), promote=(1.0,))
+    with pytest.raises(ValueError, match=r"last of sizes .* must be the table's dim 16"):
+        wl.EmbeddingTable("t", 16, sizes=SIZES)
+    with pytest.raises(ValueError, match="'@' marks a sized table's blocks"):
+        wl.EmbeddingTable("a@b", 8)
+    table = wl.EmbeddingTable("t", 8, sizes=wl.Sizes((2, 4, 8), promote=(2.0, 6.0)))
+    blocks = table.blocks()
+    assert [(b.name, b.dim) for b in blocks] == [("t", 2), ("t@4", 2), ("t@8", 4)]
+    assert blocks[2].grow == Grow("t", 6.0, 3.0)  # demote: half of promote by default
+    assert table.block_columns == [("t", 0, 2), ("t@4", 2, 4), ("t@8", 4, 8)]
+    spec = blocks[1].spec()
+    assert TableSpec.from_dict(spec.to_dict()) == spec
+    assert "grow" not in blocks[0].spec().to_dict()  # a plain table's dict is unchanged
+
+
+def test_a_session_trains_a_sized_table_as_one_of_the_widest_dim(tmp_path: Path) -> None:
+    files = write_data(tmp_path)
+    session = make_session(sizes=SIZES, evict_every_steps=10)
+    try:
+        session.train(reader(files, 0), steps=30)
+        ps = session.context.ps
+        assert sorted(ps.tables()) == ["items", "users", "users@8"]
+        grown = ps.stats("users@8")
+        assert 0 < grown["rows"] < ps.stats("users")["rows"]
+        batch = next(iter(reader(files, 0)))
+        pooled = np.asarray(session.run(batch, ["user"], train=False)["user"])
+        assert pooled.shape == (batch.size, 8)
+        users = batch.sparse["user"].values.astype(np.uint64)
+        big = ps.contains("users@8", users)
+        assert big.any() and not big.all()
+        assert (pooled[~big, 2:] == 0).all()  # small keys: zeros past their size
+        assert (pooled[big, 2:] != 0).any(axis=1).all()
+        np.testing.assert_array_equal(pooled[:, :2], ps.lookup("users", users).rows)
+        np.testing.assert_array_equal(pooled[big, 2:], ps.lookup("users@8", users[big]).rows)
+        evicts = [h for h in session.hooks if isinstance(h, wl.hooks.Evict)]
+        assert evicts and all("users@8" in r for _, r in evicts[0].results)
+    finally:
+        session.close()
+        session.context.close()
+
+
+def train(files: list[str], steps: int, hooks: list[Any]) -> list[float]:
+    losses = Losses()
+    session = make_session(sizes=SIZES, evict_every_steps=5)
+    try:
+        session.train(reader(files, 0), steps=steps, hooks=[*hooks, losses])
+    finally:
+        session.close()
+        session.context.close()
+    return losses.values
+
+
+def test_resume_of_a_sized_table_equals_uninterrupted(tmp_path: Path) -> None:
+    files = write_data(tmp_path)
+    model_dir = tmp_path / "model"
+    whole = train(files, 22, [])
+    first = train(files, 10, [wl.hooks.Checkpoint(model_dir, every_steps=1000)])
+    second = train(files, 12, [wl.hooks.Checkpoint(model_dir, every_steps=1000)])
+    assert first + second == whole  # bit for bit: both blocks restored
+
+
+def test_serving_answers_a_sized_table_at_the_towers_width(tmp_path: Path) -> None:
+    from wuliang.serving.client import Client
+    from wuliang.serving.grpc.server import GrpcServer
+    from wuliang.serving.service import Service
+    from wuliang.serving.store import ModelStore
+
+    trained = trained_export(tmp_path, sizes=wl.Sizes((2, 8), promote=(0.5,)))
+    session, batch = trained["session"], trained["batch"]
+    service = Service([ModelStore(trained["exports"], "m", poll_secs=0).start()])
+    server = GrpcServer(service, port=0)
+    try:
+        with Client(f"127.0.0.1:{server.port}") as client:
+            keys = np.array([*range(0, 300, 7), 10**12], np.uint64)
+            rows, found, _ = client.lookup("users", keys)
+            ps = session.context.ps
+            want = np.concatenate(
+                [ps.lookup("users", keys).rows, ps.lookup("users@8", keys).rows], axis=1
+            )
+            assert rows.shape == (len(keys), 8) and found[:-1].any() and not found[-1]
+            np.testing.assert_array_equal(rows, want)
+            assert (rows[:, 2:] != 0).any()  # some keys grew
+            items = batch.sparse["items"]
+            features = {
+                "user": batch.sparse["user"].values.astype(np.uint64),
+                "items": (items.values.astype(np.uint64), items.offsets),
+                "x": batch.dense_feature("x").astype(np.float32),
+            }
+            outputs, _ = client.predict(features, rows=batch.size)
+            expected = session.run(batch, "predictions", train=False)
+            np.testing.assert_allclose(outputs["predictions"], expected, rtol=1e-5, atol=1e-6)
+    finally:
+        server.stop()
+        service.close()
+        session.context.close()
