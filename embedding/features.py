@@ -42,7 +42,8 @@ class Sizes:
     ``promote``). A grown key keeps what it learned, its short vector being
     the prefix of the long one; the new part starts at zero with fresh
     optimizer state. The tower sees ``dims[-1]`` floats per key, zeros past
-    a key's size.
+    a key's size. ``initializer``: the new columns' initial values (default
+    ``Zeros()``: the tower's input does not jump when a key grows).
     """
 
     dims: tuple[int, ...]
@@ -50,6 +51,7 @@ class Sizes:
     demote: tuple[float, ...] | None = None
     _: KW_ONLY
     click_weight: float = 0.0
+    initializer: Initializer = field(default_factory=Zeros)
 
     def __post_init__(self) -> None:
         dims, promote = tuple(self.dims), tuple(self.promote)
@@ -69,6 +71,8 @@ class Sizes:
                 )
             if any(b < a for a, b in itertools.pairwise(values)):
                 raise ValueError(f"Sizes: {name} thresholds must not decrease, got {values!r}")
+        if not isinstance(self.initializer, Initializer):
+            raise TypeError(f"Sizes: initializer must be an Initializer, got {self.initializer!r}")
         # each Grow checks its own pair (>= 0, demote <= promote)
         for p, d in zip(promote, demote, strict=True):
             Grow("base", p, d, click_weight=self.click_weight)
@@ -171,7 +175,7 @@ class EmbeddingTable:
                     f"{self.name}{SIZE_MARK}{sizes.dims[i]}",
                     sizes.dims[i] - sizes.dims[i - 1],
                     optimizer=self.optimizer,
-                    initializer=Zeros(),
+                    initializer=sizes.initializer,
                     seed=self.seed,
                     precision=self.precision,
                     grow=Grow(

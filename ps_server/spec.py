@@ -415,12 +415,13 @@ class Eviction:
 @dataclass(frozen=True)
 class Grow:
     """Makes a table an extension block of a sized table (docs/ps_engine.md,
-    "Sizes"): a key gets a row here only while its row in table ``base``
-    (the same engine's, created first) scores at least ``promote``, where a
-    row's score is its decayed shows plus ``click_weight`` times its decayed
-    clicks (``base``'s ``stats_half_life``). A training pull or push of a key
-    below it reads zeros and changes nothing (the table's initializer
-    should be ``Zeros``); ``evict`` removes the rows whose base row scores
+    "Sizes"): a key gets a row here at a push (with that push's gradient; a
+    training pull makes none) once its row in table ``base`` (the same
+    engine's, created first) scores at least ``promote``, where a row's
+    score is its decayed shows plus ``click_weight`` times its decayed
+    clicks (``base``'s ``stats_half_life``). A pull of a key without one
+    reads its initial vector (``Zeros`` for a sized table's blocks) and its
+    pushes are dropped; ``evict`` removes the rows whose base row scores
     below ``demote`` (``demote <= promote``: the gap keeps a key near a
     threshold from flapping) or has gone.
     """

@@ -65,6 +65,13 @@ What passing guarantees, for every implementation and shard count:
    resumes after days evicts nothing by the wall clock; ``None`` returns to
    the wall clock; a bad value raises ``ValueError`` naming it, and changes
    nothing.
+13. Sized tables: an extension block (``TableSpec(grow=Grow(...))``) gets a
+   key's row at the push that takes its base row's decayed score to
+   ``promote`` (with that push's gradient), never at a pull; keys below read
+   zeros and their pushes are dropped and counted; ``evict`` shrinks keys
+   whose score fell below ``demote`` (logged as removals), not those between
+   the thresholds; export / load of a block round-trips; the base cannot be
+   dropped while a block grows from it.
 """
 
 from __future__ import annotations
@@ -94,6 +101,7 @@ from wuliang.ps_server import (
     Engine,
     Eviction,
     ExchangePart,
+    Grow,
     Optimizer,
     ParameterServer,
     PullPart,
@@ -1928,3 +1936,50 @@ def test_a_bad_clock_names_the_value(bad: Any, ps: ParameterServer) -> None:
     assert times_of(ps, t, [1]) == [CLOCK]
     ps.set_clock(2**32 - 1)  # the largest
     assert ps.clock() == 2**32 - 1
+
+
+def test_a_sized_tables_block_grows_and_shrinks_by_its_base_rows_score(
+    ps: ParameterServer,
+) -> None:
+    ps.create_table(TableSpec("b", 2, optimizer=SGD(0.5), stats_half_life=10.0))
+    grow = Grow("b", 4.0, 2.0, click_weight=2.0)
+    ps.create_table(TableSpec("b@6", 4, optimizer=SGD(0.5), initializer=Zeros(), grow=grow))
+    keys = np.arange(1, 41, dtype=np.int64)  # over every server and shard
+    out = np.empty((len(keys), 4), F32)
+
+    def train(step: int, shows: np.ndarray, clicks: np.ndarray | None = None) -> None:
+        ps.pull_many([PullPart("b@6", keys, out)], train=True, step=step)
+        assert (out[~ps.contains("b@6", keys)] == 0).all()  # pulls read zeros, make no row
+        ps.push_many(
+            [
+                PushPart("b", keys, full(len(keys), 2), shows=shows, clicks=clicks),
+                PushPart("b@6", keys, full(len(keys), 4)),
+            ],
+            step=step,
+        )
+
+    odd = (keys % 2 == 1).astype(F32)
+    train(1, 3 * odd, clicks=(keys % 4 == 1).astype(F32))  # 1 mod 4: 3 + 2 * 1 = 5
+    grown = ps.contains("b@6", keys)
+    np.testing.assert_array_equal(grown, keys % 4 == 1)
+    rows = ps.lookup("b@6", keys)
+    np.testing.assert_allclose(rows.rows[grown], -0.5)  # zeros, then this push's gradient
+    assert (rows.rows[~grown] == 0).all()
+    stats = ps.stats("b@6")
+    assert (stats["rows"], stats["grown"], stats["dropped_pending"]) == (10, 10, 30)
+    train(2, 2 * odd)  # odd keys: 3 * 0.5 ** 0.1 + 2 > 4: grow; even keys never do
+    grown = ps.contains("b@6", keys)
+    np.testing.assert_array_equal(grown, keys % 2 == 1)
+    chunk = export_all(ps, "b@6")
+    assert sorted(chunk.keys.tolist()) == keys[grown].tolist()
+    # scores after step 2: 4.80 (3 mod 4), 6.67 (1 mod 4); halved at step 12: between 2 and 4
+    assert ps.evict("b@6", step=12)["shrunk"] == 0
+    result = ps.evict("b@6", step=17)  # times 0.354: 1.70 < 2 shrinks, 2.36 stays
+    assert result["shrunk"] == result["total"] == 10
+    np.testing.assert_array_equal(ps.contains("b@6", keys), keys % 4 == 1)
+    assert sorted(ps.removed_keys("b@6").tolist()) == keys[keys % 4 == 3].tolist()
+    assert ps.stats("b@6")["shrunk"] == 10
+    with pytest.raises(ValueError, match="b@6"):
+        ps.drop_table("b")
+    ps.drop_table("b@6")
+    ps.drop_table("b")

@@ -200,6 +200,7 @@ class CachedServer(ParameterServer):
         self.float_model, self.exact = engine_float_model()
         self._lock = threading.RLock()
         self._tables: dict[str, _Table | None] = {}  # None: not cached
+        self._grow_bases: set[str] = set()  # tables a sized table's blocks grow from
         self._used: dict[tuple[str, int | None], _Used] = {}
         self._generation = 0  # bumped when keys leave the index other than by a pull
         self._admitted: list[tuple[int, str, np.ndarray]] = []  # (epoch, table, keys) came in
@@ -324,7 +325,13 @@ class CachedServer(ParameterServer):
             return cache  # type: ignore[return-value]
         rows = self._rows_for(name)
         made: _Table | None = None
-        if rows > 0 and not spec.serving and spec.precision == "fp32":
+        if (
+            rows > 0
+            and not spec.serving
+            and spec.precision == "fp32"
+            and spec.grow is None
+            and not self._grows_from(name)
+        ):
             self._forget_table(name)
             region = self.index.add(name, rows)
             math = OptimizerMath(spec.optimizer, spec.dim)
@@ -338,6 +345,17 @@ class CachedServer(ParameterServer):
                 made.base = SlotRows.zeros(self.xp, region.slots, spec.dim, math.state_dim)
         self._tables[name] = made
         return made
+
+    def _grows_from(self, name: str) -> bool:
+        """Whether a sized table's extension block grows from this table:
+        neither is cached (a block grows on the server's statistics of its
+        base rows, which must be the server's own)."""
+        if name not in self._grow_bases:
+            for table in self.inner.tables():
+                grow = self.inner.spec(table).grow
+                if grow is not None:
+                    self._grow_bases.add(grow.base)
+        return name in self._grow_bases
 
     def _forget_table(self, name: str) -> None:
         """Empties a table's region of the index."""
@@ -1220,6 +1238,11 @@ class CachedServer(ParameterServer):
     def create_table(self, spec: TableSpec) -> None:
         with self._lock:
             self.inner.create_table(spec)
+            spec = self.inner.spec(spec["name"] if isinstance(spec, Mapping) else spec.name)
+            if spec.grow is not None:  # its base is no longer cached: its rows go back first
+                self._flush_table(spec.grow.base)
+                self._drop(spec.grow.base)
+                self._grow_bases.add(spec.grow.base)
             self._drop(spec.name)
 
     def drop_table(self, name: str) -> None:

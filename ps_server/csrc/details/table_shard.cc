@@ -235,8 +235,20 @@ void TableShard::BoundLog(ChangeLog* log) const {
 double TableShard::ScoreAt(uint64_t key, uint64_t hash, uint64_t step,
                            double click_weight) const {
   char* const* row = index_.Find(key, hash);
-  if (row == nullptr) return HasCold(key, hash) ? kOnDisk : kNoRow;
-  const RowMeta* m = RowLayout::Meta(pool_.Cold(*row));
+  RowMeta on_disk;
+  const RowMeta* m = nullptr;
+  if (row != nullptr) {
+    m = RowLayout::Meta(pool_.Cold(*row));
+  } else {
+    const uint32_t loc = tier_ ? tier_->cold.Find(key, hash) : ColdIndex::kEmpty;
+    if (loc == ColdIndex::kEmpty) return kNoRow;
+    // A base row on disk only (rare: a trainer's pull keeps its rows in
+    // RAM until their push): its record's meta.
+    std::vector<char> record(RecordBytes());
+    tier_->file->Read(loc, record.data());
+    std::memcpy(&on_disk, record.data() + sizeof(uint64_t) + layout_.hot_bytes, sizeof(RowMeta));
+    m = &on_disk;
+  }
   const double f = StatsDecay(m->step(), step, spec_.stats_half_life);
   return f * (static_cast<double>(m->shows) + click_weight * static_cast<double>(m->clicks));
 }
@@ -882,13 +894,13 @@ void TableShard::EvictByAge(const Clock& clock, EvictResult* result) {
   });
   prev_evict_step_ = clock.step;
   // An extension block: rows whose base row scores below grow_demote, or
-  // has none (evicted); a base row on disk keeps its extension.
+  // has none (evicted, erased); a base row on disk is read for its score.
   std::vector<uint64_t> shrunk;
   if (grow_base_ != nullptr) {
     ForEachMeta([&](uint64_t key, const RowMeta*) {
       const double score =
           grow_base_->ScoreAt(key, Mix64(key), clock.step, spec_.grow_click_weight);
-      if (score != kOnDisk && score < spec_.grow_demote) shrunk.push_back(key);
+      if (score < spec_.grow_demote) shrunk.push_back(key);
     });
   }
   for (uint64_t key : shrunk) RemoveRow(key, Mix64(key), clock);

@@ -347,9 +347,8 @@ class alignas(128) TableShard {
   // at least grow_promote (null otherwise).
   char* Grow(uint64_t key, uint64_t hash, const Clock& clock);
   // The key's row's score at `step` (decayed shows + click_weight * decayed
-  // clicks); kNoRow without a row in RAM, kOnDisk when it is on disk only.
+  // clicks; a row on disk only: its record's), kNoRow without a row.
   static constexpr double kNoRow = -1.0;
-  static constexpr double kOnDisk = -2.0;
   double ScoreAt(uint64_t key, uint64_t hash, uint64_t step, double click_weight) const;
   // Removes the key's row from RAM and disk; false if it had none.
   bool RemoveRow(uint64_t key, uint64_t hash, const Clock& clock);
