@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--criteo-rows", type=int, default=1_200_000)
     p.add_argument("--dim", type=int, default=32, help="the widest dim (and the fixed tables')")
     p.add_argument("--small", type=int, default=4, help="a sized table's first size")
-    p.add_argument("--promote", type=float, nargs=2, default=[8.0, 4.0],
+    p.add_argument("--promote", type=float, nargs=2, default=[50.0, 4.0],
                    help="decayed shows that grow a key: MovieLens, Criteo")  # fmt: skip
     p.add_argument("--half-life", type=float, nargs=2, default=[300.0, 100.0],
                    help="the stats' half-life in steps: MovieLens, Criteo")  # fmt: skip

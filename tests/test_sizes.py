@@ -202,3 +202,60 @@ def test_serving_answers_a_sized_table_at_the_towers_width(tmp_path: Path) -> No
         server.stop()
         service.close()
         session.context.close()
+
+
+def full_vectors(ps: Any, table: wl.EmbeddingTable, keys: np.ndarray) -> np.ndarray:
+    """Each key's whole vector: its blocks' lookups side by side."""
+    return np.concatenate([ps.lookup(b.name, keys).rows for b in table.blocks()], axis=1)
+
+
+def test_a_checkpoint_restores_into_other_sizes_by_the_rule(tmp_path: Path) -> None:
+    files = write_data(tmp_path)
+    model_dir = tmp_path / "model"
+    session = make_session(sizes=SIZES, evict_every_steps=None)
+    session.train(reader(files, 0), steps=12, hooks=[wl.hooks.Checkpoint(model_dir)])
+    ps = session.context.ps
+    keys = np.sort(np.concatenate([c.keys for c in ps.export("users")]))
+    saved_table = session.context.sized["users"]
+    before = full_vectors(ps, saved_table, keys)
+    grown = ps.contains("users@8", keys)
+    base = {int(k): (s, st) for c in ps.export("users")
+            for k, s, st in zip(c.keys, c.shows, c.steps, strict=True)}  # fmt: skip
+    session.close()
+    session.context.close()
+
+    # three sizes, promote 1.0 and 6.0: the rule on each key's decayed shows decides
+    three = wl.Sizes((2, 4, 8), promote=(1.0, 6.0))
+    again = make_session(sizes=three, evict_every_steps=None)
+    try:
+        assert again.restore_checkpoint(model_dir)
+        ps = again.context.ps
+        assert sorted(ps.tables()) == ["items", "users", "users@4", "users@8"]
+        after = full_vectors(ps, again.context.sized["users"], keys)
+        shows = np.array([base[int(k)][0] * 0.5 ** ((12 - base[int(k)][1]) / 20) for k in keys])
+        old = np.where(grown, 8, 2)
+        size = np.full(len(keys), 2)  # demote: half of promote (hysteresis)
+        size[(shows >= 1.0) | ((old >= 4) & (shows >= 0.5))] = 4
+        size[(shows >= 6.0) | ((old >= 8) & (shows >= 3.0))] = 8
+        for k in range(len(keys)):
+            want = before[k].copy()
+            want[size[k] :] = 0
+            np.testing.assert_array_equal(after[k], want)
+        assert ps.contains("users@4", keys).tolist() == (size >= 4).tolist()
+        assert (size == 4).any() and (size == 8).any() and (size == 2).any()
+        again.train(reader(files, 0), steps=2)  # and trains on
+    finally:
+        again.close()
+        again.context.close()
+
+    fixed = make_session(evict_every_steps=None)  # the same table, now fixed at 8
+    try:
+        assert fixed.restore_checkpoint(model_dir)
+        ps = fixed.context.ps
+        assert sorted(ps.tables()) == ["items", "users"]
+        np.testing.assert_array_equal(ps.lookup("users", keys).rows, before)
+        state = np.concatenate([c.state for c in ps.export("users")])
+        assert state.shape[1] == 8  # Adagrad: an accumulator per column
+    finally:
+        fixed.close()
+        fixed.context.close()

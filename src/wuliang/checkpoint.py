@@ -56,11 +56,14 @@ traced (so its variables exist).
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from wuliang import resize
 from wuliang.dense import STATE_TABLE, TOWER_TABLE
+from wuliang.ps_server import TableSpec
 from wuliang.ps_server.storage import (
     CHECKPOINT_PREFIX,
     MANIFEST,
@@ -80,6 +83,7 @@ from wuliang.saved_model import quiet_tensorflow
 from wuliang.tower import DENSE_PREFIX, TowerState
 
 TOWER_TABLES = (TOWER_TABLE, STATE_TABLE)
+log = logging.getLogger("wuliang.checkpoint")
 
 __all__ = [
     "checkpoints",
@@ -278,6 +282,35 @@ def _created(path: Location) -> float:
         return 0.0
 
 
+def _migrating(context: Context, version: Version) -> dict[str, list[TableSpec]]:
+    """Per table of the model whose blocks the checkpoint holds with other
+    sizes (``wuliang.resize``): the saved blocks."""
+    saved = {name: entry.spec for name, entry in version.tables.items()}
+    out = {}
+    for name, table in context.tables.items():
+        if table.grow is not None:
+            continue  # a block: with its base
+        declared = (context.sized.get(name) or table).blocks()
+        family = resize.family(saved, name)
+        if family and not resize.same_family(family, declared):
+            if family[0].name != name:
+                raise ValueError(
+                    f"checkpoint {version.path}: table {name!r} has blocks "
+                    f"{', '.join(s.name for s in family)} but no base block {name!r}"
+                )
+            out[name] = family
+    return out
+
+
+def _sizes_text(specs: list[TableSpec]) -> str:
+    """A table's sizes, as its blocks' columns add up: ``"4, 32"``."""
+    total, sizes = 0, []
+    for spec in specs:
+        total += spec.dim
+        sizes.append(str(total))
+    return f"sizes ({', '.join(sizes)})"
+
+
 def restore(
     context: Context, tower: TowerState, path: str | os.PathLike | RemotePath
 ) -> dict[str, Any] | None:
@@ -290,9 +323,13 @@ def restore(
     ps = context.ps
     tables = {name: table.spec() for name, table in context.tables.items()}
     tables.update(context.tower_tables)
+    migrating = _migrating(context, version)  # tables saved with other sizes
+    moved = {spec.name for saved in migrating.values() for spec in saved}
     for name, saved in version.tables.items():
         if name in TOWER_TABLES and name not in tables:
             continue  # a cluster's shared tower: here its dense/ variables restore it
+        if name in moved:
+            continue
         if name not in tables:
             raise ValueError(
                 f"checkpoint {path} has table {name!r}, which this model does not "
@@ -311,10 +348,20 @@ def restore(
         ps.drop_table(name)
     for name, spec in tables.items():
         ps.create_table(spec)
+        if name in moved or (spec.grow is not None and spec.grow.base in migrating):
+            continue  # loaded below
         if name in version.tables:  # the files verified: the server reads them as they are
             ps.load_rows(version.path, name, version.part_files(name), step=step)
             keys, versions = version.removed_log(name)
             ps.load_removed(name, keys, versions, version.tables[name].removed_floor)
+            ps.load_pending(name, *version.pending_counts(name))
+    for name, saved in migrating.items():
+        declared = context.sized.get(name) or context.tables[name]
+        now = [b.spec() for b in declared.blocks()]
+        log.info("checkpoint %s: table %r saved as %s, restored as %s by its rule", path, name,
+                 _sizes_text(saved), _sizes_text(now))  # fmt: skip
+        resize.migrate(ps, version, saved, declared)
+        if name in version.tables:
             ps.load_pending(name, *version.pending_counts(name))
     context.global_step = step
     ps.restore_version(version.engine_version + 1)
