@@ -259,3 +259,44 @@ def test_a_checkpoint_restores_into_other_sizes_by_the_rule(tmp_path: Path) -> N
     finally:
         fixed.close()
         fixed.context.close()
+
+
+def test_a_remote_pull_of_a_block_sends_the_grown_rows_only() -> None:
+    """A block's rows of keys that have not grown are zeros: the servers send
+    the others and a byte per key; the client puts the zeros back."""
+    from wuliang.ps_server import PullPart
+    from wuliang.ps_server.remote.client import RemoteServer
+    from wuliang.ps_server.remote.server import PsServer
+
+    servers = [PsServer(Engine(2), "127.0.0.1", 0, threads=4) for _ in range(2)]
+    client = RemoteServer([f"127.0.0.1:{s.port}" for s in servers], timeout=30.0)
+    try:
+        client.create_table(TableSpec("t", 2, optimizer=SGD(0.5)))
+        grow = Grow("t", 1.0, 0.5)
+        client.create_table(
+            TableSpec("t@34", 32, optimizer=SGD(0.5), initializer=Zeros(), grow=grow)
+        )
+        keys = np.arange(1000, dtype=np.uint64)
+        hot = keys % 10 == 0
+        client.push_many(
+            [
+                PushPart("t", keys, np.ones((1000, 2), np.float32), shows=hot.astype(np.float32)),
+                PushPart("t@34", keys, np.ones((1000, 32), np.float32)),
+            ],
+            step=1,
+        )
+        before = client.data_bytes()["received"]
+        out = np.full((1000, 32), np.nan, np.float32)
+        client.pull_many([PullPart("t@34", keys, out)], train=False)
+        received = client.data_bytes()["received"] - before
+        want = np.zeros((1000, 32), np.float32)
+        want[hot] = -0.5
+        np.testing.assert_allclose(out, want)
+        assert received < 1000 * 32 * 4 / 5  # 100 rows of 128 bytes and 1000 bytes, not 128,000
+        dense = np.empty((1000, 2), np.float32)  # a table without zero rows: every row sent
+        client.pull_many([PullPart("t", keys, dense)], train=False)
+        np.testing.assert_array_equal(dense, client.lookup("t", keys).rows)
+    finally:
+        client.close()
+        for server in servers:
+            server.stop(grace=None)

@@ -725,7 +725,13 @@ class RemoteServer(ParameterServer):
         train: bool,
         step: int | None,
     ) -> Future:
-        request = Encoded(M["PullRequest"], train=train, has_step=step is not None, step=step or 0)
+        request = Encoded(
+            M["PullRequest"],
+            train=train,
+            has_step=step is not None,
+            step=step or 0,
+            sparse_rows=True,
+        )
         whole = len(pieces) == len(plans) and all(
             start == 0 and stop == len(plans[i][2].keys[j]) for i, start, stop in pieces
         )
@@ -744,10 +750,17 @@ class RemoteServer(ParameterServer):
         def write(done: Future) -> None:
             if done.exception() is not None:
                 return
-            rows = done.result().pull.rows
-            for (i, start, stop), data in zip(pieces, rows, strict=True):
+            answer = done.result().pull
+            for p, ((i, start, stop), data) in enumerate(zip(pieces, answer.rows, strict=True)):
                 part, dim, route = plans[i]
-                values = array(data, FLOAT, f"rows of table {part.table!r}", stop - start, dim)
+                what = f"rows of table {part.table!r}"
+                present = answer.present[p] if p < len(answer.present) else b""
+                if present:  # the nonzero rows only
+                    mask = array(present, np.dtype(np.uint8), f"{what}: present", stop - start).view(bool)
+                    values = np.zeros((stop - start, dim), np.float32)
+                    values[mask] = array(data, FLOAT, what, int(mask.sum()), dim)
+                else:
+                    values = array(data, FLOAT, what, stop - start, dim)
                 where = route.where[j]
                 if isinstance(where, slice):
                     part.out[where.start + start : where.start + stop] = values

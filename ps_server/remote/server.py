@@ -264,7 +264,14 @@ class PsService:
         )
         rows = Encoded(M["PullResponse"])
         for out in outs:
-            rows.add_array("rows", out)
+            present = out.any(axis=1) if request.sparse_rows and len(out) else None
+            if present is not None and present.sum() <= 0.75 * len(out):  # zeros not sent
+                rows.add_array("rows", out[present])
+                rows.add_array("present", present.view(np.uint8))
+            else:
+                rows.add_array("rows", out)
+                if request.sparse_rows:
+                    rows.add_array("present", np.zeros(0, np.uint8))
         return Encoded(M["DataResponse"]).add_message("pull", rows).join()
 
     def exchange(self, request: Any) -> bytes:
