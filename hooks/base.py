@@ -44,6 +44,15 @@ class HookContext(Protocol):
         """The model's tables (``EmbeddingTable`` s) by name."""
         ...
 
+    @property
+    def sized(self) -> Mapping[str, Any]:
+        """The sized tables by name (their blocks are in ``tables``)."""
+        ...
+
+    def size_stats(self, name: str) -> dict[str, Any]:
+        """A sized table's keys and bytes per size, keys grown and shrunk."""
+        ...
+
 
 class HookTrace(Protocol):
     """Per-stage timings of the steps (``wuliang.context.Trace``)."""

@@ -1,5 +1,5 @@
 """The standard hooks: Logging, StopAtStep, ProgressBar, NanGuard, Summary,
-Timeline and Eval."""
+Timeline, Eval and SizeStats."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from wuliang.hooks.base import (
     SessionRunValues,
 )
 from wuliang.hooks.metrics import auc
-from wuliang.hooks.periodic import PeriodicSyncHook
+from wuliang.hooks.periodic import PeriodicSyncHook, results
 
 log = logging.getLogger("wuliang")
 
@@ -81,6 +81,45 @@ class Logging(_EverySteps):
         values = ", ".join(f"{k} = {_short(v)}" for k, v in run_values.results.items())
         log.info("step %d: %s (%.0f samples/s)", run_context.step + 1, values, rate)
         self._since, self._samples = now, 0
+
+
+class SizeStats(_EverySteps):
+    """Every ``every_steps`` training steps (default 1000), each sized
+    table's keys and bytes per size (``Context.size_stats``) and the keys
+    grown and shrunk per step since the last report: logged (INFO) and kept
+    in ``results`` as ``(step, {table: report})``, where a report is
+    ``size_stats``' with ``grown_per_step`` and ``shrunk_per_step`` added.
+    The counters are read without syncing the pipeline (no stall): a
+    report leaves out the pushes still in flight, the next one has them."""
+
+    def __init__(self, every_steps: int = 1000) -> None:
+        super().__init__(every_steps)
+        self.results: list[tuple[int, dict[str, dict[str, Any]]]] = results()
+        self._last: dict[str, tuple[int, int, int]] = {}  # table -> step, grown, shrunk
+
+    def begin(self) -> None:
+        _ensure_log_handler()
+
+    def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
+        if not run_context.train or not self.due(run_context.step):
+            return
+        context = run_context.session.context
+        step = run_context.step + 1
+        reports = {}
+        for name in context.sized:
+            report = context.size_stats(name)
+            grown, shrunk = sum(report["grown"].values()), sum(report["shrunk"].values())
+            since, grown_then, shrunk_then = self._last.get(name, (0, 0, 0))
+            steps = max(step - since, 1)
+            report["grown_per_step"] = (grown - grown_then) / steps
+            report["shrunk_per_step"] = (shrunk - shrunk_then) / steps
+            self._last[name] = (step, grown, shrunk)
+            reports[name] = report
+            keys = ", ".join(f"{size}: {s['keys']:,}" for size, s in report["sizes"].items())
+            log.info("step %d: table %s keys by size %s; %.2f grown, %.2f shrunk a step", step,
+                     name, keys, report["grown_per_step"], report["shrunk_per_step"])  # fmt: skip
+        if reports:
+            self.results.append((step, reports))
 
 
 def _short(value: Any) -> str:

@@ -34,6 +34,19 @@ def as_float32(values: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
     return np.ascontiguousarray(values)
 
 
+def rows_contiguous(values: np.ndarray) -> bool:
+    """Whether a 2-D array's rows are each contiguous (a C-contiguous
+    array, or columns of a wider one): what the engine's many-table pulls
+    and pushes take without a copy."""
+    if values.ndim != 2:
+        return False
+    n, width = values.shape
+    item = values.itemsize
+    return (width <= 1 or values.strides[1] == item) and (
+        n <= 1 or values.strides[0] >= item * width
+    )
+
+
 def check_step(step: int | None) -> int | None:
     if step is None:
         return None

@@ -47,6 +47,7 @@ from wuliang.ps_server.checks import (
     check_step,
     check_version,
     load_columns,
+    rows_contiguous,
 )
 from wuliang.ps_server.interface import (
     MISSING,
@@ -251,7 +252,7 @@ class Engine(ParameterServer):
         for part in parts:
             if part.out is None:
                 raise ValueError(f"pull_many: the part for table {part.table!r} has no out")
-            args.append(self._pull_args(part))
+            args.append(self._pull_args(part, strided=True))
         self.native.pull_many(args, train, check_step(step))
 
     def exchange_many(
@@ -343,24 +344,39 @@ class Engine(ParameterServer):
             raise ValueError(f"only must be one of {', '.join(_ONLY)}, got {only!r}")
         if only != "all" and not unique:
             raise ValueError(f"push_many(only={only!r}) needs unique=True")
-        args = [self._push_args(part) for part in parts]
+        args = [self._push_args(part, strided=True) for part in parts]
         return PushResult(**self.native.push_many(args, unique, _ONLY[only], check_step(step)))
 
-    def _pull_args(self, part: PullPart) -> tuple:
+    @property
+    def takes_column_rows(self) -> bool:
+        return True
+
+    def _pull_args(self, part: PullPart, strided: bool = False) -> tuple:
+        """``strided``: out may be columns of a wider array (``pull_many``)."""
         tid, spec = self._table(part.table)
         keys = as_keys(part.keys)
         out = part.out
         if out is not None:
             check_float32(out, (len(keys), spec.dim), "out")
-            if not out.flags.c_contiguous or not out.flags.writeable:
-                raise ValueError("out must be a writeable C-contiguous array")
+            whole = out.flags.c_contiguous or (strided and rows_contiguous(out))
+            if not whole or not out.flags.writeable:
+                raise ValueError(
+                    "out must be a writeable C-contiguous array"
+                    + (" (or columns of one)" if strided else "")
+                )
         return tid, keys, out, self._offsets(part.shard_offsets)
 
-    def _push_args(self, part: PushPart) -> tuple:
+    def _push_args(self, part: PushPart, strided: bool = False) -> tuple:
+        """``strided``: grads and updated may be columns of wider arrays
+        (``push_many``)."""
         table = part.table
         tid, spec = self._table(table)
         keys = as_keys(part.keys)
-        grads = as_float32(part.grads, (len(keys), spec.dim), f"grads for table {table!r}")
+        grads = part.grads
+        if not (strided and isinstance(grads, np.ndarray) and rows_contiguous(grads)):
+            grads = as_float32(grads, (len(keys), spec.dim), f"grads for table {table!r}")
+        else:
+            check_float32(grads, (len(keys), spec.dim), f"grads for table {table!r}")
         updated, updated_rows = part.updated, part.updated_rows
         if updated_rows is not None:
             updated_rows = np.asarray(updated_rows)
@@ -375,7 +391,8 @@ class Engine(ParameterServer):
         if updated is not None:
             rows = len(keys) if updated_rows is None else getattr(updated, "shape", (0,))[0]
             check_float32(updated, (rows, spec.dim), "updated")
-            if not updated.flags.c_contiguous or not updated.flags.writeable:
+            whole = updated.flags.c_contiguous or (strided and rows_contiguous(updated))
+            if not whole or not updated.flags.writeable:
                 raise ValueError("updated must be a writeable C-contiguous array")
         offsets = self._offsets(part.shard_offsets)
         shows = as_column(part.shows, np.float32, (len(keys),), f"shows for table {table!r}")

@@ -366,6 +366,13 @@ class ParameterServer(abc.ABC):
         calls it ahead of its pulls only then."""
         return False
 
+    @property
+    def takes_column_rows(self) -> bool:
+        """Whether ``pull_many``'s ``out`` and ``push_many``'s ``grads`` and
+        ``updated`` may be columns of wider arrays (each row contiguous): a
+        trainer then pulls and pushes a sized table's blocks in place."""
+        return False
+
     def prefetch_many(self, parts: Sequence[PullPart]) -> int:
         """Brings the rows of the parts' keys (their ``out`` is not used)
         into memory ahead of their pull: a server with a disk tier reads

@@ -300,3 +300,79 @@ def test_a_remote_pull_of_a_block_sends_the_grown_rows_only() -> None:
         client.close()
         for server in servers:
             server.stop(grace=None)
+
+
+def test_size_stats_report_keys_bytes_and_growth_per_step(tmp_path: Path) -> None:
+    files = write_data(tmp_path)
+    report = wl.hooks.SizeStats(every_steps=5)
+    session = make_session(sizes=SIZES, evict_every_steps=None, hooks=(report,))
+    try:
+        session.train(reader(files, 0), steps=10)
+        stats = session.context.size_stats("users")
+        ps = session.context.ps
+        rows, grown = ps.stats("users")["rows"], ps.stats("users@8")["rows"]
+        assert stats["sizes"][2]["keys"] == rows - grown and stats["sizes"][8]["keys"] == grown
+        assert stats["sizes"][8]["bytes"] == ps.stats("users@8")["bytes"] > 0
+        assert stats["grown"] == {8: grown} and stats["shrunk"] == {8: 0}
+        assert [step for step, _ in report.results] == [5, 10]
+        per_step = [r["users"]["grown_per_step"] for _, r in report.results]
+        # read without syncing: the pushes still in flight are not counted yet
+        assert per_step[0] > 0 and 0 < sum(per_step) * 5 <= grown
+        with pytest.raises(KeyError, match="no sized table 'items'"):
+            session.context.size_stats("items")
+    finally:
+        session.close()
+        session.context.close()
+
+
+def test_the_engine_pulls_and_pushes_columns_of_a_wider_array_in_place() -> None:
+    from wuliang.ps_server import PullPart
+
+    a, b = Engine(num_shards=2), Engine(num_shards=2)
+    for engine in (a, b):
+        engine.create_table(TableSpec("t", 3, optimizer=SGD(0.5)))
+    keys = np.array([5, 1, 9, 1, 7], np.uint64)  # a repeat: summed gradients
+    wide = np.random.default_rng(0).normal(size=(5, 8)).astype(np.float32)
+    a.push_many([PushPart("t", keys, wide[:, 2:5])], step=1)  # columns 2..4 of each row
+    b.push_many([PushPart("t", keys, np.ascontiguousarray(wide[:, 2:5]))], step=1)
+    into = np.zeros((5, 8), np.float32)
+    a.pull_many([PullPart("t", keys, into[:, 4:7])], train=False)
+    np.testing.assert_array_equal(into[:, 4:7], b.lookup("t", keys).rows)
+    assert (into[:, :4] == 0).all() and (into[:, 7:] == 0).all()  # nothing else written
+    updated = np.zeros((6, 8), np.float32)  # the next step's rows: keys 5, 1, 7 at 5, 0, 2
+    rows = np.array([5, 0, -1, -1, 2], np.int32)
+    a.push_many([PushPart("t", keys[[0, 1, 2, 4]], wide[[0, 1, 2, 4], 2:5],
+                          updated=updated[:, 1:4], updated_rows=rows[[0, 1, 2, 4]])],
+                unique=True, step=2)  # fmt: skip
+    after = a.lookup("t", keys).rows
+    np.testing.assert_array_equal(updated[[5, 0, 2], 1:4], after[[0, 1, 4]])  # keys 5, 1, 7
+    with pytest.raises(ValueError, match=r"C-contiguous array \(or columns of one\)"):
+        a.pull_many([PullPart("t", keys, np.zeros((3, 5), np.float32).T)], train=False)
+    every_other = np.zeros((10, 3), np.float32)  # rows 0, 2, 4, ...: each row contiguous
+    a.pull_many([PullPart("t", keys, every_other[::2])], train=False)
+    np.testing.assert_array_equal(every_other[::2], a.lookup("t", keys).rows)
+    assert (every_other[1::2] == 0).all()
+
+
+def test_a_sized_table_trains_alike_on_remote_servers(tmp_path: Path) -> None:
+    """Remote servers take whole rows: the session pulls a sized table's
+    blocks into buffers and assembles them; the losses are the embedded
+    engine's (which pulls them in place), bit for bit."""
+    from wuliang.ps_server.remote.client import RemoteServer
+    from wuliang.ps_server.remote.server import PsServer
+
+    files = write_data(tmp_path)
+    embedded = train(files, 12, [])
+    servers = [PsServer(Engine(2), "127.0.0.1", 0, threads=4) for _ in range(2)]
+    client = RemoteServer([f"127.0.0.1:{s.port}" for s in servers], timeout=30.0)
+    try:
+        losses = Losses()
+        session = make_session(sizes=SIZES, evict_every_steps=5, ps=client)
+        assert not client.takes_column_rows
+        session.train(reader(files, 0), steps=12, hooks=[losses])
+        session.close()
+        assert losses.values == embedded
+    finally:
+        client.close()
+        for server in servers:
+            server.stop(grace=None)

@@ -125,12 +125,39 @@ py::dict StatsDict(const TableStats& t) {
                   "pending_forgotten"_a = t.pending_forgotten, "erased"_a = t.erased,
                   "evicted_ttl"_a = t.evicted_ttl, "evicted_min_count"_a = t.evicted_min_count,
                   "evicted_lfu"_a = t.evicted_lfu, "grown"_a = t.grown, "shrunk"_a = t.shrunk,
-                  "rows_moved"_a = t.rows_moved,
-                  "chunks_released"_a = t.chunks_released, "cold_rows"_a = t.cold_rows,
-                  "cold_index_bytes"_a = t.cold_index_bytes, "disk_bytes"_a = t.disk_bytes,
-                  "cold_reads"_a = t.cold_reads, "cold_prefetched"_a = t.cold_prefetched,
-                  "demoted"_a = t.demoted, "demoted_written"_a = t.demoted_written,
-                  "files_compacted"_a = t.files_compacted, "disk_error"_a = t.disk_error);
+                  "rows_moved"_a = t.rows_moved, "chunks_released"_a = t.chunks_released,
+                  "cold_rows"_a = t.cold_rows, "cold_index_bytes"_a = t.cold_index_bytes,
+                  "disk_bytes"_a = t.disk_bytes, "cold_reads"_a = t.cold_reads,
+                  "cold_prefetched"_a = t.cold_prefetched, "demoted"_a = t.demoted,
+                  "demoted_written"_a = t.demoted_written, "files_compacted"_a = t.files_compacted,
+                  "disk_error"_a = t.disk_error);
+}
+
+// Rows of float32 [n, dim] that may be columns of a wider array: each row
+// contiguous, rows `*stride` floats apart (>= dim). Never converts.
+float* StridedRows(const py::object& obj, size_t n, int dim, const char* name, size_t* stride,
+                   bool writes) {
+  *stride = 0;
+  if (obj.is_none()) return nullptr;
+  if (!py::isinstance<py::array>(obj))
+    throw py::type_error(std::string(name) + " must be a numpy array");
+  const auto arr = py::reinterpret_borrow<py::array>(obj);
+  if (arr.dtype().num() != py::dtype::of<float>().num() || arr.ndim() != 2 ||
+      static_cast<size_t>(arr.shape(0)) != n || arr.shape(1) != dim) {
+    throw py::value_error(std::string(name) + " must be float32 [" + std::to_string(n) + ", " +
+                          std::to_string(dim) + "]");
+  }
+  const auto row_bytes = static_cast<size_t>(arr.strides(0));
+  if ((dim > 1 && arr.strides(1) != static_cast<py::ssize_t>(sizeof(float))) ||
+      (n > 1 && (arr.strides(0) <= 0 || row_bytes % sizeof(float) != 0 ||
+                 row_bytes < sizeof(float) * static_cast<size_t>(dim)))) {
+    throw py::value_error(std::string(name) +
+                          " must have contiguous rows (C-contiguous, or columns of a wider "
+                          "C-contiguous array)");
+  }
+  if (writes && !arr.writeable()) throw py::value_error(std::string(name) + " must be writeable");
+  *stride = n > 1 ? row_bytes / sizeof(float) : static_cast<size_t>(dim);
+  return const_cast<float*>(static_cast<const float*>(arr.data()));
 }
 
 py::array_t<float> PullInto(int dim, size_t n, const py::object& out) {
@@ -391,9 +418,11 @@ void BindEngine(py::module_& m) {
           "pull_many",
           [](Engine& e, const py::list& parts, bool train, std::optional<uint64_t> step) {
             // parts: [(table, keys, out, shard_offsets)]; out must be given.
+            // out may be columns of a wider array (its rows contiguous).
             const auto many = PartsOf(e, parts, 4, "pull_many", [&](auto& t, int dim, auto& p) {
               if (t[2].is_none()) throw py::value_error("pull_many: out must be given");
-              p.out = PullInto(dim, p.n, py::reinterpret_borrow<py::object>(t[2])).mutable_data();
+              p.out = StridedRows(py::reinterpret_borrow<py::object>(t[2]), p.n, dim, "out",
+                                  &p.out_stride, /*writes=*/true);
             });
             py::gil_scoped_release release;
             e.PullMany(many, train, StepOr(step));
@@ -479,13 +508,30 @@ void BindEngine(py::module_& m) {
             if (only < 0 || only > 2) throw py::value_error("push_many: only must be 0, 1 or 2");
             // parts: [(table, keys, grads, shard_offsets, updated, updated_rows,
             //          shows, clicks)].
+            // grads and updated may be columns of wider arrays (rows contiguous).
             const auto many = PartsOf(e, parts, 8, "push_many", [&](auto& t, int dim, auto& p) {
-              p.grads = Column<float>(py::reinterpret_borrow<py::object>(t[2]), p.n, dim, "grads");
+              p.grads = StridedRows(py::reinterpret_borrow<py::object>(t[2]), p.n, dim, "grads",
+                                    &p.grads_stride, /*writes=*/false);
               if (p.grads == nullptr) throw py::value_error("push_many: grads must be given");
               const auto updated = py::reinterpret_borrow<py::object>(t[4]);
               p.updated_rows =
                   Column<int32_t>(py::reinterpret_borrow<py::object>(t[5]), p.n, 1, "updated_rows");
-              p.updated = UpdatedRows(updated, p.n, dim, p.updated_rows, /*writes=*/only != 2);
+              if (!updated.is_none() && py::isinstance<py::array>(updated) &&
+                  !(py::reinterpret_borrow<py::array>(updated).flags() & py::array::c_style)) {
+                const auto arr = py::reinterpret_borrow<py::array>(updated);
+                const size_t rows = arr.ndim() == 2 ? static_cast<size_t>(arr.shape(0)) : 0;
+                p.updated = StridedRows(updated, rows, dim, "updated", &p.updated_stride,
+                                        /*writes=*/true);
+                if (p.updated_rows == nullptr && rows != p.n) {
+                  throw py::value_error("updated must be float32 [" + std::to_string(p.n) + ", " +
+                                        std::to_string(dim) + "]");
+                }
+                if (p.updated_rows != nullptr && only != 2) {
+                  CheckDistinctRows(p.updated_rows, p.n, rows);
+                }
+              } else {
+                p.updated = UpdatedRows(updated, p.n, dim, p.updated_rows, /*writes=*/only != 2);
+              }
               p.shows = Column<float>(py::reinterpret_borrow<py::object>(t[6]), p.n, 1, "shows");
               p.clicks = Column<float>(py::reinterpret_borrow<py::object>(t[7]), p.n, 1, "clicks");
             });

@@ -761,10 +761,14 @@ void Engine::PullMany(const std::vector<TablePart>& parts, bool train, uint64_t 
     for (size_t i = 0; i < parts.size(); ++i) {
       if (parts[i].n == 0) continue;
       if (defs[i]->layered()) {  // a lookup while a version switches in
+        if (parts[i].out_stride != 0 && parts[i].out_stride != defs[i]->layout.dim) {
+          throw std::invalid_argument("table '" + defs[i]->spec.name +
+                                      "' is switching versions: its pulls take whole rows");
+        }
         defs[i]->shards[s]->Lookup(plans[i].For(s), parts[i].out, nullptr, true,
                                    &defs[i]->overlays[s]);
       } else {
-        defs[i]->shards[s]->Pull(plans[i].For(s), parts[i].out, train, clock);
+        defs[i]->shards[s]->Pull(plans[i].For(s), parts[i].out, train, clock, parts[i].out_stride);
       }
     }
   });
@@ -876,7 +880,8 @@ PushResult Engine::PushMany(const std::vector<TablePart>& parts, bool keys_uniqu
       const TablePart& p = parts[i];
       if (p.n == 0) continue;
       defs[i]->shards[s]->Push(plans[i].For(s), p.grads, keys_unique, clock, &results[s], p.updated,
-                               p.updated_rows, static_cast<int>(only), p.shows, p.clicks);
+                               p.updated_rows, static_cast<int>(only), p.shows, p.clicks,
+                               p.grads_stride, p.updated_stride);
     }
   });
   PushResult total;
@@ -1470,7 +1475,8 @@ int Engine::CommitApply(int staging) {
     next->id = live->id;
     TableDef* const now = next.get();
     if (!live->spec.grow_base.empty() && live->shards[0]->grow_base() != nullptr) {
-      for (int s = 0; s < num_shards_; ++s) now->shards[s]->SetGrowBase(live->shards[s]->grow_base());
+      for (int s = 0; s < num_shards_; ++s)
+        now->shards[s]->SetGrowBase(live->shards[s]->grow_base());
     }
     tables_[slot].store(next.release(), std::memory_order_seq_cst);
     grace_->Wait();  // every call that found the old table has returned

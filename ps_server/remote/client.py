@@ -756,7 +756,8 @@ class RemoteServer(ParameterServer):
                 what = f"rows of table {part.table!r}"
                 present = answer.present[p] if p < len(answer.present) else b""
                 if present:  # the nonzero rows only
-                    mask = array(present, np.dtype(np.uint8), f"{what}: present", stop - start).view(bool)
+                    flags = array(present, np.dtype(np.uint8), f"{what}: present", stop - start)
+                    mask = flags.view(bool)
                     values = np.zeros((stop - start, dim), np.float32)
                     values[mask] = array(data, FLOAT, what, int(mask.sum()), dim)
                 else:

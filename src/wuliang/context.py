@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 from wuliang.embedding.features import EmbeddingTable
 from wuliang.job import Job
@@ -293,6 +294,28 @@ class Context:
             raise ValueError(
                 f"table {table.name!r} already exists in this context with another spec"
             )
+
+    def size_stats(self, name: str) -> dict[str, Any]:
+        """A sized table's keys and bytes per size, and the keys grown and
+        shrunk into each size since the blocks were created: ``{"sizes":
+        {size: {"keys", "bytes"}}, "grown": {size: n}, "shrunk": {size: n}}``
+        (a block's bytes counted at the size it starts; the keys at a size
+        are its block's rows less the next block's)."""
+        table = self.sized.get(name)
+        if table is None:
+            raise KeyError(
+                f"no sized table {name!r} (sized tables: {', '.join(self.sized) or 'none'})"
+            )
+        stats = [self.ps.stats(block) for block, _, _ in table.block_columns]
+        sizes = [stop for _, _, stop in table.block_columns]
+        out: dict[str, Any] = {"sizes": {}, "grown": {}, "shrunk": {}}
+        for i, (size, block) in enumerate(zip(sizes, stats, strict=True)):
+            after = stats[i + 1]["rows"] if i + 1 < len(stats) else 0
+            out["sizes"][size] = {"keys": block["rows"] - after, "bytes": block["bytes"]}
+            if i:
+                out["grown"][size] = block["grown"]
+                out["shrunk"][size] = block["shrunk"]
+        return out
 
     def _server_restarted(self, address: str, step: int | None) -> None:
         if step is None:

@@ -138,6 +138,8 @@ class Session:
         self.tables = list(tables)
         # sized tables: each block's server table and its columns of the rows
         self._blocks = {n: t.block_columns for n, t in tables.items() if t.sizes is not None}
+        # a server that takes columns of the rows pulls and pushes the blocks in place
+        self._in_place = bool(self.context.ps.takes_column_rows)
         self.preparer = (
             KeyPreparer(
                 {f.name: f.table.name for f in self.sparse},
@@ -663,7 +665,9 @@ class Session:
                 out = packed[base : base + len(keys.uniques)]
                 for name, start, stop in self._blocks.get(table, ((table, 0, 0),)):
                     block_out = out
-                    if stop:
+                    if stop and self._in_place:  # the block's columns of the rows
+                        block_out = out[:, start:stop]
+                    elif stop:
                         block_out = self.memory.empty((len(keys.uniques), stop - start))
                         assemble.append((out, start, stop, block_out))
                     parts.append(
@@ -722,7 +726,8 @@ class Session:
             table: index_in(previous.tables[table].uniques, keys.uniques, bases[table])
             for table, keys in prepared.tables.items()
         }
-        return rows, dest, self._pulled_event(prepared) if self._blocks else None
+        copied = self._blocks and not self._in_place
+        return rows, dest, self._pulled_event(prepared) if copied else None
 
     def _push(
         self,
@@ -806,14 +811,30 @@ class Session:
         linked_blocks: list[tuple[Any, Any, int, int, Any]],
     ) -> list[PushPart]:
         """A sized table's push, one part per block: its columns of the
-        gradients; shows and clicks to the base block (they drive the sizes);
-        with a link, each block's updated rows into a buffer of its own, put
-        into the next step's rows by ``_push``."""
+        gradients; shows and clicks to the base block (they drive the sizes).
+        With a link the updated rows go to the block's columns of the next
+        step's rows: in place on a server that takes columns
+        (``takes_column_rows``), else through a buffer of the block's that
+        ``_push`` copies once the next step's pull has put its blocks in."""
         xp = self.memory.xp
         parts = []
         n = len(keys.uniques)
         for name, start, stop in blocks:
             block_updated, block_rows = None, None
+            if self._in_place:  # the blocks' columns, read and written where they are
+                parts.append(
+                    PushPart(
+                        name,
+                        keys.uniques,
+                        grads[:, start:stop],
+                        keys.shard_offsets,
+                        None if updated is None else updated[:, start:stop],
+                        rows,
+                        shows=shows if name == table else None,
+                        clicks=clicks if name == table else None,
+                    )
+                )
+                continue
             if updated is not None and rows is not None:
                 block_updated = self.memory.empty((n, stop - start))
                 block_rows = np.where(rows >= 0, np.arange(n, dtype=np.int32), -1).astype(np.int32)

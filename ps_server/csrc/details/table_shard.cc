@@ -232,8 +232,7 @@ void TableShard::BoundLog(ChangeLog* log) const {
 
 // A new row's count is the sightings before this one; the push of this
 // batch adds the current one.
-double TableShard::ScoreAt(uint64_t key, uint64_t hash, uint64_t step,
-                           double click_weight) const {
+double TableShard::ScoreAt(uint64_t key, uint64_t hash, uint64_t step, double click_weight) const {
   char* const* row = index_.Find(key, hash);
   RowMeta on_disk;
   const RowMeta* m = nullptr;
@@ -393,10 +392,12 @@ void TableShard::RequireTrainable(const char* what) const {
                               what + " needs 'fp32' or 'fp16' weights");
 }
 
-void TableShard::Pull(const ShardBatch& batch, float* out, bool train, const Clock& clock) {
+void TableShard::Pull(const ShardBatch& batch, float* out, bool train, const Clock& clock,
+                      size_t out_stride) {
   const Slice s = Select(batch);
   Promote(s);
   const int dim = layout_.dim;
+  const size_t stride = out_stride != 0 ? out_stride : static_cast<size_t>(dim);
   uint64_t misses = 0;
   // Read-only for existing rows (counts advance on push), so pulled rows
   // stay clean in cache and cost no write-back.
@@ -411,10 +412,11 @@ void TableShard::Pull(const ShardBatch& batch, float* out, bool train, const Clo
     Pipeline</*kCold=*/false>(
         s, train ? TrainingPullCreate() : Create::kNever, clock, [&](size_t k, char* row) {
           if (scattered && k + kAheadOfVisit < s.size()) {  // as a push's gradients
-            PrefetchBytes<true>(reinterpret_cast<const char*>(out + s.pos(k + kAheadOfVisit) * dim),
-                                dim * sizeof(float));
+            PrefetchBytes<true>(
+                reinterpret_cast<const char*>(out + s.pos(k + kAheadOfVisit) * stride),
+                dim * sizeof(float));
           }
-          float* dst = out + s.pos(k) * dim;
+          float* dst = out + s.pos(k) * stride;
           if (row != nullptr) {
             ReadWeights<decltype(precision)::value>(row, dim, dst);
           } else {
@@ -468,8 +470,8 @@ void TableShard::PullWhole(const ShardBatch& batch, float* out, const int32_t* i
 }
 
 const std::vector<int32_t>& TableShard::GroupDuplicates(const Slice& s, const float* grads,
-                                                        uint64_t* duplicates, const float* shows,
-                                                        const float* clicks) {
+                                                        size_t grads_stride, uint64_t* duplicates,
+                                                        const float* shows, const float* clicks) {
   groups_.clear();
   const size_t n = s.size();
   if (n < 2) return groups_;
@@ -504,7 +506,7 @@ const std::vector<int32_t>& TableShard::GroupDuplicates(const Slice& s, const fl
     int32_t& group = groups_[first];
     if (group < 0) {
       group = static_cast<int32_t>(sums_.size() / dim);
-      const float* g = grads + s.pos(first) * dim;
+      const float* g = grads + s.pos(first) * grads_stride;
       sums_.insert(sums_.end(), g, g + dim);
       if (stats) {
         stat_sums_.push_back(stat(shows, s.pos(first)));
@@ -512,7 +514,7 @@ const std::vector<int32_t>& TableShard::GroupDuplicates(const Slice& s, const fl
       }
     }
     groups_[k] = -2;
-    const float* g = grads + s.pos(k) * dim;
+    const float* g = grads + s.pos(k) * grads_stride;
     float* sum = sums_.data() + static_cast<size_t>(group) * dim;
     for (int j = 0; j < dim; ++j) sum[j] += g[j];
     if (stats) {
@@ -525,8 +527,12 @@ const std::vector<int32_t>& TableShard::GroupDuplicates(const Slice& s, const fl
 
 void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, const Clock& clock,
                       PushResult* result, float* updated, const int32_t* updated_rows, int only,
-                      const float* shows, const float* clicks) {
+                      const float* shows, const float* clicks, size_t grads_stride,
+                      size_t updated_stride) {
   RequireTrainable("a push");
+  const int dim = layout_.dim;
+  const size_t gstride = grads_stride != 0 ? grads_stride : static_cast<size_t>(dim);
+  const size_t ustride = updated_stride != 0 ? updated_stride : static_cast<size_t>(dim);
   Slice s = Select(batch);
   Promote(s);
   if (only != 0) {  // keep the keys asked for (hashes_ compacted alike)
@@ -545,11 +551,10 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
   }
   const std::vector<int32_t>* groups = nullptr;
   if (!unique) {
-    const auto& g = GroupDuplicates(s, grads, &result->duplicates, shows, clicks);
+    const auto& g = GroupDuplicates(s, grads, gstride, &result->duplicates, shows, clicks);
     if (!g.empty()) groups = &g;
   }
   const RowOptimizer opt(spec_.optimizer);
-  const int dim = layout_.dim;
   const double half_life = spec_.stats_half_life;
   const Create create = spec_.admission.min_count <= 1 ? Create::kAdmit : Create::kNever;
   const bool half = layout_.precision == Precision::kFp16;
@@ -572,11 +577,11 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
         // position or so), and no hardware prefetcher sees them coming.
         if ((scattered || updated_rows != nullptr) && k + kAheadOfVisit < n) {
           const size_t ahead = s.pos(k + kAheadOfVisit);
-          PrefetchBytes<false>(reinterpret_cast<const char*>(grads + ahead * dim),
+          PrefetchBytes<false>(reinterpret_cast<const char*>(grads + ahead * gstride),
                                dim * sizeof(float));
           if (updated != nullptr && updated_rows != nullptr && updated_rows[ahead] >= 0) {
             PrefetchBytes<true>(reinterpret_cast<const char*>(
-                                    updated + static_cast<size_t>(updated_rows[ahead]) * dim),
+                                    updated + static_cast<size_t>(updated_rows[ahead]) * ustride),
                                 dim * sizeof(float));
           }
         }
@@ -586,9 +591,9 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
         if (updated != nullptr) {
           const size_t pos = s.pos(k);
           if (updated_rows == nullptr) {
-            out = updated + pos * dim;
+            out = updated + pos * ustride;
           } else if (updated_rows[pos] >= 0) {
-            out = updated + static_cast<size_t>(updated_rows[pos]) * dim;
+            out = updated + static_cast<size_t>(updated_rows[pos]) * ustride;
           }
         }
         const auto report = [&] {
@@ -609,7 +614,7 @@ void TableShard::Push(const ShardBatch& batch, const float* grads, bool unique, 
           return;
         }
         const size_t pos = s.pos(k);
-        const float* g = grads + pos * dim;
+        const float* g = grads + pos * gstride;
         float add_shows = shows != nullptr ? shows[pos] : 0.0f;
         float add_clicks = clicks != nullptr ? clicks[pos] : 0.0f;
         if (groups != nullptr) {

@@ -137,7 +137,9 @@ class alignas(128) TableShard {
   // Rows are read as float32 whatever the precision. Training (train,
   // Push, rows created with initial weights) needs Precision::kFp32: the
   // engine refuses it on compressed tables first; here it throws too.
-  void Pull(const ShardBatch& batch, float* out, bool train, const Clock& clock);
+  // out_stride: floats from one row of out to the next (0: dim).
+  void Pull(const ShardBatch& batch, float* out, bool train, const Clock& clock,
+            size_t out_stride = 0);
   // A hot cache's misses in one pass: a training Pull of the batch into
   // out, and for the keys coming into the cache (in_of[pos] >= 0: their
   // index in in_rows), their whole row as ReadRows writes it at their last
@@ -173,7 +175,8 @@ class alignas(128) TableShard {
   // shows, clicks (optional, at pos): increments of the rows' statistics.
   void Push(const ShardBatch& batch, const float* grads, bool unique, const Clock& clock,
             PushResult* result, float* updated = nullptr, const int32_t* updated_rows = nullptr,
-            int only = 0, const float* shows = nullptr, const float* clicks = nullptr);
+            int only = 0, const float* shows = nullptr, const float* clicks = nullptr,
+            size_t grads_stride = 0, size_t updated_stride = 0);
   uint64_t Erase(const ShardBatch& batch, const Clock& clock);
   // With an overlay, as Lookup's found.
   void Contains(const ShardBatch& batch, uint8_t* out, const Overlay* overlay = nullptr);
@@ -380,7 +383,8 @@ class alignas(128) TableShard {
   // click increments in stat_sums_ (2 per group) when shows or clicks are
   // given), empty when there are none.
   const std::vector<int32_t>& GroupDuplicates(const Slice& s, const float* grads,
-                                              uint64_t* duplicates, const float* shows = nullptr,
+                                              size_t grads_stride, uint64_t* duplicates,
+                                              const float* shows = nullptr,
                                               const float* clicks = nullptr);
 
   const TableSpec& spec_;

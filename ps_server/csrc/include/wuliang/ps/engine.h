@@ -253,6 +253,12 @@ class Engine {
     // stats_half_life); repeated keys have theirs summed.
     const float* shows = nullptr;   // (n,)
     const float* clicks = nullptr;  // (n,)
+    // Floats from one row of out / grads / updated to the next (0: the
+    // table's dim): rows that are columns of a wider array (a sized table's
+    // blocks side by side in one array of the widest dim).
+    size_t out_stride = 0;
+    size_t grads_stride = 0;
+    size_t updated_stride = 0;
   };
   // Pull / Push for several tables in one round: each shard's worker does
   // its part of every table, one hand-off per shard instead of one per table
