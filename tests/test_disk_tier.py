@@ -103,6 +103,42 @@ def test_a_table_beyond_its_budget_keeps_every_row_exactly(tmp_path: Path) -> No
     assert not any(tmp_path.rglob("*.rows"))  # the row files go with the engine
 
 
+def test_a_shard_a_little_over_budget_demotes_between_calls(tmp_path: Path) -> None:
+    """Calls that leave a shard less than a quarter over its budget return
+    before demoting: its worker demotes between calls (``demoted_between_calls``),
+    with the rows exact; dropping the table or closing the engine while
+    demotion is pending is safe (the worker's piece runs inside the engine's
+    grace period)."""
+    import time
+
+    spec = dataclasses.replace(SPEC, eviction=Eviction())
+    row = 32 + 64  # dim 8 Adagrad: 32 bytes of weights, 64 of meta and state
+    budget = 4000 * row
+    keys = np.arange(1, 4801, dtype=np.uint64)
+    with Engine(1) as alone, Engine(1, disk_dir=tmp_path, memory_bytes=budget) as tiered:
+        for ps in (alone, tiered):
+            ps.create_table(spec)
+        for lo in range(0, len(keys), 200):  # each call a little over the budget
+            for ps in (alone, tiered):
+                part = keys[lo : lo + 200]
+                ps.load("t", part, np.tile(part[:, None].astype(np.float32), (1, 8)))
+        deadline = time.monotonic() + 10
+        while tiered.stats("t")["demoted_between_calls"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = tiered.stats("t")
+        assert stats["demoted_between_calls"] > 0 and stats["cold_rows"] > 0, stats
+        assert_same(all_rows(alone), all_rows(tiered))
+        for _ in range(20):  # demotion pending, the table goes
+            tiered.drop_table("t")
+            tiered.create_table(spec)
+            tiered.load("t", keys, np.zeros((len(keys), 8), np.float32))
+        assert tiered.stats("t")["rows"] == len(keys)
+    for _ in range(5):  # and the engine goes
+        with Engine(1, disk_dir=tmp_path, memory_bytes=budget) as closing:
+            closing.create_table(spec)
+            closing.load("t", keys, np.zeros((len(keys), 8), np.float32))
+
+
 def test_a_reserve_holds_no_more_than_the_budget(tmp_path: Path) -> None:
     """A table reserved for 2M rows on a 1 MiB budget maps memory for the
     budget's rows only, not the reserve's: the rest would be held for rows
@@ -210,10 +246,10 @@ from crash import CRASH_ENV, set_rows, two_table_session
 from wuliang.checkpoint import latest_checkpoint
 from wuliang.ps_server import Engine
 
-model_dir, disk = Path(sys.argv[1]), sys.argv[2]
+model_dir, disk, budget = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 
 def tiered():
-    return Engine(1, disk_dir=disk, memory_bytes=1, row_file_bytes=1 << 20)
+    return Engine(1, disk_dir=disk, memory_bytes=budget, row_file_bytes=1 << 20)
 
 point = os.environ.pop(CRASH_ENV)  # not while the first checkpoint is written
 session = two_table_session(tiered())
@@ -229,10 +265,22 @@ for step in range(2, 40):
 """
 
 
-@pytest.mark.parametrize("point", ["tier-demote", "tier-promote", "tier-compact:3"])
-def test_a_kill_in_the_tier_leaves_checkpoints_whole(tmp_path: Path, point: str) -> None:
-    """A trainer whose rows live on disk (a one-byte budget) is SIGKILLed
-    while demoting, promoting or compacting; its checkpoints verify and
+# A one-byte budget demotes inside the calls; 230,000 bytes, a little under
+# the two tables' 2,000 rows (256,000 bytes), between them (the worker's idle work).
+@pytest.mark.parametrize(
+    ("point", "budget"),
+    [
+        ("tier-demote", 1),
+        ("tier-promote", 1),
+        ("tier-compact:3", 1),
+        ("tier-demote-idle:3", 230_000),
+    ],
+)
+def test_a_kill_in_the_tier_leaves_checkpoints_whole(
+    tmp_path: Path, point: str, budget: int
+) -> None:
+    """A trainer whose rows live on disk is SIGKILLed while demoting
+    (in a call, or between calls), promoting or compacting; its checkpoints verify and
     hold their rows, a restore into an engine with a disk tier rebuilds the
     tiers with every row, and its row files are cleared by the next engine
     on that directory."""
@@ -242,7 +290,8 @@ def test_a_kill_in_the_tier_leaves_checkpoints_whole(tmp_path: Path, point: str)
     from wuliang.ps_server.storage import Version
 
     model_dir, disk = tmp_path / "model", tmp_path / "disk"
-    crash_at(TIER_CHILD, [str(model_dir), str(disk)], point, tmp_path, tmp_path / "child.log")
+    args = [str(model_dir), str(disk), str(budget)]
+    crash_at(TIER_CHILD, args, point, tmp_path, tmp_path / "child.log")
     assert any(disk.rglob("*.rows"))  # the killed engine's, left behind
     saved = checkpoints(model_dir)
     assert saved and saved[0][0] >= 1

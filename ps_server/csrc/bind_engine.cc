@@ -129,6 +129,7 @@ py::dict StatsDict(const TableStats& t) {
                   "cold_rows"_a = t.cold_rows, "cold_index_bytes"_a = t.cold_index_bytes,
                   "disk_bytes"_a = t.disk_bytes, "cold_reads"_a = t.cold_reads,
                   "cold_prefetched"_a = t.cold_prefetched, "demoted"_a = t.demoted,
+                  "demoted_between_calls"_a = t.demoted_between_calls,
                   "demoted_written"_a = t.demoted_written, "files_compacted"_a = t.files_compacted,
                   "disk_error"_a = t.disk_error);
 }

@@ -123,6 +123,7 @@ TableStats& TableStats::operator+=(const TableStats& o) {
   cold_prefetched += o.cold_prefetched;
   demoted += o.demoted;
   demoted_written += o.demoted_written;
+  demoted_between_calls += o.demoted_between_calls;
   files_compacted += o.files_compacted;
   if (disk_error.empty()) disk_error = o.disk_error;
   return *this;
@@ -297,8 +298,11 @@ Engine::Engine(const EngineOptions& options)
                                 std::to_string(num_shards_));
   }
   workers_.reserve(num_shards_);
-  for (int s = 0; s < num_shards_; ++s)
-    workers_.push_back(std::make_unique<details::ShardWorker>());
+  for (int s = 0; s < num_shards_; ++s) {
+    std::function<bool()> idle;  // a disk tier's demotion between calls
+    if (!options.disk_dir.empty()) idle = [this, s] { return IdleWork(s); };
+    workers_.push_back(std::make_unique<details::ShardWorker>(std::move(idle)));
+  }
   if (!options.disk_dir.empty()) OpenDiskTier(options);
 }
 
@@ -587,7 +591,23 @@ int Engine::CreateTable(const TableSpec& spec) {
   return Publish(std::move(def));
 }
 
+bool Engine::IdleWork(int shard) {
+  // Within a read scope, like a call: a table dropped meanwhile is freed
+  // only after this piece.
+  const GracePeriod::ReadScope scope(*grace_);
+  bool more = false;
+  for (int slot = 0; slot < num_slots_.load(std::memory_order_acquire); ++slot) {
+    TableDef* def = tables_[slot].load(std::memory_order_seq_cst);
+    if (def == nullptr || def->layered() || def->tier.dir.empty()) continue;
+    more = def->shards[shard]->IdleWork() || more;
+  }
+  return more;
+}
+
 int Engine::Publish(std::unique_ptr<TableDef> def) {
+  if (!def->spec.serving) {  // a training table's shards demote between calls
+    for (TableShard* shard : def->shards) shard->SetDeferDemotion(true);
+  }
   const int used = num_slots_.load(std::memory_order_relaxed);
   int slot = -1;
   if (!free_slots_.empty()) {
@@ -1474,6 +1494,9 @@ int Engine::CommitApply(int staging) {
     std::unique_ptr<TableDef> next = std::move(st->def);
     next->id = live->id;
     TableDef* const now = next.get();
+    if (!now->spec.serving) {  // as Publish: a training table demotes between calls
+      for (TableShard* shard : now->shards) shard->SetDeferDemotion(true);
+    }
     if (!live->spec.grow_base.empty() && live->shards[0]->grow_base() != nullptr) {
       for (int s = 0; s < num_shards_; ++s)
         now->shards[s]->SetGrowBase(live->shards[s]->grow_base());

@@ -31,7 +31,9 @@ from the same variable by each engine with a disk tier when it starts:
 * ``tier-demote``: a demoted row's record is appended, its locator not set;
 * ``tier-promote``: a call's cold records are read, not installed in RAM;
 * ``tier-compact``: a file's live records are appended again, the file not
-  dropped.
+  dropped;
+* ``tier-demote-idle``: a shard's worker is about to demote rows between
+  calls (the call that left it over its budget has returned).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ CRASH_POINTS = (
     "latest-temp",
     "export-prune",
 )
-TIER_POINTS = ("tier-demote", "tier-promote", "tier-compact")  # the engine's (C++)
+TIER_POINTS = ("tier-demote", "tier-promote", "tier-compact", "tier-demote-idle")  # the engine's (C++)
 BLOCK_S = 600.0  # a crashed-on-purpose process nobody kills exits after this
 
 

@@ -3,6 +3,8 @@
 #include <immintrin.h>
 #include <pthread.h>
 
+#include <utility>
+
 namespace wuliang::ps::details {
 
 void MpscQueue::Push(Task* task) {
@@ -34,7 +36,8 @@ Task* MpscQueue::Pop() {
   return nullptr;
 }
 
-ShardWorker::ShardWorker() : thread_([this] { Loop(); }) {
+ShardWorker::ShardWorker(std::function<bool()> idle)
+    : idle_(std::move(idle)), thread_([this] { Loop(); }) {
   pthread_setname_np(thread_.native_handle(), "wuliang-shard");  // for top, perf
 }
 
@@ -60,6 +63,7 @@ void ShardWorker::Loop() {
       while (Task* task = queue_.Pop()) task->run(task);
       return;
     }
+    if (idle_ && idle_()) continue;  // more to do: the queue first, then the next piece
     bool woke = false;
     for (int i = 0; i < kSpins && !woke; ++i) {
       _mm_pause();

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <thread>
 
 namespace wuliang::ps::details {
@@ -30,7 +31,10 @@ class MpscQueue {
 
 class ShardWorker {
  public:
-  ShardWorker();
+  // idle (optional): work of the worker's own, run on it between tasks
+  // when its queue is empty, a bounded piece at a time; returns whether
+  // more remains (then the queue is looked at and idle called again).
+  explicit ShardWorker(std::function<bool()> idle = {});
   ~ShardWorker();  // runs the tasks already queued, then joins
   ShardWorker(const ShardWorker&) = delete;
   ShardWorker& operator=(const ShardWorker&) = delete;
@@ -40,6 +44,7 @@ class ShardWorker {
  private:
   void Loop();
 
+  std::function<bool()> idle_;
   MpscQueue queue_;
   std::atomic<uint32_t> tickets_{0};  // bumped after every push
   std::atomic<bool> stop_{false};

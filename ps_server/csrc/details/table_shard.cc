@@ -1136,6 +1136,7 @@ TableStats TableShard::Snapshot() const {
     t.cold_prefetched = tier_->prefetched_reads;
     t.demoted = tier_->demoted;
     t.demoted_written = tier_->demoted_written;
+    t.demoted_between_calls = tier_->demoted_idle;
     t.files_compacted = f.files_compacted;
     t.disk_error = tier_->error;
   }
@@ -1290,10 +1291,49 @@ void TableShard::AfterCall(uint64_t step) {
   const int64_t used = t.budget->used.load();
   if (used > limit) {  // down to 90% of the budget: headroom for the next calls
     const int64_t excess = used - limit / 10 * 9;
-    Demote(std::min<size_t>(static_cast<size_t>(excess) / RowBytes() + 1, pool_.rows()), step);
+    const size_t want =
+        std::min<size_t>(static_cast<size_t>(excess) / RowBytes() + 1, pool_.rows());
+    // Between calls, unless far over: a quarter of the budget past it
+    // (the calls outrun the idle time), then in this call as before.
+    if (defer_demotion_ && used <= limit + limit / 4) {
+      t.demote_due = want;
+      t.demote_step = step;
+      return;
+    }
+    t.demote_due = 0;
+    Demote(want, step);
     sync();
   }
   CompactSome(size_t{1} << 14);
+}
+
+bool TableShard::IdleWork() {
+  if (!tier_ || tier_->demote_due == 0) return false;
+  Tier& t = *tier_;
+  const auto sync = [&] {
+    const auto mine = static_cast<int64_t>(pool_.rows() * RowBytes());
+    t.budget->used += mine - t.accounted;
+    t.accounted = mine;
+  };
+  sync();
+  // What the budget asks now (calls since may have added or removed rows),
+  // a piece at a time: a task waits for at most one piece.
+  const auto limit = static_cast<int64_t>(t.budget->limit);
+  const int64_t excess = t.budget->used.load() - limit / 10 * 9;
+  constexpr size_t kPiece = 4096;
+  const size_t rows =
+      excess <= 0 ? 0
+                  : std::min({static_cast<size_t>(excess) / RowBytes() + 1, kPiece, pool_.rows()});
+  if (rows == 0) {
+    t.demote_due = 0;
+    CompactSome(size_t{1} << 14);
+    return false;
+  }
+  TierCrashPoint("tier-demote-idle");
+  Demote(rows, t.demote_step);
+  t.demoted_idle += rows;
+  sync();
+  return true;
 }
 
 void TableShard::Demote(size_t want, uint64_t step) {

@@ -257,6 +257,15 @@ class alignas(128) TableShard {
   TableStats Snapshot() const;
   size_t rows() const { return index_.size() + ColdOnlyRows(); }
 
+  // The disk tier's demotion off the calls (docs/disk_tier.md): once a
+  // published table's shard is allowed to (SetDeferDemotion), a call that
+  // leaves it over its budget only notes the rows to demote, and the
+  // worker demotes them between calls, a piece at a time (IdleWork, on the
+  // owner thread, returns whether more remains); a shard far over budget
+  // still demotes inside the call.
+  void SetDeferDemotion(bool defer) { defer_demotion_ = defer && tier_ != nullptr; }
+  bool IdleWork();
+
  private:
   // Writes every column of one row (key, its hot part `row`) at index o of
   // out (null columns skipped): what Export and ReadRows give of a row.
@@ -290,6 +299,9 @@ class alignas(128) TableShard {
     std::vector<uint64_t> prefetched[2];  // the keys of the last two Prefetches, kept too
     int prefetch_turn = 0;
     uint64_t prefetched_reads = 0;
+    size_t demote_due = 0;      // rows to demote between calls
+    uint64_t demote_step = 0;   // the step their shows decay to
+    uint64_t demoted_idle = 0;  // rows demoted between calls
   };
   size_t RowBytes() const { return layout_.hot_stride + layout_.cold_stride; }
   size_t RecordBytes() const {
@@ -390,6 +402,7 @@ class alignas(128) TableShard {
   const TableSpec& spec_;
   const RowLayout& layout_;
   const TableShard* grow_base_ = nullptr;
+  bool defer_demotion_ = false;
   OpenHashMap<char*> index_;
   MemoryPool pool_;
   PendingCounter pending_;

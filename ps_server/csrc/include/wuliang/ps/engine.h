@@ -172,6 +172,7 @@ struct TableStats {
   uint64_t cold_prefetched = 0;  // by PrefetchMany, ahead of them
   uint64_t demoted = 0;
   uint64_t demoted_written = 0;
+  uint64_t demoted_between_calls = 0;  // of demoted: by the worker between calls
   uint64_t files_compacted = 0;
   std::string disk_error;
 
@@ -491,6 +492,8 @@ class Engine {
 
   int num_shards_;
   std::vector<std::unique_ptr<details::ShardWorker>> workers_;
+  // Worker `shard`'s work between calls (the disk tier's demotions); more left?
+  bool IdleWork(int shard);
   // The disk tier: its directory ("" none), reads in flight, each shard's
   // memory budget, and a counter naming the tables' row-file folders.
   std::string disk_dir_;
