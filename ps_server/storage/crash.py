@@ -53,7 +53,8 @@ CRASH_POINTS = (
     "latest-temp",
     "export-prune",
 )
-TIER_POINTS = ("tier-demote", "tier-promote", "tier-compact", "tier-demote-idle")  # the engine's (C++)
+# the engine's (C++)
+TIER_POINTS = ("tier-demote", "tier-promote", "tier-compact", "tier-demote-idle")
 BLOCK_S = 600.0  # a crashed-on-purpose process nobody kills exits after this
 
 
