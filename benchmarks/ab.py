@@ -9,7 +9,8 @@ tree (or ``--against REV2``) the same way; then runs one benchmark script
 tree's copy for both builds, so both print the same keys) against each
 build in turn for ``--rounds`` rounds, the order swapped every round (A B,
 B A, ...) so that the machine's drift falls on both alike. Each run's last
-line is its JSON; for every numeric key both builds print the script gives
+line is its JSON (nested objects' keys joined with dots); for every numeric
+key both builds print the script gives
 the median of each build, their spread (lowest and highest) and B's median
 over A's. Rates swing with the machine; keys ending in ``cpu_ns_per_key``
 (``ps_bench.py`` prints them: the process's CPU time over the keys of the
@@ -97,7 +98,19 @@ def run(bench: list[str], site: Path) -> dict[str, Any]:
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         raise SystemExit(f"{' '.join(bench)} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    return flat(json.loads(lines[-1]))
+
+
+def flat(result: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested objects' keys joined with dots (``train_bench.py`` prints
+    ``{"adagrad": {"step_vs_bound": ...}}``: ``adagrad.step_vs_bound``)."""
+    out: dict[str, Any] = {}
+    for key, value in result.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def summary(runs: list[dict[str, Any]], key: str) -> dict[str, float]:

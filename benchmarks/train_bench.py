@@ -560,6 +560,10 @@ class WuliangLoop:
                 sum(t["cold_reads"] for t in stats) / len(self.losses)
             )
             extra["cold_rows"] = sum(t["cold_rows"] for t in stats)
+            extra["demoted_per_step"] = round(sum(t["demoted"] for t in stats) / len(self.losses))
+            extra["demoted_between_calls_per_step"] = round(
+                sum(t.get("demoted_between_calls", 0) for t in stats) / len(self.losses)
+            )
             extra["disk_error"] = next((t["disk_error"] for t in stats if t["disk_error"]), "")
         return self.timed.run(self.name, batch, self.losses, extra)
 
@@ -814,6 +818,8 @@ def bench_optimizer(
                 disk_cold_rows=other.extra["cold_rows"],
                 cold_reads_per_step=other.extra["cold_reads_per_step"],
                 cold_reads_waited_per_step=other.extra["cold_reads_waited_per_step"],
+                demoted_per_step=other.extra["demoted_per_step"],
+                demoted_between_calls_per_step=other.extra["demoted_between_calls_per_step"],
                 disk_reads_per_s=round(rate),
                 disk_ms_per_step=round(disk_ms, 2),
                 step_vs_bound=round(step_ms / max(ram_ms, disk_ms), 3),

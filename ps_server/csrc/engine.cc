@@ -377,7 +377,8 @@ void Engine::RunOnShards(const std::function<void(int)>& fn, const Plan* plan) {
   RunOn(active, fn);
 }
 
-void Engine::RunOn(const std::vector<int>& active, const std::function<void(int)>& fn) {
+void Engine::RunOn(const std::vector<int>& active, const std::function<void(int)>& fn,
+                   bool urgent) {
   if (active.empty()) return;
   std::vector<details::FnTask> tasks(active.size());
   std::vector<std::exception_ptr> errors(active.size());
@@ -389,7 +390,11 @@ void Engine::RunOn(const std::vector<int>& active, const std::function<void(int)
     t.shard = active[i];
     t.latch = &latch;
     t.error = &errors[i];
-    workers_[active[i]]->Enqueue(&t);
+    if (urgent) {
+      workers_[active[i]]->EnqueueUrgent(&t);
+    } else {
+      workers_[active[i]]->Enqueue(&t);
+    }
   }
   latch.wait();
   for (const std::exception_ptr& e : errors) {
@@ -806,13 +811,19 @@ uint64_t Engine::PrefetchMany(const std::vector<TablePart>& parts) {
   // while the workers go on with other calls; each shard installs its own.
   using Reads = details::TableShard::PrefetchReads;
   std::vector<std::vector<Reads>> reads(num_shards_, std::vector<Reads>(parts.size()));
-  RunOn(active, [&](int s) {
-    for (size_t i = 0; i < parts.size(); ++i) {
-      if (parts[i].n != 0 && !defs[i]->layered()) {
-        defs[i]->shards[s]->PlanPrefetch(plans[i].For(s), &reads[s][i]);
-      }
-    }
-  });
+  // Planning and installing go ahead of the calls queued on the shards
+  // (pushes, mostly): the rows come in the same whichever goes first, as an
+  // install skips the rows a call brought in or changed meanwhile.
+  RunOn(
+      active,
+      [&](int s) {
+        for (size_t i = 0; i < parts.size(); ++i) {
+          if (parts[i].n != 0 && !defs[i]->layered()) {
+            defs[i]->shards[s]->PlanPrefetch(plans[i].For(s), &reads[s][i]);
+          }
+        }
+      },
+      /*urgent=*/true);
   std::vector<std::pair<Reads*, size_t>> work;
   for (auto& shard : reads) {
     for (Reads& r : shard) {
@@ -841,13 +852,16 @@ uint64_t Engine::PrefetchMany(const std::vector<TablePart>& parts) {
     failed = std::current_exception();
   }
   std::vector<uint64_t> installed(num_shards_, 0);
-  RunOn(active, [&](int s) {
-    for (size_t i = 0; i < parts.size(); ++i) {
-      if (parts[i].n == 0 || defs[i]->layered()) continue;
-      if (failed) reads[s][i].keys.clear();  // nothing installed: the pulls read themselves
-      installed[s] += defs[i]->shards[s]->FinishPrefetch(&reads[s][i]);
-    }
-  });
+  RunOn(
+      active,
+      [&](int s) {
+        for (size_t i = 0; i < parts.size(); ++i) {
+          if (parts[i].n == 0 || defs[i]->layered()) continue;
+          if (failed) reads[s][i].keys.clear();  // nothing installed: the pulls read themselves
+          installed[s] += defs[i]->shards[s]->FinishPrefetch(&reads[s][i]);
+        }
+      },
+      /*urgent=*/true);
   if (failed) std::rethrow_exception(failed);
   uint64_t total = 0;
   for (uint64_t r : installed) total += r;

@@ -54,13 +54,24 @@ void ShardWorker::Enqueue(Task* task) {
   tickets_.notify_one();
 }
 
+void ShardWorker::EnqueueUrgent(Task* task) {
+  urgent_.Push(task);
+  tickets_.fetch_add(1, std::memory_order_release);
+  tickets_.notify_one();
+}
+
+Task* ShardWorker::Next() {
+  if (Task* task = urgent_.Pop()) return task;
+  return queue_.Pop();
+}
+
 void ShardWorker::Loop() {
   constexpr int kSpins = 64;
   for (;;) {
     const uint32_t seen = tickets_.load(std::memory_order_acquire);
-    while (Task* task = queue_.Pop()) task->run(task);
+    while (Task* task = Next()) task->run(task);
     if (stop_.load(std::memory_order_acquire)) {
-      while (Task* task = queue_.Pop()) task->run(task);
+      while (Task* task = Next()) task->run(task);
       return;
     }
     if (idle_ && idle_()) continue;  // more to do: the queue first, then the next piece

@@ -40,12 +40,18 @@ class ShardWorker {
   ShardWorker& operator=(const ShardWorker&) = delete;
 
   void Enqueue(Task* task);
+  // Runs before the tasks queued by Enqueue that have not started (still in
+  // order among urgent ones): for work that no queued task needs to come
+  // first (a prefetch's installs, whose result is the same either way).
+  void EnqueueUrgent(Task* task);
 
  private:
   void Loop();
+  Task* Next();  // an urgent task first
 
   std::function<bool()> idle_;
   MpscQueue queue_;
+  MpscQueue urgent_;
   std::atomic<uint32_t> tickets_{0};  // bumped after every push
   std::atomic<bool> stop_{false};
   std::thread thread_;

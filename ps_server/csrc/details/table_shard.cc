@@ -1330,9 +1330,15 @@ bool TableShard::IdleWork() {
     return false;
   }
   TierCrashPoint("tier-demote-idle");
+  const uint64_t before = t.demoted;
   Demote(rows, t.demote_step);
-  t.demoted_idle += rows;
+  const uint64_t done = t.demoted - before;
+  t.demoted_idle += done;
   sync();
+  if (done == 0) {  // every candidate is held (pinned by the pulls in flight): the next call
+    t.demote_due = 0;
+    return false;
+  }
   return true;
 }
 

@@ -476,7 +476,9 @@ class Engine {
   // Runs fn(s) on worker s for every shard with keys in plan (every shard if
   // plan is null), waits, and rethrows the first error.
   void RunOnShards(const std::function<void(int)>& fn, const details::Plan* plan = nullptr);
-  void RunOn(const std::vector<int>& shards, const std::function<void(int)>& fn);
+  // urgent: ahead of the shards' queued calls (ShardWorker::EnqueueUrgent).
+  void RunOn(const std::vector<int>& shards, const std::function<void(int)>& fn,
+             bool urgent = false);
   // One plan per part; the shards that have keys in any of them.
   std::vector<int> PlanParts(const std::vector<TablePart>& parts,
                              std::vector<details::Plan>* plans);
