@@ -4,7 +4,9 @@ Two engines, one after the other, hold a small and a large table (16M and
 64M rows of dim 16 with Adagrad; ``--quick``: 4M and 16M) and take the same
 kind of stream: 100K-key batches, uniform and Zipf(1.1) over each table's
 keys. ``large_vs_small_pull`` is the large table's uniform training-pull
-rate against the small one's.
+rate against the small one's; ``growth_vs_machine`` is that ratio over the
+machine's own (below): 1 when the engine slows down with size exactly as
+the machine's memory does, more when less.
 
 The machine's own figure, in the same run: one thread's random 64-byte
 reads from memory the size of each table, mapped as the engine maps its
@@ -125,4 +127,8 @@ def main(args: argparse.Namespace) -> dict:
         "machine_large_vs_small_unprefetched": round(machine["large_0"] / machine["small_0"], 3),
         "large_vs_small_zipf_pull": round(large["zipf_pull"] / small["zipf_pull"], 3),
         "large_vs_small_pull": round(large["uniform_pull"] / small["uniform_pull"], 3),
+        # the engine's slowdown from the small table to the large one over the machine's
+        "growth_vs_machine": round(
+            (large["uniform_pull"] / small["uniform_pull"]) / (machine_large / machine_small), 3
+        ),
     }
