@@ -115,6 +115,16 @@ def reader(files: list[str], shuffle: int) -> ParquetReader:
     )
 
 
+def batch_features(batch: Any) -> dict[str, Any]:
+    """A batch of the small model's data as a serving client sends it."""
+    items = batch.sparse["items"]
+    return {
+        "user": batch.sparse["user"].values.astype(np.uint64),
+        "items": (items.values.astype(np.uint64), items.offsets),
+        "x": batch.dense_feature("x").astype(np.float32),
+    }
+
+
 def trained_export(root: Path, sizes: wl.Sizes | None = None) -> dict[str, Any]:
     """A session trained 5 steps and exported (version 1) under root: the
     session, its data files, the export directory and a batch of the data."""

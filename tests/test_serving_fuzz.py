@@ -68,7 +68,7 @@ import grpc
 import numpy as np
 import pytest
 import yarl
-from small_model import trained_export
+from small_model import batch_features, trained_export
 
 from wuliang.serving.errors import ServingError
 from wuliang.serving.grpc import proto
@@ -848,12 +848,8 @@ def test_random_and_mutated_requests(
             got = client.lookup(table, keys)
             np.testing.assert_array_equal(got.rows, want.rows)
             np.testing.assert_array_equal(got.found, want.found)
+        features = batch_features(batch)
         items = batch.sparse["items"]
-        features = {
-            "user": batch.sparse["user"].values.astype(np.uint64),
-            "items": (items.values.astype(np.uint64), items.offsets),
-            "x": batch.dense_feature("x").astype(np.float32),
-        }
         outputs, version = client.predict(features, rows=batch.size)
         expected = session.run(batch, "predictions", train=False).reshape(-1)
         np.testing.assert_allclose(outputs["predictions"], expected, rtol=1e-5, atol=1e-6)

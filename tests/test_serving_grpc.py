@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from small_model import make_session, reader, trained_export
+from small_model import batch_features, make_session, reader, trained_export
 
 from wuliang.serving.client import Client, ServingClientError
 from wuliang.serving.grpc import proto
@@ -41,15 +41,6 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
 def serve(exports: Path, token: str | None = None, **store: Any) -> tuple[Service, GrpcServer]:
     service = Service([ModelStore(exports, "m", poll_secs=0, **store).start()], token=token)
     return service, GrpcServer(service, port=0)
-
-
-def batch_features(batch: Any) -> dict[str, Any]:
-    items = batch.sparse["items"]
-    return {
-        "user": batch.sparse["user"].values.astype(np.uint64),
-        "items": (items.values.astype(np.uint64), items.offsets),
-        "x": batch.dense_feature("x").astype(np.float32),
-    }
 
 
 def test_lookup_and_predict_equal_the_trainer(trained: dict[str, Any]) -> None:

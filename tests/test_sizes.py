@@ -10,7 +10,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from small_model import Losses, make_session, reader, trained_export, write_data
+from small_model import (
+    Losses,
+    batch_features,
+    make_session,
+    reader,
+    trained_export,
+    write_data,
+)
 
 import wuliang as wl
 from wuliang.ps_server import SGD, Engine, Grow, PushPart, TableSpec, Zeros
@@ -189,13 +196,7 @@ def test_serving_answers_a_sized_table_at_the_towers_width(tmp_path: Path) -> No
             assert rows.shape == (len(keys), 8) and found[:-1].any() and not found[-1]
             np.testing.assert_array_equal(rows, want)
             assert (rows[:, 2:] != 0).any()  # some keys grew
-            items = batch.sparse["items"]
-            features = {
-                "user": batch.sparse["user"].values.astype(np.uint64),
-                "items": (items.values.astype(np.uint64), items.offsets),
-                "x": batch.dense_feature("x").astype(np.float32),
-            }
-            outputs, _ = client.predict(features, rows=batch.size)
+            outputs, _ = client.predict(batch_features(batch), rows=batch.size)
             expected = session.run(batch, "predictions", train=False)
             np.testing.assert_allclose(outputs["predictions"], expected, rtol=1e-5, atol=1e-6)
     finally:

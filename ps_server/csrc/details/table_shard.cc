@@ -1278,17 +1278,19 @@ void TableShard::Install(uint64_t key, uint64_t hash, const char* record) {
   ++tier_->both;
 }
 
+int64_t TableShard::SyncBudget() {
+  Tier& t = *tier_;
+  const auto mine = static_cast<int64_t>(pool_.rows() * RowBytes());
+  t.budget->used += mine - t.accounted;
+  t.accounted = mine;
+  return t.budget->used.load();
+}
+
 void TableShard::AfterCall(uint64_t step) {
   if (!tier_) return;
   Tier& t = *tier_;
-  const auto sync = [&] {
-    const auto mine = static_cast<int64_t>(pool_.rows() * RowBytes());
-    t.budget->used += mine - t.accounted;
-    t.accounted = mine;
-  };
-  sync();
   const auto limit = static_cast<int64_t>(t.budget->limit);
-  const int64_t used = t.budget->used.load();
+  const int64_t used = SyncBudget();
   if (used > limit) {  // down to 90% of the budget: headroom for the next calls
     const int64_t excess = used - limit / 10 * 9;
     const size_t want =
@@ -1302,7 +1304,7 @@ void TableShard::AfterCall(uint64_t step) {
     }
     t.demote_due = 0;
     Demote(want, step);
-    sync();
+    SyncBudget();
   }
   CompactSome(size_t{1} << 14);
 }
@@ -1310,16 +1312,10 @@ void TableShard::AfterCall(uint64_t step) {
 bool TableShard::IdleWork() {
   if (!tier_ || tier_->demote_due == 0) return false;
   Tier& t = *tier_;
-  const auto sync = [&] {
-    const auto mine = static_cast<int64_t>(pool_.rows() * RowBytes());
-    t.budget->used += mine - t.accounted;
-    t.accounted = mine;
-  };
-  sync();
   // What the budget asks now (calls since may have added or removed rows),
   // a piece at a time: a task waits for at most one piece.
   const auto limit = static_cast<int64_t>(t.budget->limit);
-  const int64_t excess = t.budget->used.load() - limit / 10 * 9;
+  const int64_t excess = SyncBudget() - limit / 10 * 9;
   constexpr size_t kPiece = 4096;
   const size_t rows =
       excess <= 0 ? 0
@@ -1334,7 +1330,7 @@ bool TableShard::IdleWork() {
   Demote(rows, t.demote_step);
   const uint64_t done = t.demoted - before;
   t.demoted_idle += done;
-  sync();
+  SyncBudget();
   if (done == 0) {  // every candidate is held (pinned by the pulls in flight): the next call
     t.demote_due = 0;
     return false;

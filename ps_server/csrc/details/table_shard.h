@@ -320,6 +320,8 @@ class alignas(128) TableShard {
   // After a call: the budget learns this shard's rows; over budget, the
   // least shown rows go to disk, and a row file is compacted a little.
   void AfterCall(uint64_t step);
+  // The budget learns this shard's rows of the table; returns its use now.
+  int64_t SyncBudget();
   void Demote(size_t rows, uint64_t step);
   void CompactSome(size_t records);
   // fn(key, const RowMeta*) for every row: those in RAM, then those on disk
