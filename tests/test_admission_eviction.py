@@ -248,7 +248,7 @@ def test_ttl_steps(num_shards: int, make_engine: MakeEngine) -> None:
     engine.advance_version()
 
     result = engine.evict(t)
-    assert result == {"ttl": 40, "min_count": 0, "lfu": 0, "total": 40}
+    assert result == {"ttl": 40, "min_count": 0, "lfu": 0, "shrunk": 0, "total": 40}
     assert not engine.contains(t, old).any() and not engine.contains(t, pulled).any()
     assert engine.contains(t, young).all()
     assert sorted(engine.removed_keys(t, since=version).tolist()) == sorted([*old, *pulled])
@@ -269,7 +269,7 @@ def test_ttl_seconds(num_shards: int, make_engine: MakeEngine) -> None:
     times = np.repeat(np.array([now - 1000, now - 50, now + 3600], np.uint32), 10)
     engine.load(t, keys, np.zeros((30, 4), np.float32), times=times)
     engine.push(t, [1000, 1001], ones(2))  # updated now
-    assert engine.evict(t) == {"ttl": 10, "min_count": 0, "lfu": 0, "total": 10}
+    assert engine.evict(t) == {"ttl": 10, "min_count": 0, "lfu": 0, "shrunk": 0, "total": 10}
     np.testing.assert_array_equal(engine.contains(t, keys), times != now - 1000)
     assert engine.contains(t, [1000, 1001]).all()
     assert engine.stats(t)["evicted_ttl"] == 10
@@ -314,7 +314,7 @@ def test_max_rows_evicts_least_frequently_updated(num_shards: int, make_engine: 
     for times, keys in enumerate(groups, start=1):  # group i is pushed i times
         for _ in range(times):
             engine.push(t, keys, ones(25))
-    assert engine.evict(t) == {"ttl": 0, "min_count": 0, "lfu": 50, "total": 50}
+    assert engine.evict(t) == {"ttl": 0, "min_count": 0, "lfu": 50, "shrunk": 0, "total": 50}
     assert not engine.contains(t, np.concatenate(groups[:2])).any()
     assert engine.contains(t, np.concatenate(groups[2:])).all()
     assert engine.stats(t)["evicted_lfu"] == 50
@@ -352,7 +352,7 @@ def test_ttl_then_max_rows(num_shards: int, make_engine: MakeEngine) -> None:
     engine.push(t, once, ones(10))
     engine.push(t, twice, ones(10))
     engine.push(t, twice, ones(10))
-    assert engine.evict(t) == {"ttl": 10, "min_count": 0, "lfu": 10, "total": 20}
+    assert engine.evict(t) == {"ttl": 10, "min_count": 0, "lfu": 10, "shrunk": 0, "total": 20}
     assert engine.contains(t, twice).all()
     assert engine.stats(t)["rows"] == 10
 
@@ -365,7 +365,7 @@ def test_evict_all_tables(make_engine: MakeEngine) -> None:
     for name in (a, b, c):
         engine.push(name, np.arange(10, dtype=np.int64), ones(10))
     engine.step = 5
-    assert engine.evict() == {"ttl": 10, "min_count": 0, "lfu": 7, "total": 17}
+    assert engine.evict() == {"ttl": 10, "min_count": 0, "lfu": 7, "shrunk": 0, "total": 17}
     assert [engine.stats(name)["rows"] for name in (a, b, c)] == [0, 3, 10]
 
 

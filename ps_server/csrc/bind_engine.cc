@@ -148,6 +148,11 @@ float* StridedRows(const py::object& obj, size_t n, int dim, const char* name, s
     throw py::value_error(std::string(name) + " must be float32 [" + std::to_string(n) + ", " +
                           std::to_string(dim) + "]");
   }
+  if (writes && !arr.writeable()) throw py::value_error(std::string(name) + " must be writeable");
+  if (arr.flags() & py::array::c_style) {  // whole rows one after the other (or none)
+    *stride = static_cast<size_t>(dim);
+    return const_cast<float*>(static_cast<const float*>(arr.data()));
+  }
   const auto row_bytes = static_cast<size_t>(arr.strides(0));
   if ((dim > 1 && arr.strides(1) != static_cast<py::ssize_t>(sizeof(float))) ||
       (n > 1 && (arr.strides(0) <= 0 || row_bytes % sizeof(float) != 0 ||
@@ -156,7 +161,6 @@ float* StridedRows(const py::object& obj, size_t n, int dim, const char* name, s
                           " must have contiguous rows (C-contiguous, or columns of a wider "
                           "C-contiguous array)");
   }
-  if (writes && !arr.writeable()) throw py::value_error(std::string(name) + " must be writeable");
   *stride = n > 1 ? row_bytes / sizeof(float) : static_cast<size_t>(dim);
   return const_cast<float*>(static_cast<const float*>(arr.data()));
 }
