@@ -377,3 +377,43 @@ def test_a_sized_table_trains_alike_on_remote_servers(tmp_path: Path) -> None:
         client.close()
         for server in servers:
             server.stop(grace=None)
+
+
+def test_a_redis_fleet_serves_a_sized_table_at_the_towers_width(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Published to Redis, a sized table's blocks are tables of the fleet; a
+    replica's lookups answer the widest size, as the trainer's rows, and its
+    predictions are the trainer's."""
+    from wuliang.serving.client import Client
+    from wuliang.serving.grpc.server import GrpcServer
+    from wuliang.serving.redis.model import RedisModelStore
+    from wuliang.serving.redis.publish import publish
+    from wuliang.serving.service import Service
+
+    trained = trained_export(tmp_path, sizes=wl.Sizes((2, 8), promote=(0.5,)))
+    session, batch = trained["session"], trained["batch"]
+    try:
+        result = publish(trained["exports"], redis_url)
+        assert set(result.rows) == {"users", "users@8", "items"}
+        keys = np.array([*range(0, 300, 7), 10**12], np.uint64)
+        ps = session.context.ps
+        want = np.concatenate([ps.lookup("users", keys).rows, ps.lookup("users@8", keys).rows], 1)
+        store = RedisModelStore(redis_url, result.model, trained["exports"], poll_secs=0)
+        service = Service([store.start()])
+        server = GrpcServer(service, port=0)
+        try:
+            with Client(f"127.0.0.1:{server.port}") as client:
+                rows, found, _ = client.lookup("users", keys, model=result.model)
+                assert rows.shape == (len(keys), 8) and not found[-1]
+                np.testing.assert_array_equal(rows, want)
+                assert (rows[:, 2:] != 0).any()
+                outputs, _ = client.predict(batch_features(batch), rows=batch.size,
+                                            model=result.model)  # fmt: skip
+                expected = session.run(batch, "predictions", train=False)
+                np.testing.assert_allclose(outputs["predictions"], expected, rtol=1e-5, atol=1e-6)
+        finally:
+            server.stop()
+            service.close()
+    finally:
+        session.context.close()
