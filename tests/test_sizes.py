@@ -417,3 +417,23 @@ def test_a_redis_fleet_serves_a_sized_table_at_the_towers_width(
             service.close()
     finally:
         session.context.close()
+
+
+def test_a_sized_table_trains_alike_behind_the_hot_cache(tmp_path: Path) -> None:
+    """The hot cache (numpy here, the GPU's code path) passes a sized table's
+    blocks and base through uncached and caches the others: the losses are
+    the embedded engine's, bit for bit."""
+    from wuliang.ps_server import parameter_server
+
+    files = write_data(tmp_path)
+    embedded = train(files, 12, [])
+    ps = parameter_server("embedded?gpu_cache_rows=64&xp=numpy", num_shards=2)
+    try:
+        losses = Losses()
+        session = make_session(sizes=SIZES, evict_every_steps=5, ps=ps)
+        session.train(reader(files, 0), steps=12, hooks=[losses])
+        session.close()
+        assert losses.values == embedded
+        assert ps.stats("users@8")["rows"] > 0
+    finally:
+        ps.close()
