@@ -284,7 +284,8 @@ def _created(path: Location) -> float:
 
 def _migrating(context: Context, version: Version) -> dict[str, list[TableSpec]]:
     """Per table of the model whose blocks the checkpoint holds with other
-    sizes (``wuliang.resize``): the saved blocks."""
+    sizes (``wuliang.resize``): the saved blocks. A fixed table saved with
+    another dim than the model's fixed one is not migrated: refused by name."""
     saved = {name: entry.spec for name, entry in version.tables.items()}
     out = {}
     for name, table in context.tables.items():
@@ -292,7 +293,8 @@ def _migrating(context: Context, version: Version) -> dict[str, list[TableSpec]]
             continue  # a block: with its base
         declared = (context.sized.get(name) or table).blocks()
         family = resize.family(saved, name)
-        if family and not resize.same_family(family, declared):
+        sized = len(family) > 1 or name in context.sized  # fixed to fixed: checked below
+        if family and sized and not resize.same_family(family, declared):
             if family[0].name != name:
                 raise ValueError(
                     f"checkpoint {version.path}: table {name!r} has blocks "
