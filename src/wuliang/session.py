@@ -726,8 +726,11 @@ class Session:
             table: index_in(previous.tables[table].uniques, keys.uniques, bases[table])
             for table, keys in prepared.tables.items()
         }
-        copied = self._blocks and not self._in_place
-        return rows, dest, self._pulled_event(prepared) if copied else None
+        if not self._blocks or self._in_place:
+            return rows, dest, None
+        pulled = self._pulled_event(prepared)
+        pulled.clear()  # this step's pull (issued after the link) sets it again
+        return rows, dest, pulled
 
     def _push(
         self,
