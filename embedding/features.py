@@ -189,6 +189,12 @@ class EmbeddingTable:
         return out
 
     @property
+    def evicts(self) -> bool:
+        """Whether ``evict`` removes anything of this table: an eviction
+        policy, or a sized table's block (its keys shrink by evict)."""
+        return self.eviction.enabled or self.grow is not None
+
+    @property
     def block_columns(self) -> list[tuple[str, int, int]]:
         """Each block's table and its columns ``[start, stop)`` of the
         table's vectors."""

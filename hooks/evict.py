@@ -59,11 +59,7 @@ class Evict(PeriodicSyncHook):
         context = session.context
         names = self.tables
         if names is None:
-            names = [
-                n
-                for n, t in context.tables.items()
-                if t.eviction.enabled or t.grow is not None  # a sized table's shrinking
-            ]
+            names = [n for n, t in context.tables.items() if t.evicts]
         step = session.global_step
         evicted = {name: context.ps.evict(name, step=step) for name in names}
         self.results.append((session.global_step, evicted))

@@ -220,16 +220,25 @@ std::vector<Engine::TablePart> PartsOf(const Engine& e, const py::list& parts, s
 // The `updated` array of a push: (n, dim), or any rows with updated_rows
 // (checked unless `writes` is false: the rest of a split push writes no
 // rows, its updated_rows only select keys).
+// stride (optional): the array may be columns of a wider one (its rows
+// contiguous, StridedRows); set to the floats from one row to the next.
 float* UpdatedRows(const py::object& updated, size_t n, int dim, const int32_t* rows,
-                   bool writes = true) {
+                   bool writes = true, size_t* stride = nullptr) {
+  const bool columns = stride != nullptr && py::isinstance<py::array>(updated) &&
+                       !(py::reinterpret_borrow<py::array>(updated).flags() & py::array::c_style);
+  const auto take = [&](size_t count) {
+    if (columns) return StridedRows(updated, count, dim, "updated", stride, /*writes=*/true);
+    if (stride != nullptr) *stride = 0;
+    return Column<float>(updated, count, dim, "updated");
+  };
   float* out = nullptr;
   if (rows == nullptr) {
-    out = Column<float>(updated, n, dim, "updated");
+    out = take(n);
   } else {
     if (updated.is_none()) throw py::value_error("updated_rows needs updated");
     const auto arr = py::reinterpret_borrow<py::array>(updated);
     const size_t n_rows = arr.ndim() == 2 ? static_cast<size_t>(arr.shape(0)) : 0;
-    out = Column<float>(updated, n_rows, dim, "updated");
+    out = take(n_rows);
     if (writes) CheckDistinctRows(rows, n, n_rows);
   }
   if (out != nullptr && !py::reinterpret_borrow<py::array>(updated).writeable())
@@ -521,22 +530,8 @@ void BindEngine(py::module_& m) {
               const auto updated = py::reinterpret_borrow<py::object>(t[4]);
               p.updated_rows =
                   Column<int32_t>(py::reinterpret_borrow<py::object>(t[5]), p.n, 1, "updated_rows");
-              if (!updated.is_none() && py::isinstance<py::array>(updated) &&
-                  !(py::reinterpret_borrow<py::array>(updated).flags() & py::array::c_style)) {
-                const auto arr = py::reinterpret_borrow<py::array>(updated);
-                const size_t rows = arr.ndim() == 2 ? static_cast<size_t>(arr.shape(0)) : 0;
-                p.updated = StridedRows(updated, rows, dim, "updated", &p.updated_stride,
-                                        /*writes=*/true);
-                if (p.updated_rows == nullptr && rows != p.n) {
-                  throw py::value_error("updated must be float32 [" + std::to_string(p.n) + ", " +
-                                        std::to_string(dim) + "]");
-                }
-                if (p.updated_rows != nullptr && only != 2) {
-                  CheckDistinctRows(p.updated_rows, p.n, rows);
-                }
-              } else {
-                p.updated = UpdatedRows(updated, p.n, dim, p.updated_rows, /*writes=*/only != 2);
-              }
+              p.updated = UpdatedRows(updated, p.n, dim, p.updated_rows, /*writes=*/only != 2,
+                                      &p.updated_stride);
               p.shows = Column<float>(py::reinterpret_borrow<py::object>(t[6]), p.n, 1, "shows");
               p.clicks = Column<float>(py::reinterpret_borrow<py::object>(t[7]), p.n, 1, "clicks");
             });

@@ -306,8 +306,9 @@ class Context:
             raise KeyError(
                 f"no sized table {name!r} (sized tables: {', '.join(self.sized) or 'none'})"
             )
-        stats = [self.ps.stats(block) for block, _, _ in table.block_columns]
-        sizes = [stop for _, _, stop in table.block_columns]
+        columns = table.block_columns
+        stats = [self.ps.stats(block) for block, _, _ in columns]
+        sizes = [stop for _, _, stop in columns]
         out: dict[str, Any] = {"sizes": {}, "grown": {}, "shrunk": {}}
         for i, (size, block) in enumerate(zip(sizes, stats, strict=True)):
             after = stats[i + 1]["rows"] if i + 1 < len(stats) else 0

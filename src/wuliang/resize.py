@@ -114,26 +114,28 @@ def _read(version: Version, saved: list[TableSpec]) -> _Rows:
         shows=column("shows", np.float32),
         clicks=column("clicks", np.float32),
     )
-    start = 0
-    for spec in saved:
-        stop = start + spec.dim
-        for chunk in [] if spec is base else version.read_rows(spec.name):
+    weights = column("weights", np.float32).reshape(n, base.dim)
+    state = column("state", np.float32).reshape(n, base.state_dim)
+    _put(rows, slice(None), 0, base.dim, weights, state)
+    rows.scalars[:] = state[:, a * base.dim :]
+    start = base.dim
+    for spec in saved[1:]:
+        for chunk in version.read_rows(spec.name):
             at = np.searchsorted(keys, chunk.keys)
             mine = (at < n) & (keys[np.minimum(at, n - 1)] == chunk.keys)
-            at = at[mine]
-            rows.weights[at, start:stop] = chunk.weights[mine]
-            for j, segment in enumerate(rows.segments):
-                segment[at, start:stop] = chunk.state[mine, j * spec.dim : (j + 1) * spec.dim]
-            rows.size[at] = np.maximum(rows.size[at], stop)
-        if spec is base:
-            weights = column("weights", np.float32).reshape(n, spec.dim)
-            state = column("state", np.float32).reshape(n, spec.state_dim)
-            rows.weights[:, :stop] = weights
-            for j, segment in enumerate(rows.segments):
-                segment[:, :stop] = state[:, j * spec.dim : (j + 1) * spec.dim]
-            rows.scalars[:] = state[:, a * spec.dim :]
-        start = stop
+            _put(rows, at[mine], start, spec.dim, chunk.weights[mine], chunk.state[mine])
+            rows.size[at[mine]] = start + spec.dim
+        start += spec.dim
     return rows
+
+
+def _put(rows: _Rows, at: slice | np.ndarray, start: int, dim: int, weights: np.ndarray,
+         state: np.ndarray) -> None:  # fmt: skip
+    """A block's weights and per-coordinate state into columns [start, start
+    + dim) of the rows ``at``."""
+    rows.weights[at, start : start + dim] = weights
+    for j, segment in enumerate(rows.segments):
+        segment[at, start : start + dim] = state[:, j * dim : (j + 1) * dim]
 
 
 def _new_sizes(rows: _Rows, table: EmbeddingTable, step: int) -> np.ndarray:
@@ -162,6 +164,9 @@ def migrate(
     size = _new_sizes(rows, table, step)
     blocks = table.blocks()
     same_optimizer = type(saved[0].optimizer) is type(blocks[0].optimizer)
+    if same_optimizer:  # the blocks share the table's optimizer
+        initial = _initial_state(blocks[0].spec())
+        a, _ = _state_shape(blocks[0].spec())
     width = rows.weights.shape[1]
     start = 0
     for i, block in enumerate(blocks):
@@ -169,13 +174,10 @@ def migrate(
         stop = start + spec.dim
         take = size >= stop if i else np.ones(len(rows.keys), bool)
         keys = rows.keys[take]
-        weights = np.zeros((len(keys), spec.dim), np.float32)
         have = max(0, min(stop, width) - start)
-        weights[:, :have] = rows.weights[take, start : start + have]
+        weights = _padded(rows.weights[take, start : start + have], spec.dim)
         state = None
         if same_optimizer:
-            initial = _initial_state(spec)
-            a, _ = _state_shape(spec)
             # the columns each key had trained in this block; the others start afresh
             trained = np.arange(spec.dim)[None, :] < (rows.size[take] - start)[:, None]
             parts = [

@@ -182,12 +182,7 @@ class Session:
             for spec in tower_specs(self.optimizer, every).values():  # refuses what cannot map
                 self.context.create_tower_table(spec)
         self.hooks = list(hooks)
-        evicting = [
-            b.name
-            for t in tables.values()
-            for b in t.blocks()
-            if b.eviction.enabled or b.grow is not None  # a sized table shrinks keys by evict
-        ]
+        evicting = [b.name for t in tables.values() for b in t.blocks() if b.evicts]
         every = self.context.evict_every_steps
         self._own_evict: Evict | None = None
         if evicting and every and not any(isinstance(h, Evict) for h in self.hooks):
@@ -822,32 +817,26 @@ class Session:
         xp = self.memory.xp
         parts = []
         n = len(keys.uniques)
+        buffered_rows = None  # the copy path's: key i's updated row at row i of its buffer
+        if not self._in_place and updated is not None and rows is not None:
+            buffered_rows = np.where(rows >= 0, np.arange(n, dtype=np.int32), -1).astype(np.int32)
         for name, start, stop in blocks:
-            block_updated, block_rows = None, None
             if self._in_place:  # the blocks' columns, read and written where they are
-                parts.append(
-                    PushPart(
-                        name,
-                        keys.uniques,
-                        grads[:, start:stop],
-                        keys.shard_offsets,
-                        None if updated is None else updated[:, start:stop],
-                        rows,
-                        shows=shows if name == table else None,
-                        clicks=clicks if name == table else None,
-                    )
-                )
-                continue
-            if updated is not None and rows is not None:
-                block_updated = self.memory.empty((n, stop - start))
-                block_rows = np.where(rows >= 0, np.arange(n, dtype=np.int32), -1).astype(np.int32)
-                linked_blocks.append((updated, rows, start, stop, block_updated))
+                block_grads = grads[:, start:stop]
+                block_updated = None if updated is None else updated[:, start:stop]
+                block_rows = rows
+            else:
+                block_grads = xp.ascontiguousarray(grads[:, start:stop])
+                block_updated, block_rows = None, buffered_rows
+                if buffered_rows is not None:
+                    block_updated = self.memory.empty((n, stop - start))
+                    linked_blocks.append((updated, rows, start, stop, block_updated))
             base = name == table
             parts.append(
                 PushPart(
                     name,
                     keys.uniques,
-                    xp.ascontiguousarray(grads[:, start:stop]),
+                    block_grads,
                     keys.shard_offsets,
                     block_updated,
                     block_rows,

@@ -1292,25 +1292,23 @@ void TableShard::AfterCall(uint64_t step) {
   const auto limit = static_cast<int64_t>(t.budget->limit);
   const int64_t used = SyncBudget();
   if (used > limit) {  // down to 90% of the budget: headroom for the next calls
-    const int64_t excess = used - limit / 10 * 9;
-    const size_t want =
-        std::min<size_t>(static_cast<size_t>(excess) / RowBytes() + 1, pool_.rows());
     // Between calls, unless far over: a quarter of the budget past it
     // (the calls outrun the idle time), then in this call as before.
     if (defer_demotion_ && used <= limit + limit / 4) {
-      t.demote_due = want;
+      t.demote_due = true;  // IdleWork takes the excess as it is then
       t.demote_step = step;
       return;
     }
-    t.demote_due = 0;
-    Demote(want, step);
+    t.demote_due = false;
+    const int64_t excess = used - limit / 10 * 9;
+    Demote(std::min<size_t>(static_cast<size_t>(excess) / RowBytes() + 1, pool_.rows()), step);
     SyncBudget();
   }
   CompactSome(size_t{1} << 14);
 }
 
 bool TableShard::IdleWork() {
-  if (!tier_ || tier_->demote_due == 0) return false;
+  if (!tier_ || !tier_->demote_due) return false;
   Tier& t = *tier_;
   // What the budget asks now (calls since may have added or removed rows),
   // a piece at a time: a task waits for at most one piece.
@@ -1321,7 +1319,7 @@ bool TableShard::IdleWork() {
       excess <= 0 ? 0
                   : std::min({static_cast<size_t>(excess) / RowBytes() + 1, kPiece, pool_.rows()});
   if (rows == 0) {
-    t.demote_due = 0;
+    t.demote_due = false;
     CompactSome(size_t{1} << 14);
     return false;
   }
@@ -1332,7 +1330,7 @@ bool TableShard::IdleWork() {
   t.demoted_idle += done;
   SyncBudget();
   if (done == 0) {  // every candidate is held (pinned by the pulls in flight): the next call
-    t.demote_due = 0;
+    t.demote_due = false;
     return false;
   }
   return true;

@@ -299,7 +299,7 @@ class alignas(128) TableShard {
     std::vector<uint64_t> prefetched[2];  // the keys of the last two Prefetches, kept too
     int prefetch_turn = 0;
     uint64_t prefetched_reads = 0;
-    size_t demote_due = 0;      // rows to demote between calls
+    bool demote_due = false;    // over budget: demote between calls
     uint64_t demote_step = 0;   // the step their shows decay to
     uint64_t demoted_idle = 0;  // rows demoted between calls
   };
